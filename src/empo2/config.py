@@ -182,8 +182,8 @@ class TrainConfig:
     ppo_epochs: int = 1
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward micro-batch."""
-    gradient_accumulation_steps: int = 1
-    """Optimizer steps per epoch = this many chunks of the iteration's data are accumulated per step (1 = one step)."""
+    gradient_accumulation_steps: int = 0
+    """Micro-batches accumulated per optimizer step; 0 = the whole iteration's data makes one optimizer step."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
     eval_episodes_per_task: int | None = None
@@ -303,8 +303,8 @@ class Config:
             (m.top_k_tips >= 0 and m.capacity >= 1, "memory.top_k_tips >= 0 and memory.capacity >= 1"),
             (t.iterations >= 0 and t.tasks_per_batch >= 1, "train.iterations >= 0 and train.tasks_per_batch >= 1"),
             (t.learning_rate > 0, "train.learning_rate must be > 0"),
-            (t.micro_batch_tokens >= 1 and t.gradient_accumulation_steps >= 1, "train.micro_batch_tokens and "
-             "train.gradient_accumulation_steps must be >= 1"),
+            (t.micro_batch_tokens >= 1 and t.gradient_accumulation_steps >= 0, "train.micro_batch_tokens >= 1 and "
+             "train.gradient_accumulation_steps >= 0"),
         ]
         for ok, message in checks:
             if not ok:

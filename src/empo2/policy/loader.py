@@ -159,3 +159,14 @@ def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "au
     if model.generation_config is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
+
+
+if __name__ == "__main__":  # `python -m empo2.policy.loader --warm`: build the cache, report the cached load time
+    import sys
+    import time
+
+    name = sys.argv[2] if len(sys.argv) > 2 else DEFAULT_MODEL
+    cached_model_dir(name)
+    start = time.perf_counter()
+    load_model(name, device="cpu")
+    print(f"[setup] model {name} cached in {empo2_home() / 'models' / name}; load {time.perf_counter() - start:.2f} s")

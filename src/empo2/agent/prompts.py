@@ -1,0 +1,104 @@
+"""Agent prompts, assembled from parts: guide, task, demonstration, tips, a history window, the current observation.
+
+The tip-free prompt of an ``off_tips`` step is the same parts with ``tips=()`` — it is never made by cutting tokens out
+of a tokenised prompt. When a prompt is too long, the oldest history steps go first, then the demonstration is cut;
+the end of the prompt (current observation, the request for an action) is never truncated.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+
+GUIDES = {
+    "scienceworld": (
+        "You are an agent in ScienceWorld, a text simulation of science experiments. Reach the goal of the task.\n"
+        "Actions: look around | look at OBJ | open OBJ | close OBJ | go to LOC | pick up OBJ | put OBJ in OBJ | "
+        "move OBJ to OBJ | focus on OBJ | activate OBJ | deactivate OBJ | use OBJ on OBJ | connect OBJ to OBJ | "
+        "pour OBJ in OBJ | mix OBJ | read OBJ | wait | inventory | teleport to LOC.\n"
+        "Focusing on a wrong object fails the task: only focus on the objects the task names.\n"
+        "Answer with exactly one action on one line, nothing else."
+    ),
+    "webshop": (
+        "You are a web shopping agent. Find and buy the product that matches the instruction.\n"
+        "Actions: search[QUERY] | click[BUTTON, PRODUCT ID or OPTION]. Click options before 'buy now'.\n"
+        "Answer with exactly one action on one line, nothing else."
+    ),
+}
+
+
+@dataclass
+class PromptParts:
+    """Everything a step's prompt is made of. ``history`` is [(action, observation)] oldest first."""
+
+    env: str
+    task: str
+    observation: str
+    history: list[tuple[str, str]] = field(default_factory=list)
+    demonstration: str = ""
+    hints: str = ""
+    """Environment facts for the current step (ScienceWorld: focus targets, inventory)."""
+    tips: tuple[str, ...] = ()
+
+    def without_tips(self) -> "PromptParts":
+        return replace(self, tips=())
+
+
+def _clip(text: str, max_chars: int) -> str:
+    text = text.strip()
+    return text if len(text) <= max_chars else text[: max_chars - 3] + "..."
+
+
+def build_messages(parts: PromptParts, history_window: int, obs_chars: int = 600) -> list[dict[str, str]]:
+    """Chat messages for one step: a system guide and one user message with the parts in a fixed order."""
+    sections = [f"Task: {parts.task.strip()}"]
+    if parts.demonstration:
+        sections.append(f"Example of a solved episode (another variation):\n{parts.demonstration.strip()}")
+    if parts.hints:
+        sections.append(parts.hints.strip())
+    if parts.tips:
+        sections.append("Tips from your earlier attempts:\n" + "\n".join(f"- {t}" for t in parts.tips))
+    recent = parts.history[-history_window:] if history_window > 0 else []
+    if recent:
+        lines = [f"> {a}\n{_clip(o, 200)}" for a, o in recent]
+        sections.append("Your recent actions:\n" + "\n".join(lines))
+    sections.append(f"Current observation:\n{_clip(parts.observation, obs_chars)}")
+    sections.append("Your next action:")
+    return [
+        {"role": "system", "content": GUIDES.get(parts.env, GUIDES["scienceworld"])},
+        {"role": "user", "content": "\n\n".join(sections)},
+    ]
+
+
+def render_prompt_ids(tokenizer, parts: PromptParts, history_window: int, max_prompt_length: int) -> list[int]:
+    """Token ids of the chat prompt, shortened from the oldest history until it fits ``max_prompt_length``."""
+    window = history_window
+    demo = parts.demonstration
+    while True:
+        current = replace(parts, demonstration=demo)
+        ids = tokenizer.apply_chat_template(
+            build_messages(current, window), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        ids = list(ids)
+        if len(ids) <= max_prompt_length:
+            return ids
+        if window > 0 and parts.history:
+            window -= 1  # drop the oldest step first
+        elif demo:
+            demo = demo[: len(demo) // 2]  # then halve the demonstration
+        else:
+            return ids  # nothing left to drop; the trainer counts and logs over-long prompts
+
+
+_PREFIX = re.compile(r"^\s*(?:action\s*:|next action\s*:|>|\*|-|\d+[.)])\s*", re.IGNORECASE)
+
+
+def parse_action(text: str) -> str:
+    """The first non-empty line of a model output, without "Action:"/">" prefixes, quotes and backticks."""
+    for line in text.replace("\r", "\n").split("\n"):
+        line = _PREFIX.sub("", line.strip()).strip().strip("`\"'").strip()
+        if line:
+            return line.rstrip(".")
+    return ""
