@@ -1,0 +1,75 @@
+"""Evaluation on held-out variations: without memory by default (the trained policy alone), temperature 0.4.
+
+Writes ``eval/<tag>.json`` and ``eval/<tag>.md`` (a per-task table).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from empo2.train.rollout import RolloutContext, run_episodes
+
+
+def evaluate(
+    ctx: RolloutContext,
+    tasks: list[str],
+    split: str,
+    variations_per_task: int,
+    episodes_per_task: int | None,
+    temperature: float,
+    batch_size: int,
+    with_memory: bool = False,
+    reflect: bool = False,
+) -> dict[str, Any]:
+    """Play the first ``variations_per_task`` variations of ``split`` for every task, ``batch_size`` at a time."""
+    specs = []
+    for task in tasks:
+        variations = list(ctx.pool.call(0, "variations", task, split))[:variations_per_task]
+        if episodes_per_task is not None:
+            variations = variations[:episodes_per_task]
+        specs += [(task, v, len(specs) + k, "on_tips" if with_memory else "on") for k, v in enumerate(variations)]
+    episodes = []
+    for start in range(0, len(specs), batch_size):
+        eps, _ = run_episodes(ctx, specs[start:start + batch_size], temperature=temperature, reflect=reflect)
+        episodes += eps
+    per_task = {}
+    for task in tasks:
+        mine = [ep for ep in episodes if ep.task == task]
+        if mine:
+            per_task[task] = {"episodes": len(mine), "score_mean": float(np.mean([e.score for e in mine])),
+                              "success_rate": float(np.mean([e.success for e in mine])),
+                              "steps_mean": float(np.mean([len(e.steps) for e in mine]))}
+    scores = [ep.score for ep in episodes]
+    return {
+        "split": split, "with_memory": with_memory, "temperature": temperature,
+        "summary": {"episodes": len(episodes), "score_mean": float(np.mean(scores)) if scores else 0.0,
+                    "success_rate": float(np.mean([e.success for e in episodes])) if episodes else 0.0,
+                    "failed_episodes": sum(e.failed for e in episodes)},
+        "per_task": per_task,
+        "episodes": [ep.summary() for ep in episodes],
+    }
+
+
+def markdown_table(result: dict[str, Any], label: str) -> str:
+    mem = "with memory" if result["with_memory"] else "no memory"
+    lines = [f"### {label} — {result['split']} split, {mem}, temperature {result['temperature']}", "",
+             "| task | episodes | mean score | success rate | mean steps |", "|---|---:|---:|---:|---:|"]
+    for task, row in result["per_task"].items():
+        lines.append(f"| {task} | {row['episodes']} | {row['score_mean']:.1f} | {row['success_rate']:.2f} | "
+                     f"{row['steps_mean']:.1f} |")
+    s = result["summary"]
+    lines.append(f"| **all** | {s['episodes']} | **{s['score_mean']:.1f}** | **{s['success_rate']:.2f}** | |")
+    return "\n".join(lines) + "\n"
+
+
+def write_eval_tables(result: dict[str, Any], folder: Path, tag: str, label: str) -> tuple[Path, Path]:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    js, md = folder / f"{tag}.json", folder / f"{tag}.md"
+    js.write_text(json.dumps({"label": label, **result}, indent=2))
+    md.write_text(markdown_table(result, label))
+    return js, md

@@ -1,0 +1,130 @@
+"""Run observability: ``metrics.jsonl`` (one line per iteration), TensorBoard scalars, and PNG plots at the end."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(Path(run_dir) / "tb"))
+            except ImportError:  # tensorboard is optional at run time
+                self.writer = None
+
+    def truncate_after(self, iteration: int) -> None:
+        """Drop lines of iterations after ``iteration`` (a run killed after logging but before its checkpoint)."""
+        if not self.path.is_file():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and _safe_iter(line) <= iteration]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def log(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(json.dumps(record, default=_jsonable) + "\n")
+            fh.flush()
+        if self.writer is not None:
+            step = int(record["iteration"])
+            for key, value in _flatten(record).items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                    self.writer.add_scalar(key, value, step)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _safe_iter(line: str) -> int:
+    try:
+        return int(json.loads(line)["iteration"])
+    except (ValueError, KeyError, TypeError):
+        return 1 << 30  # an unreadable (half-written) line is dropped
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item"):
+        return value.item()
+    return str(value)
+
+
+def _flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, name + "/"))
+        else:
+            flat[name] = value
+    return flat
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """Write ``scores.png`` (train/eval score vs iteration), ``modes.png`` and ``memory.png``; returns the paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        return []
+    out = []
+    its = [r["iteration"] for r in rows]
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(its, [r["train"]["score_mean"] for r in rows], marker="o", label="train score (mean)")
+    evals = [(r["iteration"], r["eval"]["score_mean"]) for r in rows if r.get("eval")]
+    if evals:
+        ax.plot(*zip(*evals), marker="s", label="eval score, no memory")
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("score")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(Path(run_dir) / "scores.png", dpi=110)
+    out.append(Path(run_dir) / "scores.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    modes = ["on", "on_tips", "off_tips"]
+    bottom = [0] * len(rows)
+    for mode in modes:
+        counts = [r["mode_counts"].get(mode, 0) for r in rows]
+        ax.bar(its, counts, bottom=bottom, label=mode)
+        bottom = [b + c for b, c in zip(bottom, counts)]
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("groups")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(Path(run_dir) / "modes.png", dpi=110)
+    out.append(Path(run_dir) / "modes.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3))
+    ax.plot(its, [r["memory"]["size"] for r in rows], marker="o", label="tips in memory")
+    ax.plot(its, [r["memory"]["added"] for r in rows], marker=".", label="added this iteration")
+    ax.set_xlabel("iteration")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(Path(run_dir) / "memory.png", dpi=110)
+    out.append(Path(run_dir) / "memory.png")
+    plt.close(fig)
+    return out
