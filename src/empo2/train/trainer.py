@@ -21,7 +21,7 @@ from empo2.algo.advantages import combine_returns, compute_advantages, intrinsic
 from empo2.algo.losses import behaviour_logp_for_ratio, get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config
-from empo2.envs import make_env_kwargs, resolve_tasks
+from empo2.envs.factory import make_env_kwargs, resolve_tasks
 from empo2.envs.pool import EnvPool
 from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
@@ -58,7 +58,6 @@ class TaskSampler:
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console=None):
         self.cfg, self.run_dir, self.console = cfg, Path(run_dir), console
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.use_memory = cfg.algo.name == "empo2"
         seed = cfg.train.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
@@ -84,6 +83,7 @@ class Trainer:
         self.task_sampler = TaskSampler(train_vars, seed)
         self.mode_sampler = ModeSampler(cfg.mode_probs, seed=seed, granularity=cfg.algo.mode_granularity)
         self.novelty = NoveltyReward(cfg.algo.novelty_threshold)
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # only now: a bad task/model/Java error writes nothing
         self.memory = self._open_memory(resume) if self.use_memory else None
         self.metrics = MetricsLog(self.run_dir, cfg.train.tensorboard)
         self.start_iteration = 0
@@ -176,7 +176,6 @@ class Trainer:
         picks = self.task_sampler.sample(cfg.train.tasks_per_batch)
         modes = self.mode_sampler.sample(len(picks))
         specs = [(task, var, g, modes[g]) for g, (task, var) in enumerate(picks) for _ in range(G)]
-        added_before = self.memory.stats()["total"] if self.memory is not None else 0
         t0 = time.perf_counter()
         cb = (lambda done, total: progress(f"iter {it}: rollouts", done, total)) if progress else None
         episodes, rstats = run_episodes(self.ctx, specs, temperature=cfg.policy.temperature, reflect=None
@@ -202,7 +201,7 @@ class Trainer:
                       "no learning signal (all rollouts of each task scored the same). Consider more generations, "
                       "easier tasks, memory rollouts or the intrinsic reward.")
         self._write_samples(it, episodes)
-        mem = self.memory.stats() if self.memory is not None else {"total": 0}
+        mem_size = self.memory.stats()["tips"] if self.memory is not None else 0
         scores = [ep.score for ep in episodes]
         tokens = rstats["gen_tokens"]
         return {
@@ -217,7 +216,7 @@ class Trainer:
                       "steps_mean": float(np.mean([len(ep.steps) for ep in episodes]))},
             "advantage": adv_metrics,
             "loss": loss_metrics,
-            "memory": {"size": mem["total"], "added": mem["total"] - added_before,
+            "memory": {"size": mem_size, "added": sum(1 for ep in episodes if ep.tip_written),
                        "rejected": sum(1 for ep in episodes if ep.tip_rejected),
                        "rejected_reasons": dict(Counter(ep.tip_rejected for ep in episodes if ep.tip_rejected)),
                        "tips_used_per_step": _mean([len(s.tip_ids) for ep in episodes for s in ep.steps])},

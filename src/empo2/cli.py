@@ -1,0 +1,345 @@
+"""``empo2`` command line: play · train · eval · adapt · memory.
+
+User errors (bad config, unknown task or model, missing Java or data) print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import sys
+from pathlib import Path
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from empo2.config import ConfigError
+    from empo2.envs.base import EnvError
+    from empo2.memory.embedder import EmbedderError
+    from empo2.memory.store import MemoryStoreError
+    from empo2.policy.loader import ModelLoadError
+
+    return (ConfigError, EnvError, ModelLoadError, MemoryStoreError, EmbedderError)
+
+
+# --------------------------------------------------------------------------------------------------------- play
+def cmd_play(args) -> int:
+    from rich.console import Console
+
+    from empo2.agent.prompts import PromptParts, parse_action, render_prompt_ids
+    from empo2.config import EnvConfig
+    from empo2.envs import make_env
+    from empo2.envs.factory import make_env_kwargs
+
+    console = Console(stderr=True)
+    env_cfg = EnvConfig(name=args.env, max_steps=args.max_steps, seed=args.seed)
+    if args.webshop_data:
+        env_cfg.webshop_data = args.webshop_data
+    task = args.task or ("webshop" if args.env == "webshop" else None)
+    if task is None:
+        raise _config_error("--task is required for scienceworld")
+    model = tokenizer = None
+    if args.policy == "model":  # load the model before starting the simulator: a bad name fails fast
+        from empo2.policy.loader import load_model
+
+        model, tokenizer = load_model(args.model, device=args.device)
+    env = make_env(args.env, **make_env_kwargs(env_cfg))
+    rng = random.Random(args.seed)
+    try:
+        obs, info = env.reset(task, args.variation)
+        console.rule(f"{args.env} · {task} · variation {args.variation} · policy {args.policy}")
+        console.print(f"[bold]Task:[/bold] {env.task_description()}")
+        console.print(obs)
+        gold = env.gold_actions() if args.policy == "gold" else []
+        demo = env.demonstration(task, args.variation, 1) if args.policy == "model" else ""
+        parts = PromptParts(env=args.env, task=env.task_description(), observation=obs, demonstration=demo,
+                            hints=_play_hints(info))
+        score, success, steps, done = float(info.get("score", 0.0)), False, 0, False
+        while not done:
+            if args.policy == "gold":
+                if steps >= len(gold):
+                    break
+                action = gold[steps]
+            elif args.policy == "random":
+                action = rng.choice(env.valid_actions())
+            else:
+                from empo2.policy.generate import generate_batch
+
+                ids = render_prompt_ids(tokenizer, parts, args.history_window, 2048)
+                gen = generate_batch(model, tokenizer, [ids], args.max_new_tokens, temperature=args.temperature,
+                                     greedy=args.temperature == 0)[0]
+                action = parse_action(gen.text)
+            result = env.step(action)
+            steps += 1
+            shown = result.info.get("action", action)
+            fixed = f"  [dim](model wrote: {action!r})[/dim]" if shown != action else ""
+            console.print(f"[bold cyan]> {shown}[/bold cyan]{fixed}")
+            console.print(f"{result.observation.strip()[:600]}  [dim](reward {result.reward:+g}, "
+                          f"score {result.info.get('score', 0)})[/dim]")
+            parts.history.append((shown, result.observation))
+            parts.observation = result.observation
+            score, success, done = float(result.info.get("score", score)), bool(result.info.get("success")), result.done
+    finally:
+        env.close()
+    print(json.dumps({"task": task, "variation": args.variation, "score": score, "success": success, "steps": steps}))
+    return 0
+
+
+def _play_hints(info: dict) -> str:
+    if info.get("focus_targets"):
+        return "Objects you may focus on: " + ", ".join(info["focus_targets"])
+    return ""
+
+
+def _config_error(message: str):
+    from empo2.config import ConfigError
+
+    return ConfigError(message)
+
+
+# -------------------------------------------------------------------------------------------------------- train
+def cmd_train(args) -> int:
+    from rich.console import Console
+
+    from empo2.config import Config
+    from empo2.envs.factory import resolve_tasks
+    from empo2.policy.loader import resolve_model_path
+    from empo2.train.trainer import Trainer
+
+    console = Console()
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = run_dir / "config.yaml"
+        if not saved.is_file():
+            raise _config_error(f"{run_dir} is not a run folder (no config.yaml)")
+        cfg = Config.load(saved, args.overrides)
+    else:
+        overrides = list(args.overrides)
+        if args.algo:
+            overrides.append(f"algo.name={args.algo}")
+        if args.output_dir:
+            overrides.append(f"train.output_dir={args.output_dir}")
+        cfg = Config.load(args.config, overrides)
+        run_dir = Path(cfg.train.output_dir)
+        if (run_dir / "metrics.jsonl").exists() and not args.overwrite:
+            raise _config_error(f"{run_dir} already holds a run; resume it with --resume {run_dir}, "
+                                "or pass --overwrite / another train.output_dir")
+    resolve_tasks(cfg.env)  # unknown task names fail here, before anything is written
+    resolve_model_path(cfg.policy.model)
+    console.print(f"[bold]empo2 train[/bold] algo={cfg.algo.name} env={cfg.env.name} tasks={cfg.env.tasks} "
+                  f"model={cfg.policy.model} G={cfg.algo.num_generations} iterations={cfg.train.iterations} "
+                  f"→ {run_dir}")
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
+    cfg.save(run_dir / "config.yaml")
+    try:
+        with _progress(console, cfg.train.progress) as progress:
+            final = trainer.train(progress)
+    finally:
+        trainer.close()
+    console.print((run_dir / "eval" / "final.md").read_text())
+    console.print(f"run folder: {run_dir}  (metrics.jsonl, scores.png, memory.sqlite, checkpoints/, eval/)")
+    print(json.dumps({"run": str(run_dir), "final_eval": final["summary"]}))
+    return 0
+
+
+class _progress:
+    """A rich progress bar fed by ``callback(description, done, total)``; a no-op when disabled."""
+
+    def __init__(self, console, enabled: bool):
+        self.console, self.enabled = console, enabled
+        self.bar = self.task = None
+
+    def __enter__(self):
+        if not self.enabled:
+            return None
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                            console=self.console, transient=True)
+        self.bar.__enter__()
+        self.task = self.bar.add_task("starting", total=1)
+        return self.update
+
+    def update(self, description: str, done: int, total: int) -> None:
+        self.bar.update(self.task, description=description, completed=done, total=total)
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.__exit__(*exc)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------------- eval/adapt
+def _policy_context(args, with_memory_path: Path | None):
+    """Model (a run's last checkpoint, or a plain model), pool and embedder for eval/adapt."""
+    from empo2.config import Config
+    from empo2.envs.factory import make_env_kwargs
+    from empo2.envs.pool import EnvPool
+    from empo2.memory.embedder import get_embedder
+    from empo2.memory.store import TipMemory
+    from empo2.policy.loader import load_model
+    from empo2.train import checkpoint as ckpt
+    from empo2.train.rollout import RolloutContext
+
+    if args.run:
+        cfg = Config.load(Path(args.run) / "config.yaml")
+    else:
+        cfg = Config.load(None, [f"policy.model={args.model}"])
+    if args.env:
+        cfg.env.name = args.env
+    if args.tasks:
+        cfg.env.tasks = args.tasks.split(",")
+    model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
+    if args.run:
+        last = ckpt.latest_checkpoint(Path(args.run))
+        if last is None:
+            raise _config_error(f"{args.run} has no checkpoint")
+        if cfg.policy.lora:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(last / "model"))
+        else:
+            model, tokenizer = load_model(str(last / "model"), cfg.policy.device, cfg.policy.dtype)
+    model.eval()
+    memory = None
+    if with_memory_path is not None:
+        embedder = get_embedder(cfg.memory.embedder)
+        memory = TipMemory(with_memory_path, dim=embedder.dim, capacity=cfg.memory.capacity,
+                           eviction=cfg.memory.eviction, dedup_threshold=cfg.memory.dedup_threshold)
+    else:
+        embedder = get_embedder(cfg.memory.embedder)
+    pool = EnvPool(cfg.env.name, make_env_kwargs(cfg.env), args.batch)
+    ctx = RolloutContext(model, tokenizer, pool, embedder, memory, cfg.env.name, cfg.policy, cfg.memory)
+    return cfg, ctx
+
+
+def cmd_eval(args) -> int:
+    from empo2.envs.factory import resolve_tasks
+    from empo2.train.evaluate import evaluate, markdown_table, write_eval_tables
+
+    if not args.run and not args.model:
+        raise _config_error("give --run RUN_DIR or --model NAME")
+    mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
+    if args.with_memory and mem_path is None:
+        raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
+    cfg, ctx = _policy_context(args, mem_path)
+    try:
+        tasks = resolve_tasks(cfg.env)
+        result = evaluate(ctx, tasks, args.split, args.variations, None, args.temperature, args.batch,
+                          with_memory=args.with_memory)
+    finally:
+        ctx.pool.close()
+    out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
+    label = "webshop-fixture" if cfg.env.name == "webshop" and not cfg.env.webshop_data else cfg.env.name
+    js, md = write_eval_tables(result, out, f"eval_{args.split}{'_memory' if args.with_memory else ''}", label)
+    print(markdown_table(result, label))
+    print(json.dumps({"json": str(js), "markdown": str(md), **result["summary"]}))
+    return 0
+
+
+def cmd_adapt(args) -> int:
+    """Out-of-distribution adaptation (SPEC §6): trials with memory updates only, no parameter updates."""
+    from empo2.envs.factory import resolve_tasks
+    from empo2.train.evaluate import evaluate
+
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        raise _config_error(f"{out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    cfg, ctx = _policy_context(args, out / "memory.sqlite")
+    trials = []
+    try:
+        tasks = resolve_tasks(cfg.env)
+        for trial in range(args.trials):
+            result = evaluate(ctx, tasks, args.split, args.variations, None, args.temperature, args.batch,
+                              with_memory=True, reflect=True)
+            trials.append(result["summary"]["score_mean"])
+            print(f"trial {trial}: mean score {trials[-1]:.1f}  (tips in memory: {ctx.memory.stats()['tips']})")
+    finally:
+        ctx.pool.close()
+        ctx.memory.close()
+    base = trials[0]
+    report = {"tasks": tasks, "trials": trials, "best": max(trials), "trial0": base,
+              "gain": max(trials) - base, "gain_pct": (max(trials) - base) / abs(base) * 100 if base else None}
+    (out / "adapt.json").write_text(json.dumps(report, indent=2))
+    print(json.dumps(report))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="empo2", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("play", help="play one episode and print the transcript and a JSON result line")
+    p.add_argument("--env", default="scienceworld", choices=["scienceworld", "webshop"])
+    p.add_argument("--task")
+    p.add_argument("--variation", type=int, default=0)
+    p.add_argument("--policy", default="gold", choices=["gold", "random", "model"])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.4)
+    p.add_argument("--max-new-tokens", type=int, default=24)
+    p.add_argument("--history-window", type=int, default=4)
+    p.add_argument("--webshop-data", default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_play)
+
+    p = sub.add_parser("train", help="train with EMPO² or GRPO")
+    p.add_argument("--config", help="YAML config (configs/*.yaml)")
+    p.add_argument("--algo", choices=["empo2", "grpo"])
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
+    p.add_argument("--output-dir")
+    p.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds a run")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+    p.set_defaults(func=cmd_train)
+
+    for name, helptext in (("eval", "evaluate a run or a model on held-out variations"),
+                           ("adapt", "OOD adaptation: trials with memory updates only")):
+        p = sub.add_parser(name, help=helptext)
+        p.add_argument("--run", help="run folder (uses its last checkpoint and config)")
+        p.add_argument("--model", default=None, help="a model name instead of a run")
+        p.add_argument("--env", choices=["scienceworld", "webshop"])
+        p.add_argument("--tasks", help="comma-separated task or task-set names")
+        p.add_argument("--split", default="dev" if name == "eval" else "test")
+        p.add_argument("--variations", type=int, default=5)
+        p.add_argument("--temperature", type=float, default=0.4)
+        p.add_argument("--batch", type=int, default=4, help="episodes played in parallel")
+        if name == "eval":
+            p.add_argument("--with-memory", action="store_true")
+            p.add_argument("--out")
+            p.set_defaults(func=cmd_eval)
+        else:
+            p.add_argument("--trials", type=int, default=10)
+            p.add_argument("--out", required=True)
+            p.set_defaults(func=cmd_adapt)
+
+    try:
+        from empo2.memory.cli import add_memory_parser, run_memory_command
+
+        mp = add_memory_parser(sub)
+        mp.set_defaults(func=run_memory_command)
+    except ImportError:  # pragma: no cover - the memory package is part of the install
+        pass
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return int(args.func(args) or 0)
+    except _user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

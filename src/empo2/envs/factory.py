@@ -1,0 +1,26 @@
+"""From an :class:`~empo2.config.EnvConfig` to environment constructor arguments and a task list."""
+
+from __future__ import annotations
+
+from empo2.config import EnvConfig
+from empo2.envs.base import EnvError
+
+
+def make_env_kwargs(cfg: EnvConfig) -> dict:
+    """Keyword arguments of the environment class named by ``cfg.name`` (used by the pool's workers)."""
+    if cfg.name == "scienceworld":
+        return {"simplification": cfg.simplification, "max_steps": cfg.max_steps,
+                "action_correction": cfg.action_correction}
+    if cfg.name == "webshop":
+        return {"data_dir": cfg.webshop_data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
+                "action_correction": cfg.action_correction}
+    raise EnvError(f"unknown environment {cfg.name!r}; use scienceworld or webshop")
+
+
+def resolve_tasks(cfg: EnvConfig) -> list[str]:
+    """Task names to train and evaluate on (set names such as ``panel18`` are expanded)."""
+    if cfg.name == "webshop":
+        return ["webshop"]
+    from empo2.envs.scienceworld import expand_tasks
+
+    return expand_tasks(cfg.tasks)
