@@ -1,0 +1,50 @@
+import pytest
+
+from empo2.config import Config, ConfigError
+
+
+def test_defaults_match_released_mode_probabilities():
+    probs = Config().mode_probs
+    assert probs == pytest.approx({"on": 0.75, "on_tips": 0.08, "off_tips": 0.17})
+    cfg = Config.load(None, ["algo.name=grpo"])
+    assert cfg.mode_probs == {"on": 1.0, "on_tips": 0.0, "off_tips": 0.0}
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("env: {tasks: [find-animal]}\nalgo: {beta: 0.05}\n")
+    cfg = Config.load(path, ["tasks=[use-thermometer,find-plant]", "train.iterations=7", "delta=0.05"])
+    assert cfg.env.tasks == ["use-thermometer", "find-plant"]
+    assert cfg.train.iterations == 7 and cfg.algo.delta == 0.05 and cfg.algo.beta == 0.05
+    cfg.save(tmp_path / "saved.yaml")
+    assert Config.load(tmp_path / "saved.yaml").to_dict() == cfg.to_dict()
+
+
+@pytest.mark.parametrize("text, override, message", [
+    ("algo: {betta: 0.1}\n", [], "unknown config key 'algo.betta'"),
+    ("nope: {}\n", [], "unknown config section"),
+    ("algo: [1, 2]\n", [], "must be a mapping"),
+    ("algo: {beta: [oops\n", [], "malformed YAML"),
+    ("", ["train.iterations=many"], "must be an integer"),
+    ("", ["algo.delta=1.5"], "algo.delta must be in [0, 1)"),
+    ("", ["algo.p_off_policy=0.9"], "p_off_policy <= algo.p_memory"),
+    ("", ["seed=3"], "ambiguous"),
+    ("", ["justakey"], "not key=value"),
+])
+def test_bad_config_gives_one_clear_error(tmp_path, text, override, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=None) as info:
+        Config.load(path, override)
+    assert message in str(info.value)
+
+
+def test_unknown_key_lists_valid_keys():
+    with pytest.raises(ConfigError) as info:
+        Config.load(None, ["algo.not_a_key=1"])
+    assert "algo.beta" in str(info.value) and "train.learning_rate" in str(info.value)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="config file not found"):
+        Config.load("/nonexistent/config.yaml")
