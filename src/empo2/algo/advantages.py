@@ -55,7 +55,8 @@ def grpo_advantages(
 ) -> tuple[np.ndarray, dict[str, float]]:
     """GRPO group-normalised advantages. returns [N] float64, group_ids [N] int -> ([N] float64, metrics).
 
-    Groups need not be contiguous. Population std (ddof=0): for returns (0, 1) the std is 0.5, so A = (-1, +1)·(1 - 2eps).
+    Groups need not be contiguous. Population std (ddof=0): for returns (0, 1) the std is 0.5, so A ≈ (-1, +1)
+    (ddof=1 would give ±0.707).
     """
     _, inv = np.unique(group_ids, return_inverse=True)  # inv: [N] group index 0..G-1
     inv = inv.reshape(-1)
@@ -65,7 +66,8 @@ def grpo_advantages(
     centred = returns - mean[inv]  # [N]
     var = np.bincount(inv, weights=centred**2, minlength=num_groups) / np.maximum(size, 1)  # [G], ddof = 0
     std = np.sqrt(var)  # [G]
-    adv = centred / (std[inv] + eps) if scale_rewards else centred  # [N]
+    with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 only in degenerate groups, zeroed just below
+        adv = centred / (std[inv] + eps) if scale_rewards else centred  # [N]
     # Exact zeros for degenerate groups (equal returns, or one rollout): float mean may differ from R by 1 ulp.
     gmax = np.full(num_groups, -np.inf)
     gmin = np.full(num_groups, np.inf)
@@ -104,7 +106,10 @@ def compute_advantages(
 
 
 def combine_returns(extrinsic, intrinsic_sums, weight: float) -> np.ndarray:
-    """R = R_ext + w · Σ_t r_int. extrinsic [N], intrinsic_sums [N] (per-trajectory sum of novelty rewards) -> [N] float64."""
+    """R = R_ext + w · Σ_t r_int.
+
+    extrinsic [N], intrinsic_sums [N] (per-trajectory sum of novelty rewards), weight w -> R [N] float64.
+    """
     ext = _as_numpy(extrinsic, np.float64)  # [N]
     intr = _as_numpy(intrinsic_sums, np.float64)  # [N]
     if ext.shape != intr.shape:

@@ -1,0 +1,232 @@
+"""Policy losses (a registry, verl-style): the EMPO² clipped surrogate with the low-probability mask (SPEC §2, §3).
+
+Per valid response token t of row i (objective, to be maximised)::
+
+    ρ      = exp(logp_new − logp_old)                                 token ratio
+    obj    = min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A)                   clipped surrogate
+    obj    = max(obj, c·A)            if A < 0 and c > 0             dual clip
+    keep   = π_θ(a_t) ≥ δ             π_θ = exp(logp_new), detached   low-probability mask (δ = 0: off)
+    loss_t = −obj·keep + β·k3,        k3 = exp(ref − new) − (ref − new) − 1
+
+``token_mean``:    loss = Σ_{i,t} loss_t / Σ_{i,t} response_mask      (the paper's 1/(N·T); masked tokens count in T)
+``sequence_mean``: loss = mean_i [ Σ_t loss_t / Σ_t response_mask ]   (rows with no valid token are left out)
+
+Which log-probs go where (the trainer's job; see :func:`behaviour_logp_for_ratio`):
+
+- ``logp_new``: current policy on the TRAINING prompt: with tips for ``on_tips``, WITHOUT tips for ``on`` and
+  ``off_tips``. So for ``off_tips`` rows the mask tests π_θ(a | tip-free prompt), as in the paper.
+- ``logp_old``: behaviour log-probs on the ROLLOUT prompt (those recorded while sampling). For ``off_tips`` rows this
+  is π_old(a | s, u, tips) (paper), or the old policy on the tip-free prompt with ``off_policy_ratio="tip_free"``.
+
+Sequence granularity (released code): a whole row is dropped when ANY of its valid tokens has
+``logp_old < log δ`` (the released code uses a fixed −5.0 ≈ log 0.0067 and ships it switched off); here the
+threshold is ``log δ`` of the same ``delta`` field, and the test is on the behaviour (old) log-probs, not π_θ.
+
+Numerics: the log-ratio is clamped to [−20, 20] before ``exp`` (no effect on ordinary ratios); padded and masked
+positions are replaced by 0 BEFORE any arithmetic, so junk (±inf, NaN) there can never leak into the loss or the
+gradient (the KL log-ratio is clamped the same way). If a VALID position holds a non-finite input, or the loss is
+non-finite, :func:`policy_loss` returns a zero loss whose gradient is exactly zero and sets
+``metrics["skipped"] = 1.0``; the trainer must then skip the optimizer step (and also check grad norms).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+MODES = ("on", "on_tips", "off_tips")
+LOG_RATIO_CLAMP = 20.0
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+"""Registry: loss name -> function with the signature of :func:`policy_loss`."""
+
+
+def register_policy_loss(name: str, fn: PolicyLossFn) -> PolicyLossFn:
+    if name in POLICY_LOSSES:
+        raise ValueError(f"policy loss {name!r} is already registered")
+    POLICY_LOSSES[name] = fn
+    return fn
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    if name not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(sorted(POLICY_LOSSES))}")
+    return POLICY_LOSSES[name]
+
+
+def training_prompt_has_tips(mode: str) -> bool:
+    """Whether ``logp_new`` for a row of this mode is computed on a prompt WITH tips (only ``on_tips``)."""
+    _check_mode(mode)
+    return mode == "on_tips"
+
+
+def behaviour_logp_for_ratio(
+    mode: str,
+    logp_old_with_tips: torch.Tensor,
+    logp_old_tip_free: torch.Tensor | None = None,
+    variant: str = "paper",
+) -> torch.Tensor:
+    """The denominator log-probs π_old(a|·) of the ratio for one row (or rows) of ``mode``. Shapes [T] or [B, T].
+
+    ``logp_old_with_tips`` are the behaviour log-probs recorded at rollout on the rollout prompt (which has tips for
+    ``on_tips``/``off_tips``; for ``on`` it is simply the tip-free rollout prompt). ``logp_old_tip_free`` are
+    old-policy log-probs of the same tokens recomputed on the tip-free prompt (needed only for ``off_tips`` with
+    ``variant="tip_free"``).
+
+    - ``on`` / ``on_tips``: rollout prompt == training prompt -> ``logp_old_with_tips``.
+    - ``off_tips``, ``paper``:    ρ = π_θ(a|s,u) / π_old(a|s,u,tips) -> ``logp_old_with_tips``.
+    - ``off_tips``, ``tip_free``: ρ = π_θ(a|s,u) / π_old(a|s,u)      -> ``logp_old_tip_free``.
+    """
+    _check_mode(mode)
+    if variant not in ("paper", "tip_free"):
+        raise ValueError(f"unknown off-policy ratio variant {variant!r}; use 'paper' or 'tip_free'")
+    if mode == "off_tips" and variant == "tip_free":
+        if logp_old_tip_free is None:
+            raise ValueError("variant 'tip_free' needs logp_old_tip_free for off_tips rows")
+        return logp_old_tip_free
+    return logp_old_with_tips
+
+
+def policy_loss(
+    logp_new: torch.Tensor,
+    logp_old: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    logp_ref: torch.Tensor | None = None,
+    modes: Sequence[str] | None = None,
+    epsilon: float = 0.2,
+    epsilon_high: float = 0.3,
+    dual_clip: float = 10.0,
+    delta: float = 0.01,
+    mask_granularity: str = "token",
+    beta: float = 0.0,
+    aggregation: str = "token_mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EMPO² loss. logp_new/logp_old/logp_ref/response_mask [B, T]; advantages [B] or [B, T]; modes: B strings.
+
+    Returns ``(loss scalar, metrics)``; see the module docstring for the formula. Gradient flows through ``logp_new``
+    only. Metrics (python floats): ratio_mean, ratio_max, clip_frac, dual_clip_frac, masked_frac, approx_kl, kl_ref,
+    valid_tokens, kept_tokens, skipped, and loss_<mode> for each mode present in ``modes``.
+    """
+    _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes, dual_clip, mask_granularity,
+                aggregation)
+    valid = response_mask.bool()  # [B, T]
+    adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp_new)  # [B, T]
+    adv = torch.where(valid, adv.to(logp_new.dtype), 0.0)  # [B, T]
+
+    # Low-probability mask: on π_θ (token) or on the behaviour log-probs (sequence, released code).
+    keep = valid  # [B, T]
+    if delta > 0 and mask_granularity == "token":
+        keep = valid & (logp_new.detach() >= math.log(delta))  # π_θ(a_t) ≥ δ
+    elif delta > 0:
+        bad_row = (valid & ~(logp_old >= math.log(delta))).any(dim=1, keepdim=True)  # [B, 1]
+        keep = valid & ~bad_row
+
+    log_ratio = torch.where(keep, logp_new - logp_old, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    obj_unclipped = ratio * adv  # [B, T]
+    obj_clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv  # [B, T]
+    obj = torch.minimum(obj_unclipped, obj_clipped)  # [B, T]
+    if dual_clip > 0:
+        obj = torch.where(adv < 0, torch.maximum(obj, dual_clip * adv), obj)  # [B, T]
+    token_loss = torch.where(keep, -obj, 0.0)  # [B, T]
+
+    k3 = torch.zeros_like(logp_new)  # [B, T]
+    if logp_ref is not None:
+        ref_log_ratio = torch.where(valid, logp_ref - logp_new, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        k3 = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0  # [B, T], ≥ 0
+        if beta > 0:
+            token_loss = token_loss + beta * torch.where(valid, k3, 0.0)
+
+    loss = _aggregate(token_loss, valid, aggregation)  # []
+
+    with torch.no_grad():
+        metrics = _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip)
+        if modes is not None:
+            for mode in MODES:
+                rows = torch.tensor([m == mode for m in modes], device=valid.device)  # [B]
+                if rows.any():
+                    metrics[f"loss_{mode}"] = float(_aggregate(token_loss[rows], valid[rows], aggregation))
+    inputs = [logp_new.detach(), logp_old, adv] + ([logp_ref] if logp_ref is not None else [])
+    bad_input = any(bool((~torch.isfinite(x) & valid).any()) for x in inputs)
+    metrics["skipped"] = 0.0
+    if bad_input or not torch.isfinite(loss):
+        metrics["skipped"] = 1.0
+        loss = torch.where(torch.zeros_like(valid), logp_new, 0.0).sum()  # value 0, graph kept, gradient exactly 0
+    return loss, metrics
+
+
+def _aggregate(token_loss: torch.Tensor, valid: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """token_loss [B, T], valid [B, T] -> scalar; normaliser = valid tokens (masked-out tokens still count)."""
+    counts = valid.sum(dim=1)  # [B]
+    if aggregation == "token_mean":
+        return token_loss.sum() / counts.sum().clamp(min=1)
+    per_row = token_loss.sum(dim=1) / counts.clamp(min=1)  # [B]
+    has_tokens = counts > 0  # [B]
+    return (per_row * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+
+
+def _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip) -> dict[str, float]:
+    n_valid = int(valid.sum())
+    n_keep = int(keep.sum())
+    kf = keep.to(ratio.dtype)
+
+    def mean_kept(x: torch.Tensor) -> float:
+        return float((x * kf).sum() / max(n_keep, 1))
+
+    clipped = (obj_clipped < obj_unclipped) & keep  # the clip branch is the active one (zero gradient)
+    dual = torch.zeros_like(keep)
+    if dual_clip > 0:  # the dual-clip floor c·A is the active branch
+        dual = (adv < 0) & (dual_clip * adv > torch.minimum(obj_unclipped, obj_clipped)) & keep
+    return {
+        "ratio_mean": mean_kept(ratio),
+        "ratio_max": float(ratio[keep].max()) if n_keep else 0.0,
+        "clip_frac": mean_kept(clipped.to(ratio.dtype)),
+        "dual_clip_frac": mean_kept(dual.to(ratio.dtype)),
+        "masked_frac": float(n_valid - n_keep) / max(n_valid, 1),
+        "approx_kl": mean_kept((ratio - 1.0) - log_ratio),  # k3 of KL(old ‖ new) on kept tokens
+        "kl_ref": float((k3 * valid).sum() / max(n_valid, 1)),
+        "valid_tokens": float(n_valid),
+        "kept_tokens": float(n_keep),
+    }
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+
+
+def _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes, dual_clip, granularity, aggregation):
+    if logp_new.dim() != 2:
+        raise ValueError(f"logp_new must be [B, T], got {tuple(logp_new.shape)}")
+    for name, t in (("logp_old", logp_old), ("response_mask", response_mask), ("logp_ref", logp_ref)):
+        if t is not None and t.shape != logp_new.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} must match logp_new {tuple(logp_new.shape)}")
+    if advantages.shape not in (logp_new.shape[:1], logp_new.shape):
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] "
+                         f"for logp_new {tuple(logp_new.shape)}")
+    if modes is not None:
+        if len(modes) != logp_new.shape[0]:
+            raise ValueError(f"modes has {len(modes)} entries for {logp_new.shape[0]} rows")
+        for m in modes:
+            _check_mode(m)
+    if 0 < dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {dual_clip}")
+    if granularity not in ("token", "sequence"):
+        raise ValueError(f"mask_granularity must be 'token' or 'sequence', got {granularity!r}")
+    if aggregation not in ("token_mean", "sequence_mean"):
+        raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
+
+
+def grpo_loss(*args, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """``grpo``: :func:`policy_loss` without the low-probability mask (any ``delta`` passed in is replaced by 0)."""
+    kwargs["delta"] = 0.0
+    return policy_loss(*args, **kwargs)
+
+
+register_policy_loss("empo2", policy_loss)
+register_policy_loss("grpo", grpo_loss)

@@ -1,0 +1,120 @@
+"""GRPO advantages, return combination and the intrinsic-weight schedule against independent references."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from empo2.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    combine_returns,
+    compute_advantages,
+    intrinsic_weight,
+    register_advantage,
+)
+
+
+def reference_grpo(returns, groups, scale=True, eps=1e-6):
+    """Per-group loops with the statistics module (population std, ddof = 0)."""
+    out = [0.0] * len(returns)
+    for g in set(groups):
+        idx = [i for i, x in enumerate(groups) if x == g]
+        vals = [float(returns[i]) for i in idx]
+        if len(set(vals)) == 1:
+            continue
+        mu, sd = statistics.fmean(vals), statistics.pstdev(vals)
+        for i in idx:
+            out[i] = (returns[i] - mu) / (sd + eps) if scale else returns[i] - mu
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("scale", [True, False])
+def test_grpo_matches_reference(seed, scale):
+    rng = np.random.default_rng(seed)
+    groups = rng.permutation(np.repeat(np.arange(6), 8))  # non-contiguous groups of 8
+    returns = rng.normal(size=48) * 50 - 20
+    returns[groups == 2] = 7.3  # one group with equal returns
+    adv, m = compute_advantages("grpo", returns, groups, scale_rewards=scale, eps=1e-6)
+    assert adv.dtype == torch.float32 and adv.shape == (48,)
+    np.testing.assert_allclose(adv.numpy(), reference_grpo(returns, groups.tolist(), scale), rtol=1e-6, atol=1e-6)
+    assert m["groups"] == 6 and m["zero_adv_groups"] == 1
+
+
+def test_population_std_convention():
+    adv, _ = compute_advantages("grpo", [0.0, 1.0], [0, 0], eps=0.0)
+    assert adv.tolist() == [-1.0, 1.0]  # pstd = 0.5; with ddof=1 it would be ±0.7071
+    adv, _ = compute_advantages("grpo", torch.tensor([0.0, 1.0, 2.0]), torch.tensor([3, 3, 3]), scale_rewards=False)
+    assert adv.tolist() == [-1.0, 0.0, 1.0]
+
+
+def test_singletons_and_equal_groups_give_exact_zero():
+    returns = [0.1, 0.1, 0.1, 5.0, -100.0, 1.0, 2.0]
+    groups = [0, 0, 0, 1, 2, 3, 3]
+    adv, m = compute_advantages("grpo", returns, groups)
+    assert adv[:5].tolist() == [0.0] * 5  # exactly 0, even though mean(0.1, 0.1, 0.1) != 0.1 in floating point
+    assert adv[5] < 0 < adv[6]
+    assert m["groups"] == 4 and m["zero_adv_groups"] == 3 and m["singleton_groups"] == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4), st.floats(-100, 100)), min_size=1, max_size=30),
+       st.floats(0.1, 10), st.floats(-50, 50))
+def test_properties(rows, scale, shift):
+    groups = np.array([g for g, _ in rows])
+    returns = np.array([r for _, r in rows])
+    adv, _ = compute_advantages("grpo", returns, groups, eps=0.0)
+    adv2, _ = compute_advantages("grpo", returns * scale + shift, groups, eps=0.0)
+    for g in set(groups.tolist()):
+        a = adv.double().numpy()[groups == g]
+        assert abs(a.sum()) < 1e-3  # centred per group
+        if np.ptp(returns[groups == g]) > 1e-6:
+            assert np.mean(a**2) == pytest.approx(1.0, rel=1e-4)  # unit population variance
+    np.testing.assert_allclose(adv.numpy(), adv2.numpy(), atol=5e-3)  # invariant to affine rescaling
+
+
+def test_registry_and_errors():
+    assert "grpo" in ADVANTAGE_ESTIMATORS
+    with pytest.raises(ValueError):
+        compute_advantages("gigpo-not-yet", [1.0], [0])
+    with pytest.raises(ValueError):
+        compute_advantages("grpo", [1.0, 2.0], [0])
+    with pytest.raises(ValueError):
+        compute_advantages("grpo", [1.0, float("nan")], [0, 0])
+    with pytest.raises(ValueError):
+        register_advantage("grpo")(lambda *a, **k: None)
+
+    @register_advantage("test_zero")
+    def zero(returns, group_ids, *, scale_rewards, eps):
+        return np.zeros_like(returns), {"groups": 0.0, "zero_adv_groups": 0.0}
+
+    try:
+        adv, _ = compute_advantages("test_zero", [1.0, 2.0], [0, 0])
+        assert adv.tolist() == [0.0, 0.0]
+    finally:
+        del ADVANTAGE_ESTIMATORS["test_zero"]
+
+
+def test_combine_returns():
+    out = combine_returns(np.array([100.0, -100.0, 0.0]), torch.tensor([1.5, 0.0, 3.0]), 0.5)
+    assert out.tolist() == [100.75, -100.0, 1.5]
+    assert combine_returns([1.0], [9.0], 0.0).tolist() == [1.0]
+    with pytest.raises(ValueError):
+        combine_returns([1.0, 2.0], [1.0], 1.0)
+
+
+def test_intrinsic_weight_schedules():
+    assert intrinsic_weight(3, 10, "constant", weight=0.4) == 0.4
+    assert intrinsic_weight(0, 10, "constant") == 0.0
+    ws = [intrinsic_weight(i, 7, "linear", start=0.8, end=0.2) for i in range(9)]
+    assert ws[0] == pytest.approx(0.8) and ws[3] == pytest.approx(0.5) and ws[6] == pytest.approx(0.2)
+    assert ws[7] == ws[8] == pytest.approx(0.2)  # stays at the end value
+    assert all(a > b for a, b in zip(ws[:6], ws[1:7]))
+    assert intrinsic_weight(0, 1, "linear") == pytest.approx(0.8)
+    with pytest.raises(ValueError):
+        intrinsic_weight(0, 10, "cosine")

@@ -1,0 +1,204 @@
+"""Token log-probs on a tiny causal LM (built from a config, no download), micro-batching, and 3 training steps."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from empo2.algo.losses import policy_loss
+from empo2.policy.logprobs import micro_batches, response_logprobs
+
+PAD = 0
+
+
+def tiny_lm(seed=0, initializer_range=0.02):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, pad_token_id=PAD,
+                      initializer_range=initializer_range)
+    return LlamaForCausalLM(cfg)
+
+
+def rows(seed, prompt_lens, response_lens):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in prompt_lens]
+    responses = [torch.randint(1, 256, (n,), generator=g).tolist() for n in response_lens]
+    return prompts, responses
+
+
+def reference_logp(model, prompt, response, temperature=1.0):
+    """Unpadded full forward, float64 log-softmax, position by position."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0].double() / temperature  # [L, V]
+    logp = torch.log_softmax(logits, dim=-1)
+    return torch.tensor([logp[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(response)], dtype=torch.float64)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_lm().eval()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batched_matches_one_by_one_and_reference(model, seed):
+    prompts, responses = rows(seed, [3, 11, 6, 1, 8], [5, 2, 9, 4, 0])
+    with torch.no_grad():
+        logp, mask = response_logprobs(model, prompts, responses, PAD)
+    assert logp.shape == mask.shape == (5, 9) and logp.dtype == torch.float32 and mask.dtype == torch.bool
+    assert mask.sum(1).tolist() == [5, 2, 9, 4, 0]
+    assert torch.all(logp[~mask] == 0)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        with torch.no_grad():
+            single, _ = response_logprobs(model, [p], [r], PAD)
+        torch.testing.assert_close(logp[i, : len(r)], single[0, : len(r)], atol=1e-5, rtol=0)
+        if r:
+            torch.testing.assert_close(logp[i, : len(r)].double(), reference_logp(model, p, r), atol=1e-5, rtol=0)
+
+
+def test_absolute_position_model_gpt2():
+    """GPT-2 has learned absolute positions: left padding is only right if position_ids skip the pads."""
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                                      bos_token_id=1, eos_token_id=2)).eval()
+    prompts, responses = rows(8, [2, 9, 5], [6, 3, 1])
+    with torch.no_grad():
+        logp, _ = response_logprobs(gpt2, prompts, responses, PAD)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        torch.testing.assert_close(logp[i, : len(r)].double(), reference_logp(gpt2, p, r), atol=1e-5, rtol=0)
+
+
+def test_temperature(model):
+    prompts, responses = rows(3, [4, 7], [6, 3])
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, prompts, responses, PAD, temperature=0.4)
+    torch.testing.assert_close(logp[1, :3].double(), reference_logp(model, prompts[1], responses[1], 0.4), atol=1e-5,
+                               rtol=0)
+
+
+def test_model_without_logits_to_keep_uses_full_logits(model):
+    class Plain(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, use_cache):
+            return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+    prompts, responses = rows(4, [5, 2], [3, 7])
+    with torch.no_grad():
+        a, _ = response_logprobs(model, prompts, responses, PAD)
+        b, _ = response_logprobs(Plain(model), prompts, responses, PAD)
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+
+
+def test_grad_enabled_and_no_grad(model):
+    prompts, responses = rows(5, [4, 6], [3, 5])
+    with torch.no_grad():
+        logp, _ = response_logprobs(model, prompts, responses, PAD)
+    assert logp.grad_fn is None
+    logp, mask = response_logprobs(model, prompts, responses, PAD)
+    (logp * mask).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    model.zero_grad(set_to_none=True)
+
+
+def test_peft_lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_lm(seed=1)
+    prompts, responses = rows(6, [4, 9], [5, 2])
+    with torch.no_grad():
+        want, _ = response_logprobs(base, prompts, responses, PAD)
+    lora = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    got, _ = response_logprobs(lora, prompts, responses, PAD)  # LoRA B = 0 at init: same values, grad to adapters
+    torch.testing.assert_close(got.detach(), want, atol=1e-6, rtol=0)
+    got.sum().backward()
+    assert any(p.grad is not None for n, p in lora.named_parameters() if "lora_" in n)
+
+
+def test_argument_checks(model):
+    with pytest.raises(ValueError):
+        response_logprobs(model, [[1], [2]], [[3]], PAD)
+    with pytest.raises(ValueError):
+        response_logprobs(model, [[]], [[3]], PAD)
+    logp, mask = response_logprobs(model, [[1, 2]], [[]], PAD)
+    assert logp.shape == mask.shape == (1, 0)
+
+
+def test_micro_batches_respect_budget_and_cover_rows():
+    prompts, responses = rows(7, [3, 40, 12, 7, 1, 25, 9, 9], [10, 2, 30, 1, 5, 8, 0, 16])
+    for sort in (True, False):
+        for budget in (1, 50, 120, 10_000):
+            batches = list(micro_batches(prompts, responses, budget, sort=sort))
+            assert sorted(i for b in batches for i in b) == list(range(8))
+            for b in batches:
+                cost = len(b) * (max(len(prompts[i]) for i in b) + max(len(responses[i]) for i in b))
+                assert cost <= budget or len(b) == 1
+        assert len(list(micro_batches(prompts, responses, 10_000, sort=sort))) == 1
+    assert list(micro_batches(prompts, responses, 1, sort=False)) == [[i] for i in range(8)]
+    with pytest.raises(ValueError):
+        list(micro_batches(prompts, responses, 0))
+
+
+# ------------------------------------------------------------------------------------------------ training steps
+
+
+def _greedy(model, prompt, n, pick):
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            tok = int(pick(model(torch.tensor([ids])).logits[0, -1, 1:])) + 1  # never the pad id
+            out.append(tok)
+            ids.append(tok)
+    return out
+
+
+def _train(adv_masked_row, delta, steps=3):
+    """3 AdamW steps on [likely response (A=+1), unlikely response (A=adv_masked_row)]; returns the trajectory."""
+    model = tiny_lm(seed=0, initializer_range=0.2)  # peaked: greedy tokens p > 0.04, argmin tokens p < 1e-4
+    prompt = [5, 17, 42, 99, 3]
+    likely, unlikely = _greedy(model, prompt, 6, torch.argmax), _greedy(model, prompt, 6, torch.argmin)
+    prompts, responses = [prompt, prompt], [likely, unlikely]
+    with torch.no_grad():
+        logp_old, mask = response_logprobs(model, prompts, responses, PAD)
+    adv = torch.tensor([1.0, adv_masked_row])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    history, grads_on_unlikely = [logp_old.sum(1)], []
+    for _ in range(steps):
+        logp, _ = response_logprobs(model, prompts, responses, PAD)
+        logp.retain_grad()
+        loss, metrics = policy_loss(logp, logp_old, adv, mask, delta=delta)
+        opt.zero_grad()
+        loss.backward()
+        grads_on_unlikely.append(logp.grad[1].clone())
+        opt.step()
+        with torch.no_grad():
+            history.append(response_logprobs(model, prompts, responses, PAD)[0].sum(1))
+        assert metrics["skipped"] == 0.0
+        if delta > 0:
+            assert metrics["masked_frac"] == 0.5  # the unlikely row (6 of 12 tokens) stays masked at every step
+    return torch.stack(history), torch.stack(grads_on_unlikely), logp_old
+
+
+def test_three_steps_raise_positive_response_and_mask_freezes_its_row():
+    hist, grads, logp_old = _train(adv_masked_row=+1.0, delta=0.01)
+    assert torch.all(logp_old[0].exp() > 0.01) and torch.all(logp_old[1].exp() < 0.01)  # the setup is as intended
+    assert torch.all(hist[1:, 0] > hist[:-1, 0])  # the positive-advantage response's log-prob rises every step
+    assert hist[-1, 0] - hist[0, 0] > 0.1
+    assert torch.all(grads == 0)  # the masked row's tokens receive exactly zero gradient
+    # Its advantage has no effect at all: with the opposite advantage, training is identical, bit for bit.
+    hist_neg, _, _ = _train(adv_masked_row=-1.0, delta=0.01)
+    torch.testing.assert_close(hist, hist_neg, atol=0, rtol=0)
+
+
+def test_without_mask_the_same_row_moves_with_its_advantage():
+    """Control: with δ = 0 the unlikely row's advantage does move its log-prob (so the test above can fail)."""
+    hist_pos, grads, _ = _train(adv_masked_row=+1.0, delta=0.0)
+    hist_neg, _, _ = _train(adv_masked_row=-1.0, delta=0.0)
+    assert torch.all(grads[0] != 0)  # (later steps: its ratio has left the clip range, so PPO clipping zeroes it)
+    assert hist_pos[-1, 1] - hist_neg[-1, 1] > 1.0
+    assert math.isfinite(hist_pos[-1, 1].item())
