@@ -53,7 +53,8 @@ def cmd_play(args) -> int:
         console.print(obs)
         gold = env.gold_actions() if args.policy == "gold" else []
         demo = env.demonstration(task, args.variation, 1) if args.policy == "model" else ""
-        parts = PromptParts(env=args.env, task=env.task_description(), observation=obs, demonstration=demo,
+        parts = PromptParts(env=args.env, task=env.task_description(), observation=obs, initial_observation=obs,
+                            demonstration=demo,
                             hints=_play_hints(info))
         score, success, steps, done = float(info.get("score", 0.0)), False, 0, False
         while not done:

@@ -46,6 +46,8 @@ class EnvConfig:
     """ScienceWorld simplification string (``easy`` = the released setup)."""
     max_steps: int | None = None
     """Episode step cap; ``None`` = per-task default (30; chemistry-mix 60; measure-melting-point-known-substance 120)."""
+    step_caps: dict[str, int] | None = None
+    """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
     action_correction: bool = True
     """Map free-form model output to the closest valid action (raw and corrected strings are both kept)."""
     num_workers: int = 2
@@ -54,6 +56,11 @@ class EnvConfig:
     """Directory with the official WebShop small set; ``None`` = ``$EMPO2_WEBSHOP_DATA`` or the bundled fixture."""
     webshop_goal_split: str = "train"
     """WebShop goal split for training: ``train``, ``eval`` or ``test``."""
+    webshop_human_goals: bool = False
+    """WebShop goals from the human instructions (``items_human_ins.json``; the WebShop/GiGPO evaluation setup)
+    instead of the synthetic ones (one per instructed product × option combination)."""
+    webshop_num_products: int | None = None
+    """Use only the first N catalog products (``None`` = all)."""
     seed: int = 0
     """Seed for environment-side randomness (WebShop prices/goals)."""
 

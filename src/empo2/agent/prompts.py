@@ -29,12 +29,15 @@ GUIDES = {
 
 @dataclass
 class PromptParts:
-    """Everything a step's prompt is made of. ``history`` is [(action, observation)] oldest first."""
+    """Everything a step's prompt is made of. ``history`` is [(action, observation after it)] oldest first."""
 
     env: str
     task: str
     observation: str
+    """The current observation."""
     history: list[tuple[str, str]] = field(default_factory=list)
+    initial_observation: str = ""
+    """The observation at reset (shown before the first step when the window reaches back to it)."""
     demonstration: str = ""
     hints: str = ""
     """Environment facts for the current step (ScienceWorld: focus targets, inventory)."""
@@ -50,24 +53,30 @@ def _clip(text: str, max_chars: int) -> str:
 
 
 def build_messages(parts: PromptParts, history_window: int, obs_chars: int = 600) -> list[dict[str, str]]:
-    """Chat messages for one step: a system guide and one user message with the parts in a fixed order."""
-    sections = [f"Task: {parts.task.strip()}"]
-    if parts.demonstration:
-        sections.append(f"Example of a solved episode (another variation):\n{parts.demonstration.strip()}")
-    if parts.hints:
-        sections.append(parts.hints.strip())
-    if parts.tips:
-        sections.append("Tips from your earlier attempts:\n" + "\n".join(f"- {t}" for t in parts.tips))
+    """Chat messages for one step. The recent steps are real chat turns (observation → action), which small models
+    imitate far better than a transcript pasted as text; the tips and hints sit next to the current observation."""
     recent = parts.history[-history_window:] if history_window > 0 else []
-    if recent:
-        lines = [f"> {a}\n{_clip(o, 200)}" for a, o in recent]
-        sections.append("Your recent actions:\n" + "\n".join(lines))
-    sections.append(f"Current observation:\n{_clip(parts.observation, obs_chars)}")
-    sections.append("Your next action:")
-    return [
-        {"role": "system", "content": GUIDES.get(parts.env, GUIDES["scienceworld"])},
-        {"role": "user", "content": "\n\n".join(sections)},
-    ]
+    start = len(parts.history) - len(recent)
+    intro = [f"Task: {parts.task.strip()}"]
+    if parts.demonstration:
+        intro.append(f"Example of a solved episode (another variation):\n{parts.demonstration.strip()}")
+    if start > 0:
+        intro.append(f"({start} earlier steps are not shown.)")
+    messages = [{"role": "system", "content": GUIDES.get(parts.env, GUIDES["scienceworld"])}]
+    first_obs = parts.history[start - 1][1] if start > 0 else (parts.initial_observation or parts.observation)
+    turns = [first_obs] + [obs for _, obs in recent]  # the observation each action answered, then the current one
+    for k, (action, _) in enumerate(recent):
+        body = _clip(turns[k], 300)
+        messages.append({"role": "user", "content": "\n\n".join(intro + [body]) if k == 0 else body})
+        messages.append({"role": "assistant", "content": action})
+    final = [] if recent else list(intro)
+    if parts.hints:
+        final.append(parts.hints.strip())
+    if parts.tips:
+        final.append("Tips from your earlier attempts:\n" + "\n".join(f"- {t}" for t in parts.tips))
+    final.append(f"Observation:\n{_clip(parts.observation, obs_chars)}\n\nYour next action:")
+    messages.append({"role": "user", "content": "\n\n".join(final)})
+    return messages
 
 
 def render_prompt_ids(tokenizer, parts: PromptParts, history_window: int, max_prompt_length: int) -> list[int]:

@@ -13,7 +13,8 @@ def make_env_kwargs(cfg: EnvConfig) -> dict:
                 "action_correction": cfg.action_correction}
     if cfg.name == "webshop":
         return {"data_dir": cfg.webshop_data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
-                "action_correction": cfg.action_correction}
+                "action_correction": cfg.action_correction, "human_goals": cfg.webshop_human_goals,
+                "num_products": cfg.webshop_num_products}
     raise EnvError(f"unknown environment {cfg.name!r}; use scienceworld or webshop")
 
 

@@ -127,7 +127,8 @@ def run_episodes(
         obs, info = res
         ep.task_description = info.get("task_description") or ctx.pool.call(i, "task_description")
         demo = ctx.pool.call(i, "demonstration", ep.task, ep.variation, pcfg.few_shot) if pcfg.few_shot > 0 else ""
-        parts[i] = PromptParts(env=ctx.env_name, task=ep.task_description, observation=obs, demonstration=demo,
+        parts[i] = PromptParts(env=ctx.env_name, task=ep.task_description, observation=obs, initial_observation=obs,
+                               demonstration=demo,
                                hints=_hints(info))
     stats["env_time"] += time.perf_counter() - t0
 
