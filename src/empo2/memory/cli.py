@@ -1,0 +1,150 @@
+"""``empo2 memory``: inspect a tip memory — stats, show, search, export (JSONL) and an HTML report.
+
+Every subcommand takes ``--db PATH``: a memory SQLite file, or a run folder holding ``memory.sqlite``.
+Wired into the main CLI with :func:`add_memory_parser` and :func:`run_memory_command`; also runnable as
+``python -m empo2.memory.cli memory stats --db runs/x``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .store import MemoryStoreError, TipMemory, json_line
+
+MEMORY_FILENAME = "memory.sqlite"
+
+
+class MemoryCliError(Exception):
+    """A user error: printed as one line, exit code 2."""
+
+
+def add_memory_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``memory`` and its subcommands on the main parser's ``subparsers``."""
+    mem = subparsers.add_parser("memory", help="inspect a tip memory (stats, show, search, export, report)",
+                                description=__doc__.split("\n\n")[0])
+    sub = mem.add_subparsers(dest="memory_command", metavar="{stats,show,search,export,report}")
+    sub.required = True
+
+    def with_db(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--db", required=True, metavar="PATH",
+                       help=f"memory SQLite file, or a run folder containing {MEMORY_FILENAME}")
+        return p
+
+    p = with_db(sub.add_parser("stats", help="counts per namespace, rejections by reason, mean utility"))
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p = with_db(sub.add_parser("show", help="list tips, newest first"))
+    p.add_argument("--namespace", help="only this namespace (task)")
+    p.add_argument("--limit", type=int, default=20, help="at most N tips (default 20; 0 = all)")
+    p.add_argument("--json", action="store_true", help="print JSON lines")
+    p = with_db(sub.add_parser("search", help="what a state (text) would retrieve"))
+    p.add_argument("text", help="the state text: task + current observation")
+    p.add_argument("--namespace", help="search this namespace only (default: each namespace)")
+    p.add_argument("-k", type=int, default=10, help="tips per namespace (default 10)")
+    p.add_argument("--threshold", type=float, default=0.5, help="minimum cosine similarity (default 0.5)")
+    p.add_argument("--json", action="store_true", help="print JSON lines")
+    p = with_db(sub.add_parser("export", help="write every tip as JSON lines"))
+    p.add_argument("out", metavar="OUT.jsonl")
+    p = with_db(sub.add_parser("report", help="write a self-contained HTML report"))
+    p.add_argument("out", metavar="OUT.html")
+    mem.set_defaults(func=run_memory_command)
+    return mem
+
+
+def resolve_db(path: str | Path) -> Path:
+    """The memory file for ``--db`` (a file, or a folder with ``memory.sqlite``); it must exist."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / MEMORY_FILENAME
+    if not p.is_file():
+        raise MemoryCliError(f"no memory database at {p}")
+    return p
+
+
+def _line(tip, extra: str = "") -> str:
+    util = "-" if tip.utility is None else f"{tip.utility:.3f}"
+    return f"[{tip.id}] {tip.namespace} | score {tip.score:g} | utility {util} | uses {tip.use_count}{extra}\n    {tip.text}"
+
+
+def _run(args: argparse.Namespace) -> None:
+    cmd = args.memory_command
+    with TipMemory(resolve_db(args.db), dim=None) as mem:
+        if cmd == "stats":
+            stats = mem.stats()
+            if args.json:
+                print(json.dumps(stats, ensure_ascii=False, indent=2))
+                return
+            mu = "-" if stats["mean_utility"] is None else f"{stats['mean_utility']:.3f}"
+            print(f"{stats['path']}: {stats['tips']} tips, {stats['rated_tips']} rated, mean utility {mu}, "
+                  f"{stats['rejected']} rejected, {stats['evicted']} evicted")
+            for ns, s in stats["namespaces"].items():
+                nu = "-" if s["mean_utility"] is None else f"{s['mean_utility']:.3f}"
+                print(f"  {ns}: {s['tips']} tips, mean utility {nu}, {s['uses'] or 0} uses")
+            for reason, n in sorted(stats["rejections"].items()):
+                print(f"  rejected {reason}: {n}")
+        elif cmd == "show":
+            if args.limit < 0:
+                raise MemoryCliError("--limit must be >= 0")
+            tips = mem.all_tips(args.namespace)[::-1]
+            tips = tips[: args.limit] if args.limit else tips
+            for t in tips:
+                print(json_line(_public(t)) if args.json else _line(t))
+        elif cmd == "search":
+            if args.k < 1:
+                raise MemoryCliError("-k must be >= 1")
+            namespaces = [args.namespace] if args.namespace else mem.namespaces()
+            if not namespaces:
+                return
+            from .embedder import DEFAULT_EMBEDDER, get_embedder
+
+            embedder = get_embedder(mem.meta.get("embedder") or DEFAULT_EMBEDDER)
+            if embedder.dim != mem.dim:
+                raise MemoryCliError(f"embedder {embedder.name} gives {embedder.dim}-d vectors; the memory has {mem.dim}")
+            query = embedder.encode([args.text])
+            hits = mem.retrieve(namespaces, query.repeat(len(namespaces), axis=0), k=args.k, threshold=args.threshold)
+            for tips in hits:
+                for t in tips:
+                    print(json_line(_public(t, True)) if args.json
+                          else _line(t, f" | similarity {t.similarity:.3f}"))
+        elif cmd == "export":
+            n = mem.export_jsonl(args.out)
+            print(f"wrote {n} tips to {args.out}")
+        elif cmd == "report":
+            from .report import write_report
+
+            out = write_report(mem, args.out)
+            print(f"wrote {out}")
+        else:  # pragma: no cover - argparse enforces the choices
+            raise MemoryCliError(f"unknown memory command {cmd!r}")
+
+
+def _public(tip, with_similarity: bool = False) -> dict:
+    d = tip.to_dict()
+    if not with_similarity:
+        d.pop("similarity"), d.pop("rank_score")
+    return d
+
+
+def run_memory_command(args: argparse.Namespace) -> int:
+    """Run a parsed ``memory`` command; returns the exit code (user errors: one line on stderr, 2)."""
+    try:
+        _run(args)
+    except (MemoryCliError, MemoryStoreError) as exc:
+        print(f"empo2 memory: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"empo2 memory: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="empo2")
+    add_memory_parser(parser.add_subparsers(dest="command", required=True))
+    return run_memory_command(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
