@@ -262,7 +262,7 @@ class Trainer:
                 if progress:
                     progress("update", b + 1, len(batches))
                 if (b + 1) % per_step == 0 or b + 1 == len(batches):
-                    if self._step(bad):
+                    if self._step(inputs_ok=not bad):
                         steps += 1
                     else:
                         skipped += 1
@@ -303,7 +303,8 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
         if not inputs_ok or not torch.isfinite(norm):
-            log.warning("non-finite loss or gradient: optimizer step skipped")
+            why = "non-finite loss inputs" if not inputs_ok else f"non-finite gradient norm ({float(norm)})"
+            log.warning("%s: optimizer step skipped, weights unchanged", why)
             self.optimizer.zero_grad(set_to_none=True)
             return False
         self.optimizer.step()

@@ -1,0 +1,123 @@
+"""End-to-end training runs on the real ScienceWorld simulator, through the real CLI.
+
+The EMPO² run uses the default model (SmolLM2-135M). The GRPO run and the kill/resume run use a tiny random model of
+the same architecture (Llama, SmolLM2's tokenizer) saved to a folder, because three full-size runs would take most of
+the suite's time budget; it exercises the same code (loading by path, LoRA, generation, update, checkpoint).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from empo2.cli import main
+from empo2.memory.store import TipMemory
+
+FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
+        "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
+        "train.progress=false", "train.tensorboard=true", "algo.intrinsic_weight=1.0"]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, smollm):
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tok = smollm
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _adapter(run: Path) -> dict[str, torch.Tensor]:
+    last = sorted((run / "checkpoints").glob("iter_*"))[-1]
+    return load_file(str(last / "model" / "adapter_model.safetensors"))
+
+
+def test_empo2_run_with_default_model(tmp_path):
+    run = tmp_path / "empo2"
+    rc = main(["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}",
+               "train.iterations=2", "algo.p_memory=1.0", "algo.p_off_policy=0.5", *FAST])
+    assert rc == 0
+    rows = _metrics(run)
+    assert [r["iteration"] for r in rows] == [0, 1]
+    # memory gained tips, and at least one memory-mode batch was trained (a loss term for its mode)
+    with TipMemory(run / "memory.sqlite") as memory:
+        assert len(memory) >= 1
+    assert all(set(r["modes"]) <= {"on_tips", "off_tips"} for r in rows)
+    assert any(("loss_on_tips" in r["loss"]) or ("loss_off_tips" in r["loss"]) for r in rows)
+    assert sum(r["loss"]["optimizer_steps"] for r in rows) >= 1
+    # LoRA's B matrices start at zero: any non-zero entry means the parameters changed
+    assert any(t.abs().max() > 0 for name, t in _adapter(run).items() if "lora_B" in name)
+    for name in ("scores.png", "modes.png", "memory.png", "trajectories.jsonl", "eval/final.md", "config.yaml"):
+        assert (run / name).is_file(), name
+    assert list((run / "tb").glob("events.*"))
+    sample = json.loads((run / "trajectories.jsonl").read_text().splitlines()[0])
+    assert sample["steps"] and "prompt" in sample["steps"][0]
+
+
+def test_grpo_run_has_no_memory(tmp_path, tiny_model):
+    run = tmp_path / "grpo"
+    rc = main(["train", "--config", "configs/scienceworld_cpu.yaml", "--algo", "grpo", f"train.output_dir={run}",
+               "train.iterations=2", f"policy.model={tiny_model}", *FAST])
+    assert rc == 0
+    rows = _metrics(run)
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert all(r["modes"] == ["on"] for r in rows)
+    assert not (run / "memory.sqlite").exists()
+    assert any(t.abs().max() > 0 for name, t in _adapter(run).items() if "lora_B" in name)
+
+
+def test_kill_mid_iteration_then_resume(tmp_path, tiny_model):
+    run = tmp_path / "killed"
+    args = [sys.executable, "-m", "empo2.cli", "train", "--config", "configs/scienceworld_cpu.yaml",
+            f"train.output_dir={run}", "train.iterations=3", "algo.p_memory=1.0", f"policy.model={tiny_model}", *FAST]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "iter_000000").is_dir():
+        assert proc.poll() is None and time.time() < deadline, "the run never wrote its first checkpoint"
+        time.sleep(0.2)
+    time.sleep(1.0)  # now inside iteration 1
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its environment workers, as a crash would
+    proc.wait()
+    with TipMemory(run / "memory.sqlite") as memory:
+        tips_before = {t.id for t in memory.all_tips()}
+    assert tips_before
+
+    rc = main(["train", "--resume", str(run)])
+    assert rc == 0
+    iterations = [r["iteration"] for r in _metrics(run)]
+    assert iterations == [0, 1, 2]  # continued, no iteration repeated or lost
+    with TipMemory(run / "memory.sqlite") as memory:
+        assert tips_before <= {t.id for t in memory.all_tips()}  # no committed tip lost
+
+
+def test_unknown_key_and_task_write_nothing(tmp_path, capsys):
+    run = tmp_path / "bad"
+    assert main(["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}", "algo.betaa=1"]) == 2
+    assert "unknown config key 'algo.betaa'" in capsys.readouterr().err
+    assert main(["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}",
+                 "env.tasks=[find-unicorn]"]) == 2
+    assert "unknown ScienceWorld task" in capsys.readouterr().err
+    assert main(["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}",
+                 "policy.model=not-a-model"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+    assert not run.exists()
