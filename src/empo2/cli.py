@@ -26,6 +26,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 # --------------------------------------------------------------------------------------------------------- play
 def cmd_play(args) -> int:
     from rich.console import Console
+    from rich.markup import escape
 
     from empo2.agent.prompts import PromptParts, parse_action, render_prompt_ids
     from empo2.config import EnvConfig
@@ -49,8 +50,8 @@ def cmd_play(args) -> int:
     try:
         obs, info = env.reset(task, args.variation)
         console.rule(f"{args.env} · {task} · variation {args.variation} · policy {args.policy}")
-        console.print(f"[bold]Task:[/bold] {env.task_description()}")
-        console.print(obs)
+        console.print(f"[bold]Task:[/bold] {escape(env.task_description())}")
+        console.print(escape(obs))
         gold = env.gold_actions() if args.policy == "gold" else []
         demo = env.demonstration(task, args.variation, 1) if args.policy == "model" else ""
         parts = PromptParts(env=args.env, task=env.task_description(), observation=obs, initial_observation=obs,
@@ -74,9 +75,9 @@ def cmd_play(args) -> int:
             result = env.step(action)
             steps += 1
             shown = result.info.get("action", action)
-            fixed = f"  [dim](model wrote: {action!r})[/dim]" if shown != action else ""
-            console.print(f"[bold cyan]> {shown}[/bold cyan]{fixed}")
-            console.print(f"{result.observation.strip()[:600]}  [dim](reward {result.reward:+g}, "
+            fixed = f"  [dim](model wrote: {escape(repr(action))})[/dim]" if shown != action else ""
+            console.print(f"[bold cyan]> {escape(shown)}[/bold cyan]{fixed}")
+            console.print(f"{escape(result.observation.strip()[:600])}  [dim](reward {result.reward:+g}, "
                           f"score {result.info.get('score', 0)})[/dim]")
             parts.history.append((shown, result.observation))
             parts.observation = result.observation

@@ -50,8 +50,6 @@ class EnvConfig:
     """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
     action_correction: bool = True
     """Map free-form model output to the closest valid action (raw and corrected strings are both kept)."""
-    num_workers: int = 2
-    """Parallel environment worker processes (each ScienceWorld worker runs one JVM, ~0.5 GB)."""
     webshop_data: str | None = None
     """Directory with the official WebShop small set; ``None`` = ``$EMPO2_WEBSHOP_DATA`` or the bundled fixture."""
     webshop_goal_split: str = "train"

@@ -9,8 +9,11 @@ from empo2.envs.base import EnvError
 def make_env_kwargs(cfg: EnvConfig) -> dict:
     """Keyword arguments of the environment class named by ``cfg.name`` (used by the pool's workers)."""
     if cfg.name == "scienceworld":
+        # The per-step valid-action list is most of a step's cost and rollouts do not show it to the model; the
+        # corrector still fetches it when the simulator rejects an action.
         return {"simplification": cfg.simplification, "max_steps": cfg.max_steps,
-                "action_correction": cfg.action_correction}
+                "action_correction": cfg.action_correction, "step_caps": cfg.step_caps,
+                "valid_actions_in_info": False}
     if cfg.name == "webshop":
         return {"data_dir": cfg.webshop_data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
                 "action_correction": cfg.action_correction, "human_goals": cfg.webshop_human_goals,

@@ -1,0 +1,63 @@
+"""Map free-form model output to an environment action (shared by ScienceWorld and WebShop).
+
+A small model writes ``Action: pick up thermometr.``; the environment wants ``pick up thermometer``.
+:func:`clean_action` strips the chatter, :func:`correct_action` then picks the closest valid action.
+"""
+
+from __future__ import annotations
+
+import re
+
+from rapidfuzz import fuzz, process
+
+_PREFIX = re.compile(r"^\s*(?:(?:action|next action|command)\s*[:：]\s*|>+\s*|[-*]\s+|\d+[.)]\s+)+", re.IGNORECASE)
+_TRAILING = re.compile(r"[\s.,;:!?\"'`]+$")
+_LEADING = re.compile(r"^[\s\"'`]+")
+
+DEFAULT_CUTOFF = 75.0
+"""Below this :func:`similarity` (0–100) the cleaned text is kept as is: ``pick up thermometr`` in a room without a
+thermometer stays unparsed instead of becoming ``pick up fire pit`` (65)."""
+
+
+def clean_action(raw: str) -> str:
+    """First non-empty line of ``raw`` minus ``Action:``/``>`` prefixes, quotes, trailing punctuation, extra spaces."""
+    line = next((ln for ln in str(raw).splitlines() if ln.strip()), "")
+    previous = None
+    while previous != line:  # prefixes and quotes can nest: `> "Action: go to kitchen."`
+        previous = line
+        line = _LEADING.sub("", _PREFIX.sub("", line))
+        line = _TRAILING.sub("", line)
+    return " ".join(line.split())
+
+
+def normalise(text: str) -> str:
+    """Lower-case, whitespace-collapsed form used for comparisons."""
+    return " ".join(str(text).lower().split())
+
+
+def similarity(a: str, b: str, **_: object) -> float:
+    """Mean of rapidfuzz ``ratio`` (typos) and ``token_set_ratio`` (extra words, word order), 0–100.
+
+    ``WRatio`` was tried and rejected: its partial matching scores ``go to kitchen`` ~ ``move bowl to hallway`` at 85.
+    """
+    return (fuzz.ratio(a, b) + fuzz.token_set_ratio(a, b)) / 2
+
+
+def correct_action(raw: str, valid_actions: list[str], cutoff: float = DEFAULT_CUTOFF) -> str:
+    """The valid action closest to ``raw``; the cleaned ``raw`` itself when nothing is close enough.
+
+    An exact match after :func:`clean_action` and :func:`normalise` wins (returned in the valid list's spelling);
+    otherwise the best :func:`similarity` match at or above ``cutoff``; ties go to the higher plain ``fuzz.ratio``,
+    then to the earlier action.
+    """
+    cleaned = clean_action(raw)
+    if not valid_actions:
+        return cleaned
+    key = normalise(cleaned)
+    for action in valid_actions:
+        if normalise(action) == key:
+            return action
+    best = process.extract(key, valid_actions, scorer=similarity, processor=normalise, score_cutoff=cutoff, limit=8)
+    if not best:
+        return cleaned
+    return max(best, key=lambda m: (m[1], fuzz.ratio(key, normalise(m[0])), -m[2]))[0]

@@ -1,0 +1,109 @@
+"""EnvPool with real ScienceWorld workers: parallel steps, a JVM killed mid-episode, no leaked processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from empo2.envs.base import EnvError
+from empo2.envs.pool import EnvPool, Failure
+
+TASK = "find-animal"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = EnvPool("scienceworld", {}, size=4)
+    yield p
+    p.close()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_four_workers_play_in_parallel(pool):
+    pids = pool.java_pids()
+    assert len(set(pids.values())) == 4 and all(alive(p) for p in pids.values())
+    assert len(set(pool.worker_pids().values())) == 4
+    replies = pool.reset([(i, TASK, i) for i in range(4)])
+    assert all(isinstance(r, tuple) and r[1]["variation"] == i for i, r in replies.items())
+    golds = {i: pool.call(i, "gold_actions") for i in range(4)}
+    returns, done = {i: float(r[1]["initial_score"]) for i, r in replies.items()}, {}
+    for t in range(max(map(len, golds.values()))):
+        actions = {i: g[t] for i, g in golds.items() if i not in done and t < len(g)}
+        if not actions:
+            break
+        for i, result in pool.step(actions).items():
+            returns[i] += result.reward
+            if result.done:
+                done[i] = result
+    assert returns == {i: 100.0 for i in range(4)}
+    assert all(r.info["success"] for r in done.values())
+
+
+def test_call_and_env_errors_keep_pool_usable(pool):
+    demo = pool.call(0, "demonstration", TASK, 0)
+    assert demo.startswith("Task: ") and "> " in demo
+    assert isinstance(pool.call(1, "valid_actions"), list)
+    with pytest.raises(EnvError, match="valid tasks"):
+        pool.reset([(0, "find-unicorn", 0), (1, TASK, 0)])
+    obs, info = pool.reset([(0, TASK, 3)])[0]
+    assert info["variation"] == 3 and pool.restarts == 0
+
+
+def test_killed_jvm_gives_failed_episode_and_restarted_worker(pool):
+    pool.reset([(i, TASK, 10 + i) for i in range(4)])
+    pool.step({i: "look around" for i in range(4)})
+    old_java = pool.java_pids()[2]
+    os.kill(old_java, signal.SIGKILL)
+    results = pool.step({i: "look around" for i in range(4)})
+    failed = results[2]
+    assert failed.done and failed.reward == 0
+    assert failed.info["failed"] is True and failed.info["success"] is False and failed.info["score"] == 0
+    assert failed.info["error"]
+    assert all(not results[i].done and "failed" not in results[i].info for i in (0, 1, 3))
+    assert pool.restarts == 1
+
+    replies = pool.reset([(2, TASK, 12)])
+    assert not isinstance(replies[2], Failure) and replies[2][1]["variation"] == 12
+    assert pool.java_pids()[2] != old_java and not alive(old_java)
+    total = float(replies[2][1]["initial_score"])
+    for action in pool.call(2, "gold_actions"):
+        result = pool.step({2: action})[2]
+        total += result.reward
+        if result.done:
+            break
+    assert total == 100 and result.info["success"]
+
+
+def test_missing_java_fails_fast_without_leaks(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    def children() -> set[int]:  # multiprocessing's own resource tracker may appear and stay; it is not ours
+        return {c.pid for c in psutil.Process().children(recursive=True)
+                if alive(c.pid) and "resource_tracker" not in " ".join(c.cmdline())}
+
+    before = children()
+    with pytest.raises(EnvError, match="openjdk-17-jre-headless"):
+        EnvPool("scienceworld", {}, size=1)
+    time.sleep(0.2)
+    assert children() <= before
+
+
+def test_close_ends_every_jvm(pool):
+    started = pool.started_pids()
+    javas = [p for p in started if alive(p) and "java" in psutil.Process(p).name()]
+    assert len(javas) == 4  # one live JVM per worker before closing (the killed one is gone)
+    pool.close()
+    assert not any(alive(p) for p in started)
+    ours = [c for c in psutil.Process().children(recursive=True) if alive(c.pid)]
+    assert not [c for c in ours if "java" in c.name()]
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.step({0: "look around"})
