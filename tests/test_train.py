@@ -85,6 +85,35 @@ def test_grpo_run_has_no_memory(tmp_path, tiny_model):
     assert not (run / "memory.sqlite").exists()
     assert any(t.abs().max() > 0 for name, t in _adapter(run).items() if "lora_B" in name)
 
+    # `empo2 eval` on the run's last checkpoint writes a JSON and a markdown table
+    assert main(["eval", "--run", str(run), "--split", "dev", "--variations", "2", "--batch", "2",
+                 "--max-steps", "2"]) == 0
+    result = json.loads((run / "eval" / "eval_dev.json").read_text())
+    assert result["summary"]["episodes"] == 2 and result["per_task"]["find-animal"]["episodes"] == 2
+    assert "| find-animal | 2 |" in (run / "eval" / "eval_dev.md").read_text()
+
+
+def test_adapt_updates_memory_only(tmp_path, tiny_model):
+    out = tmp_path / "adapt"
+    assert main(["adapt", "--model", tiny_model, "--tasks", "find-animal", "--trials", "2", "--variations", "2",
+                 "--batch", "2", "--max-steps", "2", "--out", str(out)]) == 0
+    report = json.loads((out / "adapt.json").read_text())
+    assert len(report["trials"]) == 2 and report["best"] == max(report["trials"])
+    with TipMemory(out / "memory.sqlite") as memory:
+        assert len(memory) + sum(memory.rejections().values()) >= 2  # every episode reflected
+
+
+def test_webshop_fixture_trains_both_algorithms(tmp_path, tiny_model):
+    for algo in ("empo2", "grpo"):
+        run = tmp_path / algo
+        assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", algo, f"train.output_dir={run}",
+                     "train.iterations=1", f"policy.model={tiny_model}", "env.max_steps=2", "env.eval_variations=1",
+                     "algo.num_generations=2", "policy.max_completion_length=8", "policy.reflection_max_tokens=8",
+                     "train.progress=false", "algo.p_memory=1.0"]) == 0
+        result = json.loads((run / "eval" / "final.json").read_text())
+        assert result["label"] == "webshop-fixture"  # the fixture is never reported as WebShop
+        assert (run / "memory.sqlite").exists() == (algo == "empo2")
+
 
 def test_kill_mid_iteration_then_resume(tmp_path, tiny_model):
     run = tmp_path / "killed"

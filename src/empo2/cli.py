@@ -192,6 +192,8 @@ def _policy_context(args, with_memory_path: Path | None):
         cfg.env.name = args.env
     if args.tasks:
         cfg.env.tasks = args.tasks.split(",")
+    if args.max_steps:
+        cfg.env.max_steps = args.max_steps
     model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
     if args.run:
         last = ckpt.latest_checkpoint(Path(args.run))
@@ -217,7 +219,7 @@ def _policy_context(args, with_memory_path: Path | None):
 
 
 def cmd_eval(args) -> int:
-    from empo2.envs.factory import resolve_tasks
+    from empo2.envs.factory import env_label, resolve_tasks
     from empo2.train.evaluate import evaluate, markdown_table, write_eval_tables
 
     if not args.run and not args.model:
@@ -233,7 +235,7 @@ def cmd_eval(args) -> int:
     finally:
         ctx.pool.close()
     out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
-    label = "webshop-fixture" if cfg.env.name == "webshop" and not cfg.env.webshop_data else cfg.env.name
+    label = env_label(cfg)
     js, md = write_eval_tables(result, out, f"eval_{args.split}{'_memory' if args.with_memory else ''}", label)
     print(markdown_table(result, label))
     print(json.dumps({"json": str(js), "markdown": str(md), **result["summary"]}))
@@ -310,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--variations", type=int, default=5)
         p.add_argument("--temperature", type=float, default=0.4)
         p.add_argument("--batch", type=int, default=4, help="episodes played in parallel")
+        p.add_argument("--max-steps", type=int, default=None, help="episode step cap (default: the run's)")
         if name == "eval":
             p.add_argument("--with-memory", action="store_true")
             p.add_argument("--out")

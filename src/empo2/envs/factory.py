@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from empo2.config import EnvConfig
+import os
+
+from empo2.config import Config, EnvConfig
 from empo2.envs.base import EnvError
 
 
@@ -28,3 +30,10 @@ def resolve_tasks(cfg: EnvConfig) -> list[str]:
     from empo2.envs.scienceworld import expand_tasks
 
     return expand_tasks(cfg.tasks)
+
+
+def env_label(cfg: Config) -> str:
+    """The name results are reported under: WebShop on the bundled fixture is never called plain ``webshop``."""
+    if cfg.env.name == "webshop" and not (cfg.env.webshop_data or os.environ.get("EMPO2_WEBSHOP_DATA")):
+        return "webshop-fixture"
+    return cfg.env.name

@@ -21,7 +21,7 @@ from empo2.algo.advantages import combine_returns, compute_advantages, intrinsic
 from empo2.algo.losses import behaviour_logp_for_ratio, get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config
-from empo2.envs.factory import make_env_kwargs, resolve_tasks
+from empo2.envs.factory import env_label, make_env_kwargs, resolve_tasks
 from empo2.envs.pool import EnvPool
 from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
@@ -335,7 +335,7 @@ class Trainer:
         result = evaluate(self.ctx, self.task_names, cfg.env.eval_split, cfg.env.eval_variations,
                           cfg.train.eval_episodes_per_task, cfg.policy.eval_temperature, self.pool_size,
                           with_memory=with_memory)
-        write_eval_tables(result, self.run_dir / "eval", tag, label=_env_label(cfg))
+        write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg))
         return result
 
     def save(self, it: int) -> Path:
@@ -362,12 +362,6 @@ class Trainer:
         self.metrics.close()
         if self.memory is not None:
             self.memory.close()
-
-
-def _env_label(cfg: Config) -> str:
-    if cfg.env.name == "webshop" and not (cfg.env.webshop_data):
-        return "webshop-fixture"
-    return cfg.env.name
 
 
 def _mean(values: list[float]) -> float:
