@@ -122,6 +122,7 @@ class Trainer:
         last = ckpt.latest_checkpoint(self.run_dir)
         if last is None:
             log.warning("no checkpoint in %s: starting from iteration 0", self.run_dir)
+            self.metrics.truncate_after(-1)
             return
         state = ckpt.load_state(last)
         self._load_weights(last / "model")
