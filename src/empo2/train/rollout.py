@@ -138,13 +138,13 @@ def run_episodes(
             break
         t0 = time.perf_counter()
         keys = [state_text(episodes[i].task_description, parts[i].observation) for i in active]
-        key_embs = ctx.embedder.encode(keys)
         tips_by_row: list[list[Any]] = [[] for _ in active]
         mem_rows = [r for r, i in enumerate(active) if episodes[i].mode in MEMORY_MODES]
         if ctx.memory is not None and mem_rows and mcfg.top_k_tips > 0:
+            query_embs = ctx.embedder.encode([keys[r] for r in mem_rows])  # only memory rollouts need the embedding
             found = ctx.memory.retrieve(
                 [namespace_of(episodes[active[r]].task, episodes[active[r]].variation, mcfg.namespace) for r in mem_rows],
-                key_embs[mem_rows], k=mcfg.top_k_tips, threshold=mcfg.similarity_threshold,
+                query_embs, k=mcfg.top_k_tips, threshold=mcfg.similarity_threshold,
                 score_weight=mcfg.rerank_score_weight, utility_weight=mcfg.rerank_utility_weight,
             )
             for r, tips in zip(mem_rows, found):
