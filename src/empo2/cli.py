@@ -336,6 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if not args.verbose and args.command != "memory":  # library chatter (weight-loading bars, deprecation notices) hides the run's own output
+        import warnings
+
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
     try:
         return int(args.func(args) or 0)
     except _user_errors() as exc:
