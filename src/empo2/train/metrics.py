@@ -91,6 +91,9 @@ def plot_run(run_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(its, [r["train"]["score_mean"] for r in rows], marker="o", label="train score (mean)")
     evals = [(r["iteration"], r["eval"]["score_mean"]) for r in rows if r.get("eval")]
+    final = Path(run_dir) / "eval" / "final.json"
+    if final.is_file():  # the end-of-run evaluation, drawn at the last iteration
+        evals.append((its[-1], json.loads(final.read_text())["summary"]["score_mean"]))
     if evals:
         ax.plot(*zip(*evals), marker="s", label="eval score, no memory")
     ax.set_xlabel("iteration")

@@ -240,7 +240,7 @@ class Trainer:
                 if s.response_ids:
                     rows.append((s.train_prompt_ids, s.response_ids, s.logp_old, a, ep.mode, s.prompt_ids))
         if not rows:
-            return {"rows": 0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0}
+            return {"rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0}
         total_tokens = sum(len(r[1]) for r in rows)
         if cfg.algo.off_policy_ratio == "tip_free":
             rows = self._tip_free_old_logp(rows)
@@ -270,7 +270,8 @@ class Trainer:
                     bad = False
         model.eval()
         out = {k: v / max(n_mb, 1) for k, v in sums.items()}
-        out.update(rows=len(rows), tokens=total_tokens * cfg.train.ppo_epochs, optimizer_steps=steps,
+        processed = sum(len(r[0]) + len(r[1]) for r in rows) * cfg.train.ppo_epochs  # prompt + response tokens
+        out.update(rows=len(rows), response_tokens=total_tokens, tokens=processed, optimizer_steps=steps,
                    skipped_steps=skipped)
         return out
 
