@@ -150,3 +150,15 @@ def test_unknown_key_and_task_write_nothing(tmp_path, capsys):
                  "policy.model=not-a-model"]) == 2
     assert "unknown model" in capsys.readouterr().err
     assert not run.exists()
+
+
+def test_overwrite_starts_a_fresh_run(tmp_path, tiny_model):
+    run = tmp_path / "again"
+    args = ["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}", "train.iterations=1",
+            f"policy.model={tiny_model}", "algo.p_memory=1.0", *FAST]
+    assert main(args) == 0
+    assert main(args) == 2  # a folder holding a run is never silently reused
+    (run / "stale.txt").write_text("from the first run")
+    assert main(args + ["--overwrite"]) == 0
+    assert not (run / "stale.txt").exists()
+    assert [r["iteration"] for r in _metrics(run)] == [0]

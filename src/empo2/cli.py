@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -129,6 +130,11 @@ def cmd_train(args) -> int:
                                 "or pass --overwrite / another train.output_dir")
     resolve_tasks(cfg.env)  # unknown task names fail here, before anything is written
     resolve_model_path(cfg.policy.model)
+    if cfg.memory.seed_from and not Path(cfg.memory.seed_from).is_file():
+        raise _config_error(f"memory.seed_from: no such file {cfg.memory.seed_from}")
+    is_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()
+    if args.overwrite and not args.resume and is_run:
+        shutil.rmtree(run_dir)  # a fresh run: no stale memory, checkpoints or metrics from the previous one
     console.print(f"[bold]empo2 train[/bold] algo={cfg.algo.name} env={cfg.env.name} tasks={cfg.env.tasks} "
                   f"model={cfg.policy.model} G={cfg.algo.num_generations} iterations={cfg.train.iterations} "
                   f"→ {run_dir}")
