@@ -165,6 +165,9 @@ if __name__ == "__main__":  # `python -m empo2.policy.loader --warm [NAME]`: bui
     import sys
     import time
 
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     name = sys.argv[2] if len(sys.argv) > 2 else DEFAULT_MODEL
     cached_model_dir(name)
     times = []
