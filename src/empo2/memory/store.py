@@ -257,6 +257,18 @@ def _blas_limit(threads: int | None):
     return _BLAS.limit(limits=threads) if _BLAS else contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _transaction(conn: sqlite3.Connection):
+    """One write transaction: committed as a whole, or rolled back (and the error re-raised)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
 def _blob(vec: np.ndarray) -> bytes:
     return np.asarray(vec, dtype="<f4").tobytes()
 
@@ -435,13 +447,8 @@ class TipMemory:
         if all(self.meta.get(k) == v for k, v in wanted.items()):
             return
         conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(conn):
             conn.executemany("INSERT OR REPLACE INTO meta(key, value) VALUES (?, ?)", wanted.items())
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
         self.meta.update(wanted)
 
     def _scalar(self, sql: str, args: Sequence = ()) -> Any:
@@ -478,13 +485,8 @@ class TipMemory:
 
     def _reject(self, reason: str) -> AddResult:
         conn = self._require_open()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
+        with _transaction(conn):
             self._bump(conn, f"rejected:{reason}")
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
         return AddResult(None, reason)
 
     def _victims(self, namespace: str, count: int) -> list[int]:
@@ -522,8 +524,7 @@ class TipMemory:
                 if nearest > self.dedup_threshold:
                     return self._reject("duplicate")
             evicted: list[int] = []
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(conn):
                 count = idx.n if idx is not None else 0
                 if count >= self.capacity:
                     evicted = self._victims(namespace, count - self.capacity + 1)
@@ -536,10 +537,6 @@ class TipMemory:
                     (namespace, text, str(key_text), _blob(key[0]), _blob(temb), float(score), int(step), time.time(),
                      tick))
                 tid = int(cur.lastrowid)
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
             self._clock = tick
             if idx is None:
                 idx = self._index[namespace] = _NamespaceIndex(self.dim)
@@ -608,15 +605,10 @@ class TipMemory:
             live = self._live(tip_ids)
             if not live:
                 return
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(conn):
                 tick = self._clock + 1
                 conn.executemany("UPDATE tips SET use_count = use_count + 1, last_use_step = ?, touched = ? "
                                  "WHERE id = ?", [(int(step), tick, t) for t, _ in live])
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
             self._clock = tick
             for tid, ns in live:
                 idx = self._index[ns]
@@ -632,16 +624,11 @@ class TipMemory:
             live = self._live(tip_ids)
             if not live:
                 return
-            conn.execute("BEGIN IMMEDIATE")
-            try:
+            with _transaction(conn):
                 conn.executemany("UPDATE tips SET utility = (COALESCE(utility, 0) * utility_n + ?) / (utility_n + 1), "
                                  "utility_n = utility_n + 1 WHERE id = ?", [(r, t) for t, _ in live])
                 new = dict(conn.execute(f"SELECT id, utility FROM tips WHERE id IN ({','.join('?' * len(live))})",
                                         [t for t, _ in live]).fetchall())
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
             for tid, ns in live:
                 idx = self._index[ns]
                 idx.utils[idx.row[tid]] = new[tid]
