@@ -32,6 +32,9 @@ class Step:
     observation: str
     reward: float
     state_text: str
+    """Task + the observation the action answered: the retrieval query and the key of tips about this state."""
+    state_embedding: np.ndarray | None = None
+    """Embedding of ``state_text`` where one was computed (memory rollouts embed every state to retrieve)."""
     tip_ids: list[int] = field(default_factory=list)
     tips: list[str] = field(default_factory=list)
     intrinsic: float = 0.0
@@ -139,9 +142,12 @@ def run_episodes(
         t0 = time.perf_counter()
         keys = [state_text(episodes[i].task_description, parts[i].observation) for i in active]
         tips_by_row: list[list[Any]] = [[] for _ in active]
+        embs_by_row: list[np.ndarray | None] = [None] * len(active)
         mem_rows = [r for r, i in enumerate(active) if episodes[i].mode in MEMORY_MODES]
         if ctx.memory is not None and mem_rows and mcfg.top_k_tips > 0:
             query_embs = ctx.embedder.encode([keys[r] for r in mem_rows])  # only memory rollouts need the embedding
+            for r, emb in zip(mem_rows, query_embs):
+                embs_by_row[r] = emb
             found = ctx.memory.retrieve(
                 [namespace_of(episodes[active[r]].task, episodes[active[r]].variation, mcfg.namespace) for r in mem_rows],
                 query_embs, k=mcfg.top_k_tips, threshold=mcfg.similarity_threshold,
@@ -183,6 +189,7 @@ def run_episodes(
                 prompt_ids=prompts[r], train_prompt_ids=train_prompts[r], response_ids=gen.ids,
                 logp_old=gen.logprobs, raw_action=raw_actions[i], action=info.get("action", raw_actions[i]),
                 observation=res.observation, reward=float(res.reward), state_text=keys[r],
+                state_embedding=embs_by_row[r],
                 tip_ids=[t.id for t in tips], tips=[t.text for t in tips],
             ))
             if info.get("failed"):
@@ -228,7 +235,11 @@ def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: b
     tips = [parse_tip(g.text) for g in gens]
     # The key of a tip is the state it is about: the episode's first state (task + initial observation), which is
     # what later episodes of the same task see when they start and retrieve.
-    key_embs = ctx.embedder.encode([ep.steps[0].state_text for ep in writers])
+    first = [ep.steps[0] for ep in writers]
+    missing = [s for s in first if s.state_embedding is None]
+    for s, emb in zip(missing, ctx.embedder.encode([s.state_text for s in missing])):
+        s.state_embedding = emb
+    key_embs = [s.state_embedding for s in first]
     tip_embs = ctx.embedder.encode([t or " " for t in tips])
     for ep, tip, key, temb in zip(writers, tips, key_embs, tip_embs):
         result = ctx.memory.add(
