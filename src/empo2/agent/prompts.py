@@ -7,8 +7,9 @@ the end of the prompt (current observation, the request for an action) is never 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
+
+from empo2.envs.actions import clean_action
 
 GUIDES = {
     "scienceworld": (
@@ -101,13 +102,7 @@ def render_prompt_ids(tokenizer, parts: PromptParts, history_window: int, max_pr
             return ids  # nothing left to drop; the trainer counts and logs over-long prompts
 
 
-_PREFIX = re.compile(r"^\s*(?:action\s*:|next action\s*:|>|\*|-|\d+[.)])\s*", re.IGNORECASE)
-
-
 def parse_action(text: str) -> str:
-    """The first non-empty line of a model output, without "Action:"/">" prefixes, quotes and backticks."""
-    for line in text.replace("\r", "\n").split("\n"):
-        line = _PREFIX.sub("", line.strip()).strip().strip("`\"'").strip()
-        if line:
-            return line.rstrip(".")
-    return ""
+    """The action in a model output: its first non-empty line without "Action:"/">" prefixes, quotes and trailing
+    punctuation (the environment's corrector then maps it to the closest valid action)."""
+    return clean_action(text)
