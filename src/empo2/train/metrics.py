@@ -85,10 +85,24 @@ def plot_run(run_dir: Path) -> list[Path]:
     rows = read_metrics(run_dir)
     if not rows:
         return []
-    out = []
     its = [r["iteration"] for r in rows]
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    def figure(height: float):
+        return plt.subplots(figsize=(6, height))
+
+    def save(fig, ax, name: str, ylabel: str, grid: bool = True) -> Path:
+        ax.set_xlabel("iteration")
+        ax.set_ylabel(ylabel)
+        if grid:
+            ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = Path(run_dir) / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    fig, ax = figure(3.5)
     ax.plot(its, [r["train"]["score_mean"] for r in rows], marker="o", label="train score (mean)")
     evals = [(r["iteration"], r["eval"]["score_mean"]) for r in rows if r.get("eval")]
     final = Path(run_dir) / "eval" / "final.json"
@@ -96,38 +110,18 @@ def plot_run(run_dir: Path) -> list[Path]:
         evals.append((its[-1], json.loads(final.read_text())["summary"]["score_mean"]))
     if evals:
         ax.plot(*zip(*evals), marker="s", label="eval score, no memory")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("score")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(Path(run_dir) / "scores.png", dpi=110)
-    out.append(Path(run_dir) / "scores.png")
-    plt.close(fig)
+    out = [save(fig, ax, "scores.png", "score")]
 
-    fig, ax = plt.subplots(figsize=(6, 3))
-    modes = ["on", "on_tips", "off_tips"]
+    fig, ax = figure(3)
     bottom = [0] * len(rows)
-    for mode in modes:
+    for mode in ("on", "on_tips", "off_tips"):
         counts = [r["mode_counts"].get(mode, 0) for r in rows]
         ax.bar(its, counts, bottom=bottom, label=mode)
         bottom = [b + c for b, c in zip(bottom, counts)]
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("groups")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(Path(run_dir) / "modes.png", dpi=110)
-    out.append(Path(run_dir) / "modes.png")
-    plt.close(fig)
+    out.append(save(fig, ax, "modes.png", "groups", grid=False))
 
-    fig, ax = plt.subplots(figsize=(6, 3))
+    fig, ax = figure(3)
     ax.plot(its, [r["memory"]["size"] for r in rows], marker="o", label="tips in memory")
     ax.plot(its, [r["memory"]["added"] for r in rows], marker=".", label="added this iteration")
-    ax.set_xlabel("iteration")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(Path(run_dir) / "memory.png", dpi=110)
-    out.append(Path(run_dir) / "memory.png")
-    plt.close(fig)
+    out.append(save(fig, ax, "memory.png", "tips"))
     return out
