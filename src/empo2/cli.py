@@ -212,13 +212,11 @@ def _policy_context(args, with_memory_path: Path | None):
         else:
             model, tokenizer = load_model(str(last / "model"), cfg.policy.device, cfg.policy.dtype)
     model.eval()
+    embedder = get_embedder(cfg.memory.embedder)
     memory = None
     if with_memory_path is not None:
-        embedder = get_embedder(cfg.memory.embedder)
         memory = TipMemory(with_memory_path, dim=embedder.dim, capacity=cfg.memory.capacity,
                            eviction=cfg.memory.eviction, dedup_threshold=cfg.memory.dedup_threshold)
-    else:
-        embedder = get_embedder(cfg.memory.embedder)
     pool = EnvPool(cfg.env.name, make_env_kwargs(cfg.env), args.batch)
     ctx = RolloutContext(model, tokenizer, pool, embedder, memory, cfg.env.name, cfg.policy, cfg.memory)
     return cfg, ctx
