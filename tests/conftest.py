@@ -6,6 +6,11 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Same examples on every clean clone: derandomised, no example database carried between runs.
+settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.load_profile("ci")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import sqlite3
 import subprocess
@@ -272,7 +273,7 @@ def _digest(path):
 
 def test_corrupt_and_foreign_files_are_refused_and_untouched(tmp_path):
     garbage = tmp_path / "garbage.sqlite"
-    garbage.write_bytes(os.urandom(8192))
+    garbage.write_bytes(random.Random(2).randbytes(8192))  # seeded
     foreign = tmp_path / "foreign.sqlite"
     con = sqlite3.connect(foreign)
     con.execute("CREATE TABLE tips (id INTEGER, text TEXT)")
@@ -285,7 +286,7 @@ def test_corrupt_and_foreign_files_are_refused_and_untouched(tmp_path):
         for i in range(300):
             mem.add("ns", f"tip number {i} with words", unit(rng, 1)[0], tip_embedding=unit(rng, 1)[0])
     data = bytearray(damaged.read_bytes())
-    data[4096:len(data) - 4096] = os.urandom(len(data) - 8192)  # keep page 1 (header) intact
+    data[4096:len(data) - 4096] = random.Random(3).randbytes(len(data) - 8192)  # keep page 1 (header) intact
     damaged.write_bytes(bytes(data))
     for path in (garbage, foreign, damaged):
         before = _digest(path)

@@ -14,7 +14,7 @@ GRPO (the only entry for now; GiGPO will be a second entry)::
     A_i = (R_i - mean_G R) / (std_G R + eps)        std_G = POPULATION std of the group (ddof = 0)
     A_i =  R_i - mean_G R                           when scale_rewards=False
 
-A group of one rollout, or a group whose returns are all equal, gets exactly 0 (no learning signal); such groups are
+A group of one rollout, or a group whose returns are all equal (up to :data:`EQUAL_RTOL`), gets exactly 0 (no learning signal); such groups are
 counted in ``metrics["zero_adv_groups"]`` because their rollouts cost compute and teach nothing.
 """
 
@@ -24,6 +24,9 @@ from typing import Callable
 
 import numpy as np
 import torch
+
+EQUAL_RTOL = 1e-9
+"""Returns of a group that differ by at most this × max(1, |R|) count as equal (advantage exactly 0)."""
 
 AdvantageFn = Callable[..., tuple[np.ndarray, dict[str, float]]]
 
@@ -62,18 +65,22 @@ def grpo_advantages(
     inv = inv.reshape(-1)
     num_groups = int(inv.max()) + 1 if inv.size else 0
     size = np.bincount(inv, minlength=num_groups).astype(np.float64)  # [G]
-    mean = np.bincount(inv, weights=returns, minlength=num_groups) / np.maximum(size, 1)  # [G]
-    centred = returns - mean[inv]  # [N]
-    var = np.bincount(inv, weights=centred**2, minlength=num_groups) / np.maximum(size, 1)  # [G], ddof = 0
-    std = np.sqrt(var)  # [G]
-    with np.errstate(divide="ignore", invalid="ignore"):  # 0/0 only in degenerate groups, zeroed just below
-        adv = centred / (std[inv] + eps) if scale_rewards else centred  # [N]
-    # Exact zeros for degenerate groups (equal returns, or one rollout): float mean may differ from R by 1 ulp.
     gmax = np.full(num_groups, -np.inf)
     gmin = np.full(num_groups, np.inf)
     np.maximum.at(gmax, inv, returns)
     np.minimum.at(gmin, inv, returns)
-    degenerate = gmax == gmin  # [G]; a group of size 1 is always degenerate
+    # A group whose returns agree up to EQUAL_RTOL (relative to max(1, |R|)) carries no signal: exactly 0. Without
+    # this, (0, 2e-209) divides by an underflowed std (±inf) and (0, 9e-20) gives ±1 while (1, 1 + 9e-20) gives 0.
+    magnitude = np.maximum(1.0, np.maximum(np.abs(gmax), np.abs(gmin)))  # [G]
+    degenerate = (gmax - gmin) <= EQUAL_RTOL * magnitude  # [G]; a group of size 1 is always degenerate
+    mean = np.bincount(inv, weights=returns, minlength=num_groups) / np.maximum(size, 1)  # [G]
+    centred = returns - mean[inv]  # [N]
+    # std computed on returns divided by the group's spread, so neither huge nor tiny returns overflow/underflow.
+    spread = np.where(degenerate, 1.0, gmax - gmin)  # [G]
+    unit = centred / spread[inv]  # [N], |unit| <= 1
+    std = spread * np.sqrt(np.bincount(inv, weights=unit**2, minlength=num_groups) / np.maximum(size, 1))  # [G]
+    safe_std = np.where(degenerate, 1.0, std)  # [G]; > 0 wherever a group is not degenerate
+    adv = centred / (safe_std[inv] + eps) if scale_rewards else centred  # [N]
     adv = np.where(degenerate[inv], 0.0, adv)
     metrics = {
         "groups": float(num_groups),
