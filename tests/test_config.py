@@ -4,10 +4,25 @@ from empo2.config import Config, ConfigError
 
 
 def test_defaults_match_released_mode_probabilities():
-    probs = Config().mode_probs
-    assert probs == pytest.approx({"on": 0.75, "on_tips": 0.08, "off_tips": 0.17})
+    cfg = Config()
+    assert cfg.algorithm.modes(cfg.algo) == pytest.approx({"on": 0.75, "on_tips": 0.08, "off_tips": 0.17})
+    assert cfg.algorithm.uses_memory and cfg.algorithm.loss == "empo2"
     cfg = Config.load(None, ["algo.name=grpo"])
-    assert cfg.mode_probs == {"on": 1.0, "on_tips": 0.0, "off_tips": 0.0}
+    assert cfg.algorithm.modes(cfg.algo) == {"on": 1.0, "on_tips": 0.0, "off_tips": 0.0}
+    assert not cfg.algorithm.uses_memory and cfg.algorithm.estimator(cfg.algo) == "grpo"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("algo.name=nope", "algo.name: unknown algorithm 'nope'; valid: empo2"),
+    ("algo.advantage=nope", "algo.advantage: unknown advantage estimator 'nope'; valid: "),
+    ("env.name=atari", "unknown environment 'atari'; valid environments: scienceworld, webshop"),
+    ("env.tasks=[find-dragon]", "unknown ScienceWorld task 'find-dragon'"),
+    ("memory.eviction=random", "memory.eviction: unknown eviction policy 'random'; valid: fifo, lru, utility"),
+])
+def test_registry_names_are_checked_at_load(override, message):
+    with pytest.raises(ConfigError) as info:
+        Config.load(None, [override])
+    assert message in str(info.value)
 
 
 def test_yaml_and_overrides(tmp_path):

@@ -58,12 +58,12 @@ def test_seeded_and_resumable():
     assert [fresh.sample(4) for _ in range(5)] == first
 
 
-def test_from_config():
+def test_algorithm_spec_modes_feed_the_sampler():
     cfg = Config()
-    s = ModeSampler.from_config(cfg)
+    s = ModeSampler(cfg.algorithm.modes(cfg.algo), seed=cfg.train.seed)
     assert s.probs == pytest.approx(DEFAULT) and s.granularity == "batch" and s.seed == cfg.train.seed
-    cfg.algo.name = "grpo"
-    assert set(ModeSampler.from_config(cfg, seed=3).sample(100)) == {"on"}
+    cfg = Config.load(None, ["algo.name=grpo"])
+    assert set(ModeSampler(cfg.algorithm.modes(cfg.algo), seed=3).sample(100)) == {"on"}
 
 
 def test_rejects_bad_input():

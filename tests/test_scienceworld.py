@@ -55,10 +55,26 @@ def test_gold_path_reaches_100(env, task):
 
 def test_invalid_action_gives_zero_reward(env):
     obs, info = env.reset("find-animal", 0)
-    result = env.step("xyzzy plugh")
+    env.action_cutoff = 75.0  # nothing is that close to "xyzzy plugh": it is sent as is and rejected
+    try:
+        result = env.step("xyzzy plugh")
+    finally:
+        env.action_cutoff = 0.0
     assert result.reward == 0 and not result.done and result.info["score"] == info["initial_score"]
-    assert "No known action" in result.observation
+    assert "No known action" in result.observation and result.info["accepted"] is False
     assert result.info["raw_action"] == "xyzzy plugh"
+
+
+def test_default_cutoff_always_maps_to_a_valid_action(env):
+    """Released-code behaviour (SPEC §3): every output becomes the closest valid action, so the agent always acts."""
+    env.reset("find-animal", 0)
+    for text in ("xyzzy plugh", "You focus on the bowl. Then you focus on the cupboard", "Rodzisch wow"):
+        valid = env.valid_actions()
+        result = env.step(text)
+        assert result.info["accepted"] is True and "No known action" not in result.observation
+        assert result.info["action"] in valid and result.info["raw_action"] == text
+        if result.done:
+            env.reset("find-animal", 0)
 
 
 def test_step_cap_is_done_not_success(env):

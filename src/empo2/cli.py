@@ -26,73 +26,61 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 # --------------------------------------------------------------------------------------------------------- play
 def cmd_play(args) -> int:
+    """One episode through the same rollout code as training, with a gold, random or model policy."""
     from rich.console import Console
     from rich.markup import escape
 
-    from empo2.agent.prompts import PromptParts, parse_action, render_prompt_ids
-    from empo2.config import EnvConfig
-    from empo2.envs import make_env
-    from empo2.envs.factory import make_env_kwargs
+    from empo2.config import Config, PolicyConfig
+    from empo2.envs.factory import make_env_kwargs, resolve_tasks
+    from empo2.envs.pool import EnvPool
+    from empo2.policy.generate import Generation
+    from empo2.train.rollout import RolloutContext, run_episodes
 
-    console = Console(stderr=True)
-    env_cfg = EnvConfig(name=args.env, max_steps=args.max_steps, seed=args.seed)
-    if args.webshop_data:
-        env_cfg.webshop_data = args.webshop_data
-    task = args.task or ("webshop" if args.env == "webshop" else None)
-    if task is None:
-        raise _config_error("--task is required for scienceworld")
+    console = Console(stderr=True, soft_wrap=True)
+    overrides = [f"env.name={args.env}", f"env.seed={args.seed}"]
+    overrides += [f"env.max_steps={args.max_steps}"] if args.max_steps else []
+    overrides += [f"env.webshop_data={args.webshop_data}"] if args.webshop_data else []
+    cfg = Config.load(None, overrides + ([f"env.tasks=[{args.task}]"] if args.task else []))
+    task = resolve_tasks(cfg.env)[0]
     model = tokenizer = None
     if args.policy == "model":  # load the model before starting the simulator: a bad name fails fast
         from empo2.policy.loader import load_model
 
         model, tokenizer = load_model(args.model, device=args.device)
-    env = make_env(args.env, **make_env_kwargs(env_cfg))
+    pcfg = PolicyConfig(history_window=args.history_window, max_completion_length=args.max_new_tokens,
+                        max_prompt_length=2048)
     rng = random.Random(args.seed)
-    try:
-        obs, info = env.reset(task, args.variation)
-        console.rule(f"{args.env} · {task} · variation {args.variation} · policy {args.policy}")
-        console.print(f"[bold]Task:[/bold] {escape(env.task_description())}")
-        console.print(escape(obs))
-        gold = env.gold_actions() if args.policy == "gold" else []
-        demo = env.demonstration(task, args.variation, 1) if args.policy == "model" else ""
-        parts = PromptParts(env=args.env, task=env.task_description(), observation=obs, initial_observation=obs,
-                            demonstration=demo,
-                            hints=_play_hints(info))
-        score, success, steps, done = float(info.get("score", 0.0)), False, 0, False
-        while not done:
-            if args.policy == "gold":
-                if steps >= len(gold):
-                    break
-                action = gold[steps]
-            elif args.policy == "random":
-                action = rng.choice(env.valid_actions())
-            else:
-                from empo2.policy.generate import generate_batch
 
-                ids = render_prompt_ids(tokenizer, parts, args.history_window, 2048)
-                gen = generate_batch(model, tokenizer, [ids], args.max_new_tokens, temperature=args.temperature,
-                                     greedy=args.temperature == 0)[0]
-                action = parse_action(gen.text)
-            result = env.step(action)
-            steps += 1
-            shown = result.info.get("action", action)
-            fixed = f"  [dim](model wrote: {escape(repr(action))})[/dim]" if shown != action else ""
-            console.print(f"[bold cyan]> {escape(shown)}[/bold cyan]{fixed}")
-            console.print(f"{escape(result.observation.strip()[:600])}  [dim](reward {result.reward:+g}, "
-                          f"score {result.info.get('score', 0)})[/dim]")
-            parts.history.append((shown, result.observation))
-            parts.observation = result.observation
-            score, success, done = float(result.info.get("score", score)), bool(result.info.get("success")), result.done
-    finally:
-        env.close()
-    print(json.dumps({"task": task, "variation": args.variation, "score": score, "success": success, "steps": steps}))
+    def scripted(ctx, workers, episodes, prompts):  # gold or random: ask the environment, not the model
+        worker, done = workers[0], len(episodes[0].steps)
+        if args.policy == "gold":
+            gold = ctx.pool.call(worker, "gold_actions")
+            action = gold[done] if done < len(gold) else "look around"
+        else:
+            action = rng.choice(ctx.pool.call(worker, "valid_actions"))
+        return [Generation(ids=[], logprobs=[], text=action)]
+
+    def show(ep) -> None:
+        step = ep.steps[-1]
+        if len(ep.steps) == 1:
+            console.rule(f"{args.env} · {task} · variation {args.variation} · policy {args.policy}")
+            console.print(f"[bold]Task:[/bold] {escape(ep.task_description)}")
+        fixed = f"  [dim](model wrote: {escape(repr(step.raw_action))})[/dim]" if step.action != step.raw_action else ""
+        console.print(f"[bold cyan]> {escape(step.action)}[/bold cyan]{fixed}")
+        console.print(f"{escape(step.observation.strip()[:600])}  [dim](reward {step.reward:+g}, score {ep.score:g})"
+                      "[/dim]")
+
+    with EnvPool(cfg.env.name, make_env_kwargs(cfg.env), 1) as pool:
+        ctx = RolloutContext(model, tokenizer, pool, None, None, cfg.env.name, pcfg, cfg.memory)
+        episodes, _ = run_episodes(ctx, [(task, args.variation, 0, "on")], temperature=args.temperature,
+                                   greedy=args.temperature == 0, reflect=False,
+                                   actions=None if args.policy == "model" else scripted, on_step=show)
+    ep = episodes[0]
+    if ep.failed:
+        raise _config_error(f"the episode failed: {ep.error}")
+    print(json.dumps({"task": task, "variation": args.variation, "score": ep.score, "success": ep.success,
+                      "steps": len(ep.steps)}))
     return 0
-
-
-def _play_hints(info: dict) -> str:
-    if info.get("focus_targets"):
-        return "Objects you may focus on: " + ", ".join(info["focus_targets"])
-    return ""
 
 
 def _config_error(message: str):
@@ -110,7 +98,7 @@ def cmd_train(args) -> int:
     from empo2.policy.loader import resolve_model_path
     from empo2.train.trainer import Trainer
 
-    console = Console()
+    console = Console(soft_wrap=True)  # one line per message in logs, whatever the width
     if args.resume:
         run_dir = Path(args.resume)
         saved = run_dir / "config.yaml"
@@ -298,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train with EMPO² or GRPO")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
-    p.add_argument("--algo", choices=["empo2", "grpo"])
+    p.add_argument("--algo", help="algorithm registry name (empo2, grpo, …); same as algo.name=…")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.add_argument("--output-dir")
     p.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds a run")

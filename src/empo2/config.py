@@ -1,7 +1,8 @@
 """Run configuration: one dataclass per concern, loaded from YAML with ``key=value`` overrides.
 
 Names follow TRL where TRL has the knob (``num_generations``, ``beta``, ``epsilon``, ``epsilon_high``,
-``temperature``, ``max_completion_length``, ``learning_rate``, ``gradient_accumulation_steps``); EMPO²'s own
+``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, ``learning_rate``, ``num_iterations``,
+``loss_type``); EMPO²'s own
 knobs keep the paper's names (``delta``, ``p_memory``, ``p_off_policy``, ``top_k_tips``).
 
 A YAML file has one mapping per section::
@@ -33,7 +34,7 @@ class EnvConfig:
     """Which environment, which tasks, and how episodes are run."""
 
     name: str = "scienceworld"
-    """Environment: ``scienceworld`` or ``webshop``."""
+    """Environment registry name: ``scienceworld`` or ``webshop`` (or one registered with ``register_env``)."""
     tasks: list[str] = field(default_factory=lambda: ["find-animal"])
     """Task names or task-set names (``panel18``, ``biology1`` …) for ScienceWorld; ignored by WebShop."""
     train_variations: int = 5
@@ -49,11 +50,13 @@ class EnvConfig:
     step_caps: dict[str, int] | None = None
     """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
     action_correction: bool = True
-    """Map free-form model output to the closest valid action (raw and corrected strings are both kept)."""
+    """Map free-form model output to a valid action (raw and corrected strings are both kept)."""
+    action_cutoff: float = 0.0
+    """Similarity (0–100) a rejected output needs to its closest valid action to be replaced by it; below it the
+    output is sent as is (and rejected). 0 = always map to the closest valid action, as the released code does: a
+    small model that is not corrected this way almost never acts."""
     webshop_data: str | None = None
     """Directory with the official WebShop small set; ``None`` = ``$EMPO2_WEBSHOP_DATA`` or the bundled fixture."""
-    webshop_goal_split: str = "train"
-    """WebShop goal split for training: ``train``, ``eval`` or ``test``."""
     webshop_human_goals: bool = False
     """WebShop goals from the human instructions (``items_human_ins.json``; the WebShop/GiGPO evaluation setup)
     instead of the synthetic ones (one per instructed product × option combination)."""
@@ -76,22 +79,32 @@ class PolicyConfig:
     lora: bool = True
     """Train a LoRA adapter (CPU default); ``False`` = full fine-tuning."""
     lora_r: int = 16
+    """LoRA rank."""
     lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_r``)."""
     lora_dropout: float = 0.0
+    """Dropout on the LoRA branch (0 keeps behaviour and training log-probs identical)."""
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
+    """Module names that get a LoRA adapter."""
     temperature: float = 1.0
     """Sampling temperature for training rollouts (released code: 1.0)."""
     eval_temperature: float = 0.4
     """Sampling temperature for evaluation (released code: 0.4)."""
     top_p: float = 1.0
+    """Nucleus-sampling mass (1.0 = off). Generation never applies the model's own generation defaults (repetition
+    penalty, top-k): only what is configured here."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
     max_completion_length: int = 24
     """Max new tokens per action."""
     max_prompt_length: int = 1536
     """Prompts longer than this drop their oldest history steps."""
     reflection_max_tokens: int = 64
     """Max new tokens for an end-of-episode tip."""
+    reflection_temperature: float = 1.0
+    """Sampling temperature of the end-of-episode reflection (released code: 1.0)."""
     history_window: int = 4
     """How many recent (action, observation) steps the prompt shows."""
     few_shot: int = 1
@@ -115,6 +128,7 @@ class MemoryConfig:
     dedup_threshold: float = 0.95
     """A new tip this similar to an existing one in its namespace is rejected as a duplicate."""
     max_tip_words: int = 100
+    """Tips longer than this many words are rejected (the reflection prompt asks for fewer)."""
     rerank_score_weight: float = 0.0
     """Weight of the (normalised) episode score in retrieval ranking; 0 = pure similarity."""
     rerank_utility_weight: float = 0.0
@@ -132,14 +146,16 @@ class AlgoConfig:
     """The RL objective: advantages, the clipped loss, modes, and the intrinsic reward."""
 
     name: str = "empo2"
-    """``empo2`` (three modes + memory) or ``grpo`` (on-policy only, no memory)."""
+    """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory) or ``grpo`` (on-policy
+    only, no memory). The algorithm decides memory use, mode probabilities, loss and (by default) estimator."""
     num_generations: int = 8
     """Rollouts per task (the GRPO group G)."""
     advantage: str = "grpo"
-    """Advantage estimator from the registry."""
+    """Advantage-estimator registry name, for algorithms that do not fix their own."""
     scale_rewards: bool = True
     """Divide group-centred returns by the group std (ddof=0) + ``adv_eps``."""
     adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
     epsilon: float = 0.2
     """Lower clip range ε_low."""
     epsilon_high: float = 0.3
@@ -152,8 +168,9 @@ class AlgoConfig:
     """``token`` (paper) or ``sequence`` (released code: drop a response if any old log-prob < log δ)."""
     beta: float = 0.0
     """KL-to-reference coefficient (k3 estimator)."""
-    loss_aggregation: str = "token_mean"
-    """``token_mean`` or ``sequence_mean``."""
+    loss_type: str = "token_mean"
+    """Loss aggregation: ``token_mean`` (sum over tokens / tokens of the mini-batch; TRL's ``dapo``/``bnpo``) or
+    ``sequence_mean`` (per-response mean, then mean over responses; TRL's ``grpo``)."""
     off_policy_ratio: str = "paper"
     """``paper``: π_θ(a|s)/π_old(a|s,tips); ``tip_free``: tip-free prompt in both (pre-release variant)."""
     p_memory: float = 0.25
@@ -164,13 +181,18 @@ class AlgoConfig:
     mode_granularity: str = "batch"
     """Sample the mode once per ``batch`` or per ``group``."""
     intrinsic_weight: float = 0.0
-    """Weight w of the summed novelty reward in the return (0 = off)."""
+    """Weight w of the episode's novelty reward in the return (0 = off)."""
+    intrinsic_aggregation: str = "mean"
+    """How an episode's per-step novelty rewards become its intrinsic return: ``mean`` (default: a longer episode
+    is not paid for its length) or ``sum``."""
     intrinsic_schedule: str = "constant"
     """``constant`` (w) or ``linear`` (from ``intrinsic_weight_start`` to ``intrinsic_weight_end``)."""
     intrinsic_weight_start: float = 0.8
+    """Weight at the first iteration under the ``linear`` schedule."""
     intrinsic_weight_end: float = 0.2
+    """Weight at the last iteration under the ``linear`` schedule."""
     novelty_threshold: float = 0.9
-    """Cosine above which two states count as the same for the novelty reward."""
+    """Cosine above which two observations (of one task) count as the same state for the novelty reward."""
 
 
 @dataclass
@@ -178,31 +200,42 @@ class TrainConfig:
     """The outer loop: iterations, optimisation, evaluation, checkpoints."""
 
     iterations: int = 4
+    """Training iterations (each: sample tasks, roll out groups, update)."""
     tasks_per_batch: int = 1
     """Tasks per iteration (each rolled out ``num_generations`` times)."""
     learning_rate: float = 1e-4
     """AdamW learning rate (released full fine-tuning: 1e-6; LoRA wants more)."""
     weight_decay: float = 0.0
+    """AdamW weight decay."""
     max_grad_norm: float = 1.0
-    ppo_epochs: int = 1
+    """Gradient-norm clip before each optimizer step."""
+    num_iterations: int = 1
+    """Passes (PPO epochs) over an iteration's rollouts (TRL's name; released code: 1)."""
+    mini_batch_size: int = 0
+    """Action steps (rows) per optimizer step, each mini-batch normalised by its own tokens; 0 = one optimizer step
+    over the whole iteration. verl takes one step per ``ppo_mini_batch_size``, ~20–30 per iteration."""
     micro_batch_tokens: int = 4096
-    """Token budget of one forward/backward micro-batch."""
-    gradient_accumulation_steps: int = 0
-    """Micro-batches accumulated per optimizer step; 0 = the whole iteration's data makes one optimizer step."""
+    """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up)."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
     eval_episodes_per_task: int | None = None
     """Cap on eval episodes per task (``None`` = ``env.eval_variations``)."""
     save_every: int = 1
+    """Write a checkpoint every N iterations (and after the last)."""
     keep_checkpoints: int = 2
+    """Checkpoints kept on disk (older ones are deleted)."""
     output_dir: str = "runs/empo2"
+    """The run folder."""
     seed: int = 0
+    """Seed of task, mode and sampling randomness (Python, numpy, torch)."""
     zero_adv_warn_iters: int = 5
     """Warn when this many consecutive iterations had zero advantage in every group."""
     sample_trajectories: int = 4
     """Episodes written to ``trajectories.jsonl`` per iteration."""
     tensorboard: bool = True
+    """Write TensorBoard events to ``RUN/tb``."""
     progress: bool = True
+    """Show a progress bar (only on a terminal)."""
 
 
 @dataclass
@@ -277,8 +310,7 @@ class Config:
     def set(self, key: str, value: Any) -> None:
         section, name = self.resolve_key(key)
         obj = getattr(self, section)
-        current = getattr(obj, name)
-        setattr(obj, name, _coerce(f"{section}.{name}", value, current, obj, name))
+        setattr(obj, name, _coerce(f"{section}.{name}", value, obj, name))
 
     def to_dict(self) -> dict[str, Any]:
         return {s: dataclasses.asdict(getattr(self, s)) for s in self.SECTIONS}
@@ -288,44 +320,71 @@ class Config:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        a, e, m, t = self.algo, self.env, self.memory, self.train
+        a, e, m, p, t = self.algo, self.env, self.memory, self.policy, self.train
         checks = [
-            (e.name in ("scienceworld", "webshop"), "env.name must be 'scienceworld' or 'webshop'"),
             (e.eval_split in ("dev", "test", "train", "eval"), "env.eval_split must be dev|test (webshop: eval|test)"),
-            (a.name in ("empo2", "grpo"), "algo.name must be 'empo2' or 'grpo'"),
+            (0 <= e.action_cutoff <= 100, "env.action_cutoff must be in [0, 100]"),
             (a.num_generations >= 1, "algo.num_generations must be >= 1"),
             (0 <= a.epsilon < 1 and a.epsilon_high >= 0, "algo.epsilon must be in [0,1) and epsilon_high >= 0"),
             (0 <= a.delta < 1, "algo.delta must be in [0, 1)"),
             (a.beta >= 0, "algo.beta must be >= 0"),
             (a.mask_granularity in ("token", "sequence"), "algo.mask_granularity must be token|sequence"),
-            (a.loss_aggregation in ("token_mean", "sequence_mean"), "algo.loss_aggregation must be token_mean|sequence_mean"),
+            (a.loss_type in ("token_mean", "sequence_mean"), "algo.loss_type must be token_mean|sequence_mean"),
             (a.off_policy_ratio in ("paper", "tip_free"), "algo.off_policy_ratio must be paper|tip_free"),
             (0 <= a.p_off_policy <= a.p_memory <= 1, "algo.p_off_policy <= algo.p_memory, both in [0, 1]"),
             (a.mode_granularity in ("batch", "group"), "algo.mode_granularity must be batch|group"),
             (a.intrinsic_schedule in ("constant", "linear"), "algo.intrinsic_schedule must be constant|linear"),
-            (m.eviction in ("utility", "lru", "fifo"), "memory.eviction must be utility|lru|fifo"),
+            (a.intrinsic_aggregation in ("mean", "sum"), "algo.intrinsic_aggregation must be mean|sum"),
             (m.namespace in ("task", "task_variation"), "memory.namespace must be task|task_variation"),
             (m.top_k_tips >= 0 and m.capacity >= 1, "memory.top_k_tips >= 0 and memory.capacity >= 1"),
+            (p.temperature >= 0 and p.reflection_temperature >= 0 and p.top_k >= 0 and 0 < p.top_p <= 1,
+             "policy temperatures >= 0, policy.top_k >= 0 and policy.top_p in (0, 1]"),
             (t.iterations >= 0 and t.tasks_per_batch >= 1, "train.iterations >= 0 and train.tasks_per_batch >= 1"),
             (t.learning_rate > 0, "train.learning_rate must be > 0"),
-            (t.micro_batch_tokens >= 1 and t.gradient_accumulation_steps >= 0, "train.micro_batch_tokens >= 1 and "
-             "train.gradient_accumulation_steps >= 0"),
+            (t.num_iterations >= 1, "train.num_iterations must be >= 1"),
+            (t.micro_batch_tokens >= 1 and t.mini_batch_size >= 0, "train.micro_batch_tokens >= 1 and "
+             "train.mini_batch_size >= 0"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ConfigError(message)
+        self._check_registry_names()
+
+    def _check_registry_names(self) -> None:
+        """Every registry-backed name (algorithm, estimator, loss, environment, tasks, eviction policy) is checked
+        here, at load, so a typo exits before any run folder exists. The registries live in higher layers and are
+        imported only now, when they are needed."""
+        from empo2.algo.advantages import ADVANTAGE_ESTIMATORS
+        from empo2.algo.losses import POLICY_LOSSES
+        from empo2.algo.registry import ALGORITHMS
+        from empo2.envs.base import EnvError
+        from empo2.envs.registry import get_env_spec
+        from empo2.memory.store import EVICTION_POLICIES
+
+        def known(kind: str, key: str, name: str, registry) -> None:
+            if name not in registry:
+                raise ConfigError(f"{key}: unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}")
+
+        known("algorithm", "algo.name", self.algo.name, ALGORITHMS)
+        spec = ALGORITHMS[self.algo.name]
+        known("advantage estimator", "algo.advantage", spec.estimator(self.algo), ADVANTAGE_ESTIMATORS)
+        known("policy loss", f"algorithm {spec.name!r} loss", spec.loss, POLICY_LOSSES)
+        known("eviction policy", "memory.eviction", self.memory.eviction, EVICTION_POLICIES)
+        try:
+            get_env_spec(self.env.name).tasks(self.env)
+        except EnvError as exc:
+            raise ConfigError(f"env: {exc}") from None
 
     @property
-    def mode_probs(self) -> dict[str, float]:
-        """Probabilities of the three rollout modes (``grpo`` = always ``on``)."""
-        if self.algo.name == "grpo":
-            return {"on": 1.0, "on_tips": 0.0, "off_tips": 0.0}
-        pm, po = self.algo.p_memory, self.algo.p_off_policy
-        return {"on": 1 - pm, "on_tips": pm - po, "off_tips": po}
+    def algorithm(self):
+        """The :class:`~empo2.algo.registry.AlgorithmSpec` named by ``algo.name``."""
+        from empo2.algo.registry import get_algorithm
+
+        return get_algorithm(self.algo.name)
 
 
-def _coerce(key: str, value: Any, current: Any, obj: Any, name: str) -> Any:
-    """Check a value against the field's declared type (from its current value / annotation)."""
+def _coerce(key: str, value: Any, obj: Any, name: str) -> Any:
+    """Check a value against the field's declared type annotation."""
     hint = str({f.name: f.type for f in fields(obj)}[name])
     if value is None:
         if "None" in hint:

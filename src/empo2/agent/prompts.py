@@ -10,23 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from empo2.envs.actions import clean_action
-
-GUIDES = {
-    "scienceworld": (
-        "You are an agent in ScienceWorld, a text simulation of science experiments. Reach the goal of the task.\n"
-        "Actions: look around | look at OBJ | open OBJ | close OBJ | go to LOC | pick up OBJ | put OBJ in OBJ | "
-        "move OBJ to OBJ | focus on OBJ | activate OBJ | deactivate OBJ | use OBJ on OBJ | connect OBJ to OBJ | "
-        "pour OBJ in OBJ | mix OBJ | read OBJ | wait | inventory | teleport to LOC.\n"
-        "Focusing on a wrong object fails the task: only focus on the objects the task names.\n"
-        "Answer with exactly one action on one line, nothing else."
-    ),
-    "webshop": (
-        "You are a web shopping agent. Find and buy the product that matches the instruction.\n"
-        "Actions: search[QUERY] | click[BUTTON, PRODUCT ID or OPTION]. Click options before 'buy now'.\n"
-        "Answer with exactly one action on one line, nothing else."
-    ),
-}
-
+from empo2.envs.registry import get_env_spec
 
 @dataclass
 class PromptParts:
@@ -63,7 +47,7 @@ def build_messages(parts: PromptParts, history_window: int, obs_chars: int = 600
         intro.append(f"Example of a solved episode (another variation):\n{parts.demonstration.strip()}")
     if start > 0:
         intro.append(f"({start} earlier steps are not shown.)")
-    messages = [{"role": "system", "content": GUIDES.get(parts.env, GUIDES["scienceworld"])}]
+    messages = [{"role": "system", "content": get_env_spec(parts.env).guide}]
     first_obs = parts.history[start - 1][1] if start > 0 else (parts.initial_observation or parts.observation)
     turns = [first_obs] + [obs for _, obs in recent]  # the observation each action answered, then the current one
     for k, (action, _) in enumerate(recent):

@@ -36,7 +36,8 @@ from typing import Callable, Sequence
 
 import torch
 
-MODES = ("on", "on_tips", "off_tips")
+from empo2.algo.modes import MODES
+
 LOG_RATIO_CLAMP = 20.0
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
@@ -44,11 +45,16 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 """Registry: loss name -> function with the signature of :func:`policy_loss`."""
 
 
-def register_policy_loss(name: str, fn: PolicyLossFn) -> PolicyLossFn:
-    if name in POLICY_LOSSES:
-        raise ValueError(f"policy loss {name!r} is already registered")
-    POLICY_LOSSES[name] = fn
-    return fn
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator that adds a loss to :data:`POLICY_LOSSES` under ``name`` (same form as ``@register_advantage``)."""
+
+    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return wrap
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -90,6 +96,7 @@ def behaviour_logp_for_ratio(
     return logp_old_with_tips
 
 
+@register_policy_loss("empo2")
 def policy_loss(
     logp_new: torch.Tensor,
     logp_old: torch.Tensor,
@@ -222,11 +229,9 @@ def _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes, 
         raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
 
 
+@register_policy_loss("grpo")
 def grpo_loss(*args, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """``grpo``: :func:`policy_loss` without the low-probability mask (any ``delta`` passed in is replaced by 0)."""
     kwargs["delta"] = 0.0
     return policy_loss(*args, **kwargs)
 
-
-register_policy_loss("empo2", policy_loss)
-register_policy_loss("grpo", grpo_loss)

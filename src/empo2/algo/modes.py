@@ -21,7 +21,7 @@ class ModeSampler:
     """Draw a mode per batch (one draw, repeated for every group) or per group (one draw each).
 
     ``probs``: mode -> probability, over a subset of :data:`MODES` (missing modes get 0); must sum to 1 (±1e-6,
-    then renormalised). Default config: ``{"on": 0.75, "on_tips": 0.08, "off_tips": 0.17}`` (``Config.mode_probs``).
+    then renormalised). Default config: ``{"on": 0.75, "on_tips": 0.08, "off_tips": 0.17}`` (the ``empo2`` entry of ``empo2.algo.registry``).
     """
 
     def __init__(self, probs: dict[str, float], seed: int = 0, granularity: str = "batch"):
@@ -39,11 +39,6 @@ class ModeSampler:
         self._cum = np.cumsum(p / p.sum())  # [3]
         self._cum[-1] = np.inf  # u in [0, 1) always lands somewhere; zero-probability modes are never chosen
         self._rng = np.random.Generator(np.random.PCG64(self.seed))
-
-    @classmethod
-    def from_config(cls, cfg: Any, seed: int | None = None) -> "ModeSampler":
-        """Build from a :class:`empo2.config.Config` (``mode_probs``, ``algo.mode_granularity``, ``train.seed``)."""
-        return cls(cfg.mode_probs, seed=cfg.train.seed if seed is None else seed, granularity=cfg.algo.mode_granularity)
 
     def _draw(self, n: int) -> list[str]:
         u = self._rng.random(n)  # [n] in [0, 1)

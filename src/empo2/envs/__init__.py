@@ -1,4 +1,4 @@
-"""Text environments (ScienceWorld, WebShop) behind one protocol, and a pool that runs them in parallel.
+"""Text environments (ScienceWorld, WebShop) behind one protocol, a registry, and a pool that runs them in parallel.
 
 Heavy modules are imported lazily: ``import empo2.envs`` starts no JVM and needs no WebShop data.
 """
@@ -8,21 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from empo2.envs.base import EnvError, StepResult, TextEnv
-
-ENV_NAMES = ("scienceworld", "webshop")
+from empo2.envs.registry import EnvSpec, env_names, get_env_spec, register_env
 
 
 def make_env(name: str, **kwargs: Any) -> TextEnv:
-    """Build the environment ``name`` (``scienceworld`` or ``webshop``) with its constructor's keyword arguments."""
-    if name == "scienceworld":
-        from empo2.envs.scienceworld import ScienceWorldEnv
-
-        return ScienceWorldEnv(**kwargs)
-    if name == "webshop":
-        from empo2.envs.webshop.env import WebShopEnv
-
-        return WebShopEnv(**kwargs)
-    raise EnvError(f"unknown environment {name!r}; valid environments: {', '.join(ENV_NAMES)}")
+    """Build the registered environment ``name`` with its constructor's keyword arguments."""
+    return get_env_spec(name).factory(**kwargs)
 
 
-__all__ = ["ENV_NAMES", "EnvError", "StepResult", "TextEnv", "make_env"]
+__all__ = ["EnvError", "EnvSpec", "StepResult", "TextEnv", "env_names", "get_env_spec", "make_env", "register_env"]

@@ -40,14 +40,14 @@ def failed_step(error: str) -> StepResult:
     return StepResult("", 0.0, True, {"failed": True, "error": error, "success": False, "score": 0})
 
 
-def _worker_main(conn, env_name: str, env_kwargs: dict) -> None:
-    """Worker process: build one environment, then serve ``(method, args)`` requests until ``close`` or EOF."""
+def _worker_main(conn, factory, env_kwargs: dict) -> None:
+    """Worker process: build one environment with ``factory(**env_kwargs)`` (the registry entry's constructor, passed
+    as an importable callable so environments registered outside ``src/`` work too), then serve ``(method, args)``
+    requests until ``close`` or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes us
     logging.getLogger("py4j").setLevel(logging.CRITICAL)  # a dead JVM is reported to the parent, not logged here
-    from empo2.envs import make_env
-
     try:
-        env = make_env(env_name, **env_kwargs)
+        env = factory(**env_kwargs)
     except BaseException as exc:  # noqa: BLE001 - report everything, the parent decides
         conn.send(("env_error" if isinstance(exc, EnvError) else "crash", f"{type(exc).__name__}: {exc}"))
         return
@@ -85,7 +85,7 @@ class _Slot:
 
 
 class EnvPool:
-    """``size`` worker processes (spawn context), each hosting ``make_env(env_name, **env_kwargs)``.
+    """``size`` worker processes (spawn context), each hosting the registered environment ``env_name``.
 
     ``timeout`` bounds one request (seconds); ``start_timeout`` bounds a worker's start (JVM launch).
     """
@@ -97,6 +97,9 @@ class EnvPool:
         self.env_name, self.env_kwargs, self.size = env_name, dict(env_kwargs or {}), size
         self.timeout, self.start_timeout = timeout, start_timeout
         self.restarts = 0
+        from empo2.envs.registry import get_env_spec
+
+        self._factory = get_env_spec(env_name).factory
         self._ctx = mp.get_context("spawn")
         self._slots: list[_Slot | None] = [None] * size
         self._all_procs: list[psutil.Process] = []  # every worker/JVM ever started, for close()
@@ -212,7 +215,7 @@ class EnvPool:
 
     def _spawn(self, i: int) -> None:
         parent, child = self._ctx.Pipe()
-        process = self._ctx.Process(target=_worker_main, args=(child, self.env_name, self.env_kwargs),
+        process = self._ctx.Process(target=_worker_main, args=(child, self._factory, self.env_kwargs),
                                     name=f"empo2-env-{i}", daemon=True)
         process.start()
         child.close()

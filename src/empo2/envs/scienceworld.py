@@ -25,6 +25,7 @@ from typing import Any
 
 from empo2.envs.actions import clean_action, correct_action
 from empo2.envs.base import EnvError, StepResult
+from empo2.envs.registry import EnvSpec, register_env
 
 TASK_SETS: dict[str, list[str]] = {
     "chemistry": ["chemistry-mix", "chemistry-mix-paint-secondary-color", "chemistry-mix-paint-tertiary-color"],
@@ -123,7 +124,7 @@ class ScienceWorldEnv:
 
     def __init__(self, simplification: str = "easy", max_steps: int | None = None, action_correction: bool = True,
                  step_caps: dict[str, int] | None = None, valid_actions_in_info: bool = True,
-                 java_options: str | None = DEFAULT_JAVA_OPTIONS):
+                 java_options: str | None = DEFAULT_JAVA_OPTIONS, action_cutoff: float = 0.0):
         if shutil.which("java") is None:
             raise EnvError(f"java not found. {JAVA_HINT}")
         try:
@@ -133,6 +134,7 @@ class ScienceWorldEnv:
         self.simplification = simplification
         self.max_steps = max_steps
         self.action_correction = action_correction
+        self.action_cutoff = float(action_cutoff)
         self.step_caps = dict(step_caps or {})
         self.valid_actions_in_info = valid_actions_in_info
         unknown = [t for t in self.step_caps if t not in TASK_NAMES]
@@ -226,12 +228,14 @@ class ScienceWorldEnv:
         command = clean_action(action) if self.action_correction else str(action).strip()
         obs, completed = self._send(command)
         if self.action_correction and obs.startswith(UNPARSED):
-            fixed = correct_action(command, self.valid_actions())  # an unparsed input leaves the state unchanged
+            # an unparsed input leaves the state unchanged, so the corrected action is a fresh try
+            fixed = correct_action(command, self.valid_actions(), cutoff=self.action_cutoff)
             if fixed != command:
                 command = fixed
                 obs, completed = self._send(command)
         if obs.startswith(AMBIGUOUS):  # the simulator asks which object was meant: take the first reading
             obs, completed = self._send("0")
+        accepted = not obs.startswith(UNPARSED)
         score = self._read_score()
         reward = float(score - self._score)
         self._score = score
@@ -242,6 +246,7 @@ class ScienceWorldEnv:
         info = self._info(raw=action, action=command)
         info["success"] = bool(completed and score >= 100)
         info["truncated"] = truncated
+        info["accepted"] = accepted
         return StepResult(obs, reward, self._done, info)
 
     def _read_score(self) -> int:
@@ -374,3 +379,25 @@ def _short(text: str, limit: int = DEMO_OBS_CHARS) -> str:
     """One line, at most ``limit`` characters."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+GUIDE = (
+    "You are an agent in ScienceWorld, a text simulation of science experiments. Reach the goal of the task.\n"
+    "Actions: look around | look at OBJ | open OBJ | close OBJ | go to LOC | pick up OBJ | put OBJ in OBJ | "
+    "move OBJ to OBJ | focus on OBJ | activate OBJ | deactivate OBJ | use OBJ on OBJ | connect OBJ to OBJ | "
+    "pour OBJ in OBJ | mix OBJ | read OBJ | wait | inventory | teleport to LOC.\n"
+    "Focusing on a wrong object fails the task: only focus on the objects the task names.\n"
+    "Answer with exactly one action on one line, nothing else."
+)
+
+
+def _env_kwargs(cfg) -> dict:
+    # The per-step valid-action list is most of a step's cost and rollouts do not show it to the model; the
+    # corrector still fetches it when the simulator rejects an action.
+    return {"simplification": cfg.simplification, "max_steps": cfg.max_steps,
+            "action_correction": cfg.action_correction, "action_cutoff": cfg.action_cutoff,
+            "step_caps": cfg.step_caps, "valid_actions_in_info": False}
+
+
+register_env(EnvSpec("scienceworld", factory=ScienceWorldEnv, kwargs=_env_kwargs, guide=GUIDE,
+                     tasks=lambda cfg: expand_tasks(cfg.tasks)))

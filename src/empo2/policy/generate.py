@@ -31,8 +31,13 @@ def generate_batch(
     top_p: float = 1.0,
     greedy: bool = False,
     generator_seed: int | None = None,
+    top_k: int = 0,
 ) -> list[Generation]:
-    """Generate one completion per prompt (token-id lists), all in one batched call."""
+    """Generate one completion per prompt (token-id lists), all in one batched call.
+
+    Only the sampling settings given here apply: the model's own generation defaults (a repetition penalty, top-k,
+    n-gram blocking — Qwen2.5-Instruct ships some) are overridden, so the sampled distribution is the tempered
+    policy whose log-probs the update uses."""
     if not prompts:
         return []
     device = next(model.parameters()).device
@@ -46,7 +51,9 @@ def generate_batch(
     if generator_seed is not None:
         torch.manual_seed(generator_seed)
     do_sample = not greedy and temperature > 0
-    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if do_sample else dict(do_sample=False)
+    sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample \
+        else dict(do_sample=False)
+    neutral = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
     out = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
@@ -57,6 +64,7 @@ def generate_batch(
         output_logits=True,
         use_cache=True,
         **sampling,
+        **neutral,
     )
     new_tokens = out.sequences[:, width:]  # [B, N]
     logits = torch.stack(out.logits, dim=1).float()  # [B, N, V] raw logits

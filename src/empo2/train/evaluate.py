@@ -42,27 +42,36 @@ def evaluate(
         if mine:
             per_task[task] = {"episodes": len(mine), "score_mean": float(np.mean([e.score for e in mine])),
                               "success_rate": float(np.mean([e.success for e in mine])),
-                              "steps_mean": float(np.mean([len(e.steps) for e in mine]))}
+                              "steps_mean": float(np.mean([len(e.steps) for e in mine])),
+                              "accepted_rate": _accepted(mine)}
     scores = [ep.score for ep in episodes]
     return {
         "split": split, "with_memory": with_memory, "temperature": temperature,
         "summary": {"episodes": len(episodes), "score_mean": float(np.mean(scores)) if scores else 0.0,
                     "success_rate": float(np.mean([e.success for e in episodes])) if episodes else 0.0,
-                    "failed_episodes": sum(e.failed for e in episodes)},
+                    "failed_episodes": sum(e.failed for e in episodes), "accepted_rate": _accepted(episodes)},
         "per_task": per_task,
         "episodes": [ep.summary() for ep in episodes],
     }
 
 
+def _accepted(episodes) -> float:
+    """Fraction of the episodes' actions that the environment accepted."""
+    flags = [s.accepted for e in episodes for s in e.steps]
+    return float(np.mean(flags)) if flags else 1.0
+
+
 def markdown_table(result: dict[str, Any], label: str) -> str:
     mem = "with memory" if result["with_memory"] else "no memory"
     lines = [f"### {label} — {result['split']} split, {mem}, temperature {result['temperature']}", "",
-             "| task | episodes | mean score | success rate | mean steps |", "|---|---:|---:|---:|---:|"]
+             "| task | episodes | mean score | success rate | mean steps | actions accepted |",
+             "|---|---:|---:|---:|---:|---:|"]
     for task, row in result["per_task"].items():
         lines.append(f"| {task} | {row['episodes']} | {row['score_mean']:.1f} | {row['success_rate']:.2f} | "
-                     f"{row['steps_mean']:.1f} |")
+                     f"{row['steps_mean']:.1f} | {row['accepted_rate']:.0%} |")
     s = result["summary"]
-    lines.append(f"| **all** | {s['episodes']} | **{s['score_mean']:.1f}** | **{s['success_rate']:.2f}** | |")
+    lines.append(f"| **all** | {s['episodes']} | **{s['score_mean']:.1f}** | **{s['success_rate']:.2f}** | | "
+                 f"{s['accepted_rate']:.0%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -6,14 +6,15 @@ A trajectory is plain data (:class:`Episode` of :class:`Step`) that the update, 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 from empo2.agent.prompts import PromptParts, parse_action, render_prompt_ids
 from empo2.agent.reflection import parse_tip, reflection_messages
-from empo2.policy.generate import generate_batch
+from empo2.policy.generate import Generation, generate_batch
 
 MEMORY_MODES = ("on_tips", "off_tips")
 
@@ -32,12 +33,14 @@ class Step:
     observation: str
     reward: float
     state_text: str
-    """Task + the observation the action answered: the retrieval query and the key of tips about this state."""
+    """The observation the action answered (:func:`state_text`): the retrieval query and a tip's key."""
     state_embedding: np.ndarray | None = None
     """Embedding of ``state_text`` where one was computed (memory rollouts embed every state to retrieve)."""
     tip_ids: list[int] = field(default_factory=list)
     tips: list[str] = field(default_factory=list)
     intrinsic: float = 0.0
+    accepted: bool = True
+    """Whether the environment accepted the action (after correction)."""
 
 
 @dataclass
@@ -60,9 +63,17 @@ class Episode:
     def extrinsic_return(self) -> float:
         return float(sum(s.reward for s in self.steps))
 
+    def intrinsic_return(self, aggregation: str = "mean") -> float:
+        """The episode's novelty reward: mean over its steps (a long episode is not paid for its length) or sum."""
+        values = [s.intrinsic for s in self.steps]
+        if not values:
+            return 0.0
+        return float(np.mean(values) if aggregation == "mean" else np.sum(values))
+
     @property
-    def intrinsic_return(self) -> float:
-        return float(sum(s.intrinsic for s in self.steps))
+    def accepted_rate(self) -> float:
+        """Fraction of this episode's actions the environment accepted."""
+        return float(np.mean([s.accepted for s in self.steps])) if self.steps else 1.0
 
     def summary(self) -> dict[str, Any]:
         return {"task": self.task, "variation": self.variation, "mode": self.mode, "score": self.score,
@@ -73,12 +84,15 @@ def namespace_of(task: str, variation: int, scheme: str) -> str:
     return f"{task}#{variation}" if scheme == "task_variation" else task
 
 
-def state_text(task_description: str, observation: str) -> str:
-    """The retrieval/novelty key of a state: task + current observation (never a fixed instruction prefix)."""
-    return f"{task_description.strip()}\n{observation.strip()}"[:1000]
+def state_text(observation: str) -> str:
+    """The key of a state for retrieval, tips and novelty: the observation alone. Memory and novelty are already
+    namespaced by task, and a key that also held the task description made every state of a task look alike
+    (cosine 0.94–0.99), so retrieval fell back to ranking ties."""
+    return " ".join(observation.split())[:1000]
 
 
-def _hints(info: dict[str, Any]) -> str:
+def hints_text(info: dict[str, Any]) -> str:
+    """Environment facts shown beside the observation (ScienceWorld: the allowed focus targets, the inventory)."""
     parts = []
     if info.get("focus_targets"):
         parts.append("Objects you may focus on: " + ", ".join(info["focus_targets"]))
@@ -100,6 +114,22 @@ class RolloutContext:
     policy_cfg: Any
     memory_cfg: Any
     step_counter: int = 0
+    """Environment steps taken so far (all episodes); tips record it as their creation/use time. Checkpointed."""
+
+
+ActionSource = Callable[[RolloutContext, list[int], list[Episode], list[list[int]]], list[Generation]]
+"""``(ctx, worker index per active row, episode per active row, prompt ids per row) -> one Generation per row``."""
+
+
+def model_actions(temperature: float, greedy: bool = False) -> ActionSource:
+    """The policy as the action source: one batched generation for all active rows."""
+
+    def act(ctx: RolloutContext, active: list[int], episodes: list[Episode], prompts: list[list[int]]) -> list[Generation]:
+        pcfg = ctx.policy_cfg
+        return generate_batch(ctx.model, ctx.tokenizer, prompts, pcfg.max_completion_length, temperature=temperature,
+                              top_p=pcfg.top_p, top_k=pcfg.top_k, greedy=greedy)
+
+    return act
 
 
 def run_episodes(
@@ -109,18 +139,56 @@ def run_episodes(
     greedy: bool = False,
     reflect: bool | None = None,
     progress=None,
+    actions: ActionSource | None = None,
+    on_step: Callable[[Episode], None] | None = None,
 ) -> tuple[list[Episode], dict[str, float]]:
     """Play ``specs`` = [(task, variation, group, mode)] to the end in parallel; pool size must be ≥ len(specs).
 
-    In memory modes each step retrieves tips for the current state. At the end each episode reflects into memory when
-    ``reflect`` (default: memory mode, or ``memory.reflect_in_on_mode``). Returns episodes and timing/token stats.
+    Each step: retrieve tips (memory modes) → render prompts → generate (or ask ``actions``) → step the environments.
+    At the end each episode reflects into memory when ``reflect`` (default: memory mode, or
+    ``memory.reflect_in_on_mode``). ``on_step(episode)`` is called after each step (``empo2 play`` prints with it).
+    Returns the episodes and timing/token stats.
     """
-    pcfg, mcfg = ctx.policy_cfg, ctx.memory_cfg
+    actions = actions or model_actions(temperature, greedy)
     stats = {"gen_time": 0.0, "env_time": 0.0, "memory_time": 0.0, "gen_tokens": 0, "prompt_tokens": 0,
              "long_prompts": 0}
     episodes = [Episode(task=t, variation=v, group=g, mode=m) for t, v, g, m in specs]
-    parts: dict[int, PromptParts] = {}
+    with _timed(stats, "env_time"):
+        parts = _reset(ctx, episodes)
+    while active := [i for i, ep in enumerate(episodes) if not ep.done]:
+        with _timed(stats, "memory_time"):
+            keys, tips, embs = _retrieve(ctx, episodes, parts, active)
+        prompts, train_prompts = _render(ctx, episodes, parts, active, tips, stats)
+        with _timed(stats, "gen_time"):
+            gens = actions(ctx, active, [episodes[i] for i in active], prompts)
+        stats["gen_tokens"] += sum(len(g.ids) for g in gens)
+        stats["prompt_tokens"] += sum(len(p) for p in prompts)
+        with _timed(stats, "env_time"):
+            _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips, embs)
+        for i in active:
+            if on_step is not None:
+                on_step(episodes[i])
+        if progress is not None:
+            progress(sum(ep.done for ep in episodes), len(episodes))
+    if ctx.memory is not None:
+        with _timed(stats, "memory_time"):
+            _reflect_and_update(ctx, episodes, reflect)
+    return episodes, stats
+
+
+@contextmanager
+def _timed(stats: dict[str, float], key: str):
     t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        stats[key] += time.perf_counter() - t0
+
+
+def _reset(ctx: RolloutContext, episodes: list[Episode]) -> dict[int, PromptParts]:
+    """Reset every episode's worker; fetch its task description and demonstration. Failed resets end the episode."""
+    pcfg = ctx.policy_cfg
+    parts: dict[int, PromptParts] = {}
     resets = ctx.pool.reset([(i, ep.task, ep.variation) for i, ep in enumerate(episodes)])
     for i, ep in enumerate(episodes):
         res = resets[i]
@@ -131,90 +199,76 @@ def run_episodes(
         ep.task_description = info.get("task_description") or ctx.pool.call(i, "task_description")
         demo = ctx.pool.call(i, "demonstration", ep.task, ep.variation, pcfg.few_shot) if pcfg.few_shot > 0 else ""
         parts[i] = PromptParts(env=ctx.env_name, task=ep.task_description, observation=obs, initial_observation=obs,
-                               demonstration=demo,
-                               hints=_hints(info))
-    stats["env_time"] += time.perf_counter() - t0
+                               demonstration=demo, hints=hints_text(info))
+    return parts
 
-    while True:
-        active = [i for i, ep in enumerate(episodes) if not ep.done]
-        if not active:
-            break
-        t0 = time.perf_counter()
-        keys = [state_text(episodes[i].task_description, parts[i].observation) for i in active]
-        tips_by_row: list[list[Any]] = [[] for _ in active]
-        embs_by_row: list[np.ndarray | None] = [None] * len(active)
-        mem_rows = [r for r, i in enumerate(active) if episodes[i].mode in MEMORY_MODES]
-        if ctx.memory is not None and mem_rows and mcfg.top_k_tips > 0:
-            query_embs = ctx.embedder.encode([keys[r] for r in mem_rows])  # only memory rollouts need the embedding
-            for r, emb in zip(mem_rows, query_embs):
-                embs_by_row[r] = emb
-            found = ctx.memory.retrieve(
-                [namespace_of(episodes[active[r]].task, episodes[active[r]].variation, mcfg.namespace) for r in mem_rows],
-                query_embs, k=mcfg.top_k_tips, threshold=mcfg.similarity_threshold,
-                score_weight=mcfg.rerank_score_weight, utility_weight=mcfg.rerank_utility_weight,
-            )
-            for r, tips in zip(mem_rows, found):
-                tips_by_row[r] = tips
-        stats["memory_time"] += time.perf_counter() - t0
 
-        prompts, train_prompts = [], []
-        for r, i in enumerate(active):
-            p = parts[i]
-            p.tips = tuple(t.text for t in tips_by_row[r])
-            ids = render_prompt_ids(ctx.tokenizer, p, pcfg.history_window, pcfg.max_prompt_length)
-            stats["long_prompts"] += len(ids) > pcfg.max_prompt_length
-            prompts.append(ids)
-            if episodes[i].mode == "off_tips" and p.tips:
-                train_prompts.append(render_prompt_ids(ctx.tokenizer, p.without_tips(), pcfg.history_window,
-                                                       pcfg.max_prompt_length))
-            else:
-                train_prompts.append(ids)
-        t0 = time.perf_counter()
-        gens = generate_batch(ctx.model, ctx.tokenizer, prompts, pcfg.max_completion_length,
-                              temperature=temperature, top_p=pcfg.top_p, greedy=greedy)
-        stats["gen_time"] += time.perf_counter() - t0
-        stats["gen_tokens"] += sum(len(g.ids) for g in gens)
-        stats["prompt_tokens"] += sum(len(p) for p in prompts)
+def _retrieve(ctx: RolloutContext, episodes: list[Episode], parts: dict[int, PromptParts], active: list[int]):
+    """State keys of the active rows; for memory-mode rows also their embeddings and the retrieved tips."""
+    mcfg = ctx.memory_cfg
+    keys = [state_text(parts[i].observation) for i in active]
+    tips: list[list[Any]] = [[] for _ in active]
+    embs: list[np.ndarray | None] = [None] * len(active)
+    rows = [r for r, i in enumerate(active) if episodes[i].mode in MEMORY_MODES]
+    if ctx.memory is None or not rows or mcfg.top_k_tips <= 0:
+        return keys, tips, embs
+    query = ctx.embedder.encode([keys[r] for r in rows])  # only memory rollouts need the embedding
+    found = ctx.memory.retrieve(
+        [namespace_of(episodes[active[r]].task, episodes[active[r]].variation, mcfg.namespace) for r in rows],
+        query, k=mcfg.top_k_tips, threshold=mcfg.similarity_threshold,
+        score_weight=mcfg.rerank_score_weight, utility_weight=mcfg.rerank_utility_weight,
+    )
+    for r, emb, row_tips in zip(rows, query, found):
+        embs[r], tips[r] = emb, row_tips
+    return keys, tips, embs
 
-        t0 = time.perf_counter()
-        raw_actions = {i: parse_action(g.text) for i, g in zip(active, gens)}
-        results = ctx.pool.step(raw_actions)
-        stats["env_time"] += time.perf_counter() - t0
-        ctx.step_counter += 1
-        for r, (i, gen) in enumerate(zip(active, gens)):
-            ep, res = episodes[i], results[i]
-            info = res.info
-            tips = tips_by_row[r]
-            ep.steps.append(Step(
-                prompt_ids=prompts[r], train_prompt_ids=train_prompts[r], response_ids=gen.ids,
-                logp_old=gen.logprobs, raw_action=raw_actions[i], action=info.get("action", raw_actions[i]),
-                observation=res.observation, reward=float(res.reward), state_text=keys[r],
-                state_embedding=embs_by_row[r],
-                tip_ids=[t.id for t in tips], tips=[t.text for t in tips],
-            ))
-            if info.get("failed"):
-                ep.failed, ep.error = True, str(info.get("error", "environment failure"))
-            ep.score = float(info.get("score", ep.score))
-            ep.success = bool(info.get("success", False))
-            parts[i].history.append((ep.steps[-1].action, res.observation))
-            parts[i].observation = res.observation
-            if info.get("inventory") or info.get("focus_targets"):
-                parts[i].hints = _hints(info)
-            if res.done:
-                ep.done = True
-        if progress is not None:
-            progress(sum(ep.done for ep in episodes), len(episodes))
 
-    if ctx.memory is not None:
-        t0 = time.perf_counter()
-        _reflect_and_update(ctx, episodes, reflect)
-        stats["memory_time"] += time.perf_counter() - t0
-    return episodes, stats
+def _render(ctx, episodes, parts, active, tips, stats) -> tuple[list[list[int]], list[list[int]]]:
+    """Rollout prompts (with tips in memory modes) and training prompts (tip-free for ``off_tips``), from parts."""
+    pcfg = ctx.policy_cfg
+    if ctx.tokenizer is None:  # a scripted action source (``empo2 play --policy gold``) needs no prompts
+        return [[] for _ in active], [[] for _ in active]
+    prompts, train_prompts = [], []
+    for r, i in enumerate(active):
+        p = parts[i]
+        p.tips = tuple(t.text for t in tips[r])
+        ids = render_prompt_ids(ctx.tokenizer, p, pcfg.history_window, pcfg.max_prompt_length)
+        stats["long_prompts"] += len(ids) > pcfg.max_prompt_length
+        prompts.append(ids)
+        if episodes[i].mode == "off_tips" and p.tips:
+            ids = render_prompt_ids(ctx.tokenizer, p.without_tips(), pcfg.history_window, pcfg.max_prompt_length)
+        train_prompts.append(ids)
+    return prompts, train_prompts
+
+
+def _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips, embs) -> None:
+    """Send every active row's action to its worker at once; record the steps and advance the prompt parts."""
+    raw_actions = {i: parse_action(g.text) for i, g in zip(active, gens)}
+    results = ctx.pool.step(raw_actions)
+    ctx.step_counter += 1
+    for r, (i, gen) in enumerate(zip(active, gens)):
+        ep, res = episodes[i], results[i]
+        info = res.info
+        ep.steps.append(Step(
+            prompt_ids=prompts[r], train_prompt_ids=train_prompts[r], response_ids=gen.ids,
+            logp_old=gen.logprobs, raw_action=raw_actions[i], action=info.get("action", raw_actions[i]),
+            observation=res.observation, reward=float(res.reward), state_text=keys[r], state_embedding=embs[r],
+            tip_ids=[t.id for t in tips[r]], tips=[t.text for t in tips[r]], accepted=bool(info.get("accepted", True)),
+        ))
+        if info.get("failed"):
+            ep.failed, ep.error = True, str(info.get("error", "environment failure"))
+        ep.score = float(info.get("score", ep.score))
+        ep.success = bool(info.get("success", False))
+        parts[i].history.append((ep.steps[-1].action, res.observation))
+        parts[i].observation = res.observation
+        if info.get("inventory") or info.get("focus_targets"):
+            parts[i].hints = hints_text(info)
+        ep.done = ep.done or res.done
 
 
 def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: bool | None) -> None:
     """Each finished episode writes one tip (batched generation) and updates the utility of the tips it used."""
-    mcfg, pcfg = ctx.memory_cfg, ctx.policy_cfg
+    mcfg = ctx.memory_cfg
     for ep in episodes:
         used = sorted({tid for s in ep.steps for tid in s.tip_ids})
         if used:
@@ -224,26 +278,17 @@ def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: b
         reflect if reflect is not None else (ep.mode in MEMORY_MODES or mcfg.reflect_in_on_mode))]
     if not writers:
         return
-    prompts = []
-    for ep in writers:
-        messages = reflection_messages(ep.task_description, [(s.action, s.observation) for s in ep.steps], ep.score,
-                                       max_words=mcfg.max_tip_words)
-        ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    gens = generate_batch(ctx.model, ctx.tokenizer, prompts, pcfg.reflection_max_tokens, temperature=0.7,
-                          top_p=pcfg.top_p)
-    tips = [parse_tip(g.text) for g in gens]
-    # The key of a tip is the state it is about: the episode's first state (task + initial observation), which is
-    # what later episodes of the same task see when they start and retrieve.
-    first = [ep.steps[0] for ep in writers]
-    missing = [s for s in first if s.state_embedding is None]
+    tips = write_tips(ctx, writers)
+    # A tip's key is the state it is about: the state of the episode's last action, where it ended or went wrong.
+    # (Keying every tip by the episode's first state made all keys of a task identical, so retrieval could not rank.)
+    last = [ep.steps[-1] for ep in writers]
+    missing = [s for s in last if s.state_embedding is None]
     for s, emb in zip(missing, ctx.embedder.encode([s.state_text for s in missing])):
         s.state_embedding = emb
-    key_embs = [s.state_embedding for s in first]
     tip_embs = ctx.embedder.encode([t or " " for t in tips])
-    for ep, tip, key, temb in zip(writers, tips, key_embs, tip_embs):
+    for ep, tip, key, temb in zip(writers, tips, last, tip_embs):
         result = ctx.memory.add(
-            namespace_of(ep.task, ep.variation, mcfg.namespace), tip, key, key_text=ep.steps[0].state_text,
+            namespace_of(ep.task, ep.variation, mcfg.namespace), tip, key.state_embedding, key_text=key.state_text,
             score=ep.score, step=ctx.step_counter,
             context_texts=[ep.task_description] + [s.observation for s in ep.steps[-3:]], tip_embedding=temb,
         )
@@ -253,6 +298,20 @@ def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: b
             ep.tip_rejected = result.reason
 
 
+def write_tips(ctx: RolloutContext, episodes: list[Episode]) -> list[str]:
+    """One reflection per episode, in one batched generation (``policy.reflection_temperature``)."""
+    pcfg = ctx.policy_cfg
+    prompts = []
+    for ep in episodes:
+        messages = reflection_messages(ep.task_description, [(s.action, s.observation) for s in ep.steps], ep.score,
+                                       max_words=ctx.memory_cfg.max_tip_words)
+        ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    gens = generate_batch(ctx.model, ctx.tokenizer, prompts, pcfg.reflection_max_tokens,
+                          temperature=pcfg.reflection_temperature, top_p=pcfg.top_p, top_k=pcfg.top_k)
+    return [parse_tip(g.text) for g in gens]
+
+
 def episode_record(ep: Episode, tokenizer, max_steps: int = 50) -> dict[str, Any]:
     """A JSON-able sample of an episode for ``trajectories.jsonl``: prompts as text, actions, rewards, tips."""
     return {
@@ -260,17 +319,18 @@ def episode_record(ep: Episode, tokenizer, max_steps: int = 50) -> dict[str, Any
         "tip_rejected": ep.tip_rejected, "error": ep.error,
         "steps": [{
             "prompt": tokenizer.decode(s.prompt_ids), "raw_action": s.raw_action, "action": s.action,
-            "observation": s.observation, "reward": s.reward, "intrinsic": s.intrinsic, "tips": s.tips,
+            "accepted": s.accepted, "observation": s.observation, "reward": s.reward, "intrinsic": s.intrinsic,
+            "tips": s.tips,
         } for s in ep.steps[:max_steps]],
     }
 
 
 def novelty_rewards(novelty, embedder, episodes: list[Episode]) -> None:
-    """Fill ``Step.intrinsic`` with the novelty reward of the state each step reached (1/n for the n-th visit)."""
-    steps = [s for ep in episodes for s in ep.steps]
+    """Fill ``Step.intrinsic`` with the novelty reward of the state each step reached, within its task's namespace
+    (1/(n+1) for a state visited n times before this batch; see :mod:`empo2.memory.novelty`)."""
+    steps = [(ep.task, s) for ep in episodes for s in ep.steps]
     if not steps:
         return
-    texts = [state_text(ep.task_description, s.observation) for ep in episodes for s in ep.steps]
-    rewards = novelty.reward(embedder.encode(texts))
-    for s, r in zip(steps, np.asarray(rewards, dtype=np.float64)):
+    rewards = novelty.reward(embedder.encode([state_text(s.observation) for _, s in steps]), [t for t, _ in steps])
+    for (_, s), r in zip(steps, np.asarray(rewards, dtype=np.float64)):
         s.intrinsic = float(r)

@@ -32,6 +32,7 @@ from empo2.train import checkpoint as ckpt
 from empo2.train.evaluate import evaluate, write_eval_tables
 from empo2.train.metrics import MetricsLog, plot_run
 from empo2.train.rollout import Episode, RolloutContext, episode_record, novelty_rewards, run_episodes
+from empo2.train.rows import UpdateRow, update_rows
 
 log = logging.getLogger("empo2.train")
 
@@ -58,7 +59,8 @@ class TaskSampler:
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console=None):
         self.cfg, self.run_dir, self.console = cfg, Path(run_dir), console
-        self.use_memory = cfg.algo.name == "empo2"
+        self.algorithm = cfg.algorithm  # the registry entry: memory use, modes, loss, estimator
+        self.use_memory = self.algorithm.uses_memory
         seed = cfg.train.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
 
@@ -69,7 +71,7 @@ class Trainer:
             lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay,
         )
         self.embedder = get_embedder(cfg.memory.embedder)
-        self.loss_fn = get_policy_loss(cfg.algo.name)
+        self.loss_fn = get_policy_loss(self.algorithm.loss)
 
         names = resolve_tasks(cfg.env)
         env_kwargs = make_env_kwargs(cfg.env)
@@ -81,17 +83,19 @@ class Trainer:
             train_vars[name] = list(variations[: cfg.env.train_variations]) or list(variations[:1])
         self.task_names = names
         self.task_sampler = TaskSampler(train_vars, seed)
-        self.mode_sampler = ModeSampler(cfg.mode_probs, seed=seed, granularity=cfg.algo.mode_granularity)
+        self.mode_sampler = ModeSampler(self.algorithm.modes(cfg.algo), seed=seed,
+                                        granularity=cfg.algo.mode_granularity)
         self.novelty = NoveltyReward(cfg.algo.novelty_threshold)
         self.run_dir.mkdir(parents=True, exist_ok=True)  # only now: a bad task/model/Java error writes nothing
         self.memory = self._open_memory(resume) if self.use_memory else None
         self.metrics = MetricsLog(self.run_dir, cfg.train.tensorboard)
         self.start_iteration = 0
         self.zero_adv_streak = 0
+        self.resumed_step_counter = 0
         if resume:
             self._restore()
         self.ctx = RolloutContext(self.model, self.tokenizer, self.pool, self.embedder, self.memory, cfg.env.name,
-                                  cfg.policy, cfg.memory)
+                                  cfg.policy, cfg.memory, step_counter=self.resumed_step_counter)
 
     # ----------------------------------------------------------------------------------------------- setup
     def _adapt(self, model):
@@ -131,6 +135,7 @@ class Trainer:
         self.mode_sampler.load_state_dict(state["mode_sampler"])
         self.novelty.load_state_dict(state["novelty"])
         self.zero_adv_streak = state.get("zero_adv_streak", 0)
+        self.resumed_step_counter = state.get("step_counter", 0)
         ckpt.set_rng_state(state["rng"])
         self.start_iteration = state["iteration"] + 1
         self.metrics.truncate_after(state["iteration"])
@@ -188,11 +193,13 @@ class Trainer:
         if w > 0:
             novelty_rewards(self.novelty, self.embedder, episodes)
         ok = [ep for ep in episodes if not ep.failed]
-        returns = combine_returns([ep.extrinsic_return for ep in ok], [ep.intrinsic_return for ep in ok], w)
-        adv, adv_metrics = compute_advantages(cfg.algo.advantage, returns, [ep.group for ep in ok],
+        intrinsic = [ep.intrinsic_return(cfg.algo.intrinsic_aggregation) for ep in ok]
+        returns = combine_returns([ep.extrinsic_return for ep in ok], intrinsic, w)
+        adv, adv_metrics = compute_advantages(self.algorithm.estimator(cfg.algo), returns, [ep.group for ep in ok],
                                               scale_rewards=cfg.algo.scale_rewards, eps=cfg.algo.adv_eps)
         t0 = time.perf_counter()
-        loss_metrics = self.update(ok, adv.tolist(), progress)
+        rows = update_rows(ok, [[a] * len(ep.steps) for ep, a in zip(ok, adv.tolist())])
+        loss_metrics = self.update(rows, progress) if self.algorithm.updates_weights else {}
         t_update = time.perf_counter() - t0
 
         self.zero_adv_streak = self.zero_adv_streak + 1 if adv_metrics["zero_adv_groups"] == adv_metrics["groups"] \
@@ -201,6 +208,10 @@ class Trainer:
             self._say(f"[warning] {self.zero_adv_streak} iterations in a row with zero advantage in every group: "
                       "no learning signal (all rollouts of each task scored the same). Consider more generations, "
                       "easier tasks, memory rollouts or the intrinsic reward.")
+        accepted = _mean([s.accepted for ep in episodes for s in ep.steps])
+        if accepted < 0.5:
+            self._say(f"[warning] only {accepted:.0%} of this iteration's actions were accepted by the environment: "
+                      "the agent hardly acts, so returns carry little signal (see env.action_cutoff).")
         self._write_samples(it, episodes)
         mem_size = self.memory.stats()["tips"] if self.memory is not None else 0
         scores = [ep.score for ep in episodes]
@@ -212,7 +223,7 @@ class Trainer:
             "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
                       "success_rate": float(np.mean([ep.success for ep in episodes])),
                       "return_mean": float(np.mean(returns)) if len(ok) else 0.0,
-                      "intrinsic_mean": float(np.mean([ep.intrinsic_return for ep in ok])) if ok else 0.0,
+                      "intrinsic_mean": _mean(intrinsic), "accepted_rate": accepted,
                       "intrinsic_weight": w, "failed_episodes": len(episodes) - len(ok),
                       "steps_mean": float(np.mean([len(ep.steps) for ep in episodes]))},
             "advantage": adv_metrics,
@@ -229,77 +240,72 @@ class Trainer:
         }
 
     # ----------------------------------------------------------------------------------------------- update
-    def update(self, episodes: list[Episode], advantages: list[float], progress=None) -> dict[str, float]:
-        """PPO epochs over token-budgeted micro-batches; one optimizer step per ``gradient_accumulation_steps``."""
+    def update(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
+        """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
+        ``mini_batch_size`` rows (0 = all), one optimizer step per mini-batch, each normalised by its own tokens.
+        A mini-batch is processed in token-budgeted micro-batches whose gradients add up to the mini-batch's."""
         cfg, model = self.cfg, self.model
-        rows = []  # (train_prompt, response, logp_old, advantage, mode, behaviour_prompt)
-        for ep, a in zip(episodes, advantages):
-            if a == 0.0 and cfg.algo.beta == 0:
-                continue  # zero advantage and no KL term: the row's loss and gradient are exactly zero
-            for s in ep.steps:
-                if s.response_ids:
-                    rows.append((s.train_prompt_ids, s.response_ids, s.logp_old, a, ep.mode, s.prompt_ids))
+        rows = [r for r in rows if r.advantage != 0.0 or cfg.algo.beta > 0]  # else loss and gradient are exactly 0
         if not rows:
             return {"rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0}
-        total_tokens = sum(len(r[1]) for r in rows)
         if cfg.algo.off_policy_ratio == "tip_free":
-            rows = self._tip_free_old_logp(rows)
+            self._tip_free_old_logp(rows)
         model.train()
         sums: Counter = Counter()
         n_mb = steps = skipped = 0
-        for epoch in range(cfg.train.ppo_epochs):
+        size = cfg.train.mini_batch_size or len(rows)
+        for _ in range(cfg.train.num_iterations):
             order = list(range(len(rows)))
             random.shuffle(order)
-            batches = _token_batches([rows[i] for i in order], cfg.train.micro_batch_tokens)
-            per_step = cfg.train.gradient_accumulation_steps or len(batches)
-            self.optimizer.zero_grad(set_to_none=True)
-            bad = False
-            for b, batch in enumerate(batches):
-                metrics, ok = self._backward(batch, total_tokens, len(rows))
-                bad |= not ok
-                for k, v in metrics.items():
-                    sums[k] += v
-                n_mb += 1
+            minis = [[rows[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
+            for m, mini in enumerate(minis):
+                ok = True
+                for batch in _token_batches(mini, cfg.train.micro_batch_tokens):
+                    metrics, batch_ok = self._backward(batch, mini)
+                    ok &= batch_ok
+                    sums.update(metrics)
+                    n_mb += 1
+                if self._step(inputs_ok=ok):
+                    steps += 1
+                else:
+                    skipped += 1
                 if progress:
-                    progress("update", b + 1, len(batches))
-                if (b + 1) % per_step == 0 or b + 1 == len(batches):
-                    if self._step(inputs_ok=not bad):
-                        steps += 1
-                    else:
-                        skipped += 1
-                    bad = False
+                    progress("update", m + 1, len(minis))
         model.eval()
         out = {k: v / max(n_mb, 1) for k, v in sums.items()}
-        processed = sum(len(r[0]) + len(r[1]) for r in rows) * cfg.train.ppo_epochs  # prompt + response tokens
-        out.update(rows=len(rows), response_tokens=total_tokens, tokens=processed, optimizer_steps=steps,
-                   skipped_steps=skipped)
+        processed = sum(len(r.train_prompt) + len(r.response) for r in rows) * cfg.train.num_iterations
+        out.update(rows=len(rows), response_tokens=sum(len(r.response) for r in rows), tokens=processed,
+                   optimizer_steps=steps, skipped_steps=skipped)
         return out
 
-    def _backward(self, batch, total_tokens: int, total_rows: int) -> tuple[dict[str, float], bool]:
+    def _backward(self, batch: list[UpdateRow], mini: list[UpdateRow]) -> tuple[dict[str, float], bool]:
+        """Loss and backward of one micro-batch, weighted by its share of the mini-batch ``mini``."""
         cfg = self.cfg
-        prompts = [r[0] for r in batch]
-        responses = [r[1] for r in batch]
+        prompts = [r.train_prompt for r in batch]
+        responses = [r.response for r in batch]
         logp_new, mask = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
-        logp_old = _pad([r[2] for r in batch], logp_new.shape[1])
-        adv = torch.tensor([r[3] for r in batch], dtype=torch.float32)
-        modes = [r[4] for r in batch]
+        logp_old = _pad([r.logp_old for r in batch], logp_new.shape[1]).to(logp_new.device)
+        adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=logp_new.device)
         logp_ref = None
         if cfg.algo.beta > 0:
             with torch.no_grad(), self._reference():
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
         loss, metrics = self.loss_fn(
-            logp_new, logp_old.to(logp_new.device), adv.to(logp_new.device), mask, logp_ref=logp_ref, modes=modes,
+            logp_new, logp_old, adv, mask, logp_ref=logp_ref, modes=[r.mode for r in batch],
             epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, dual_clip=cfg.algo.dual_clip,
             delta=cfg.algo.delta, mask_granularity=cfg.algo.mask_granularity, beta=cfg.algo.beta,
-            aggregation=cfg.algo.loss_aggregation,
+            aggregation=cfg.algo.loss_type,
         )
-        # The loss is a mean inside the micro-batch; weight it by its share so the sum over micro-batches equals
-        # the mean over the whole iteration (token-mean: share of tokens; sequence-mean: share of rows).
-        share = (mask.sum().item() / total_tokens) if cfg.algo.loss_aggregation == "token_mean" \
-            else len(batch) / total_rows
-        if metrics.get("skipped", 0.0) == 0.0:
+        # The loss is a mean inside the micro-batch; weight it by its share so the micro-batches of a mini-batch add
+        # up to the mean over the mini-batch (token_mean: share of tokens; sequence_mean: share of rows).
+        if cfg.algo.loss_type == "token_mean":
+            share = mask.sum().item() / max(sum(len(r.response) for r in mini), 1)
+        else:
+            share = len(batch) / len(mini)
+        ok = metrics.get("skipped", 0.0) == 0.0
+        if ok:
             (loss * share).backward()
-        return metrics, metrics.get("skipped", 0.0) == 0.0
+        return metrics, ok
 
     def _step(self, inputs_ok: bool) -> bool:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -320,16 +326,13 @@ class Trainer:
         raise RuntimeError("algo.beta > 0 with full fine-tuning needs a reference copy; use policy.lora=true")
 
     @torch.no_grad()
-    def _tip_free_old_logp(self, rows):
+    def _tip_free_old_logp(self, rows: list[UpdateRow]) -> None:
         """Pre-release variant: recompute off_tips rows' old log-probs on the tip-free prompt before the update."""
-        out = []
         for r in rows:
-            if r[4] == "off_tips":
-                lp, _ = response_logprobs(self.model, [r[0]], [r[1]], self.tokenizer.pad_token_id)
-                new_old = behaviour_logp_for_ratio("off_tips", torch.tensor(r[2]), lp[0], variant="tip_free")
-                r = (r[0], r[1], new_old.tolist(), r[3], r[4], r[5])
-            out.append(r)
-        return out
+            if r.mode == "off_tips":
+                lp, _ = response_logprobs(self.model, [r.train_prompt], [r.response], self.tokenizer.pad_token_id)
+                r.logp_old = behaviour_logp_for_ratio("off_tips", torch.tensor(r.logp_old), lp[0],
+                                                      variant="tip_free").tolist()
 
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False) -> dict[str, Any]:
@@ -343,6 +346,7 @@ class Trainer:
     def save(self, it: int) -> Path:
         state = {"task_sampler": self.task_sampler.state_dict(), "mode_sampler": self.mode_sampler.state_dict(),
                  "novelty": self.novelty.state_dict(), "zero_adv_streak": self.zero_adv_streak,
+                 "step_counter": self.ctx.step_counter,
                  "config": self.cfg.to_dict()}
         copy = self.memory.copy_to if self.memory is not None else None
         return ckpt.save_checkpoint(self.run_dir, it, self.model, self.optimizer, state, copy,
@@ -357,7 +361,10 @@ class Trainer:
                 fh.write(json.dumps({"iteration": it, **episode_record(ep, self.tokenizer)}) + "\n")
 
     def _say(self, text: str) -> None:
-        (self.console.print if self.console is not None else print)(text)
+        if self.console is not None:
+            self.console.print(text, soft_wrap=True)  # one line per message, also in logs and CI (no 80-col wrap)
+        else:
+            print(text)
 
     def close(self) -> None:
         self.pool.close()
@@ -377,11 +384,11 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def _token_batches(rows: list, budget: int) -> list[list]:
+def _token_batches(rows: list[UpdateRow], budget: int) -> list[list[UpdateRow]]:
     """Split rows into micro-batches whose padded size (rows × longest prompt+response) stays within ``budget``."""
     batches, current, longest = [], [], 0
     for r in rows:
-        length = len(r[0]) + len(r[1])
+        length = len(r.train_prompt) + len(r.response)
         if current and max(longest, length) * (len(current) + 1) > budget:
             batches.append(current)
             current, longest = [], 0
@@ -395,6 +402,7 @@ def _token_batches(rows: list, budget: int) -> list[list]:
 def _iteration_line(r: dict[str, Any]) -> str:
     line = (f"iter {r['iteration']:>3} | modes {','.join(sorted(set(r['modes'])))} | "
             f"score {r['train']['score_mean']:6.1f} | success {r['train']['success_rate']:.2f} | "
+            f"acted {r['train']['accepted_rate']:.0%} | "
             f"memory {r['memory']['size']:>4} (+{r['memory']['added']}) | "
             f"zero-adv groups {r['advantage']['zero_adv_groups']}/{r['advantage']['groups']} | "
             f"rollout {r['time']['rollout']:.0f}s update {r['time']['update']:.0f}s")

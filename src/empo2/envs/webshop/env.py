@@ -8,6 +8,7 @@ with the WebShop reward; the step cap ends it with reward 0. ``info["score"]`` i
 
 from __future__ import annotations
 
+import os
 import random
 import re
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 from rapidfuzz import fuzz, process
 
 from empo2.envs.base import EnvError, StepResult
+from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.webshop import pages
 from empo2.envs.webshop.catalog import Catalog, load_catalog
 from empo2.envs.webshop.goals import Goal, split_ranges, synthetic_goals
@@ -106,6 +108,7 @@ class WebShopEnv:
         s.steps += 1
         info = self._info(s, raw, action, reward)
         info.update(details)
+        info["accepted"] = not details.get("invalid", False)
         if not s.done and s.steps >= self.max_steps:
             s.done, info["truncated"], info["valid_actions"] = True, True, []
         return StepResult(s.observation, reward, s.done, info)
@@ -252,3 +255,25 @@ class WebShopEnv:
 
 def _shorten(text: str, limit: int = 240) -> str:
     return text if len(text) <= limit else text[:limit].rstrip() + " ..."
+
+
+GUIDE = (
+    "You are a web shopping agent. Find and buy the product that matches the instruction.\n"
+    "Actions: search[QUERY] | click[BUTTON, PRODUCT ID or OPTION]. Click options before 'buy now'.\n"
+    "Answer with exactly one action on one line, nothing else."
+)
+
+
+def _env_kwargs(cfg) -> dict:
+    return {"data_dir": cfg.webshop_data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
+            "action_correction": cfg.action_correction, "human_goals": cfg.webshop_human_goals,
+            "num_products": cfg.webshop_num_products}
+
+
+def _label(cfg) -> str:
+    """WebShop on the bundled fixture is never reported as plain ``webshop``."""
+    return "webshop" if (cfg.webshop_data or os.environ.get("EMPO2_WEBSHOP_DATA")) else "webshop-fixture"
+
+
+register_env(EnvSpec("webshop", factory=WebShopEnv, kwargs=_env_kwargs, guide=GUIDE, tasks=lambda cfg: [TASK],
+                     label=_label))

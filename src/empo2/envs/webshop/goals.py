@@ -87,9 +87,6 @@ def _shuffled(goals: list[Goal], seed: int) -> list[Goal]:
     return goals
 
 
-OFFICIAL_SPLITS = {"test": (0, 500), "eval": (500, 1500)}
-
-
 def split_ranges(n_goals: int) -> dict[str, range]:
     """Goal index ranges per split.
 

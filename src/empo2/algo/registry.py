@@ -1,0 +1,73 @@
+"""Algorithms as registry entries (verl-style): one :class:`AlgorithmSpec` per ``algo.name``.
+
+A spec says everything the trainer needs to know about an algorithm — whether it keeps a tip memory, how its rollout
+modes are drawn, which policy loss and which advantage estimator it uses — so the trainer, the config and the CLI never
+branch on the algorithm's name. Adding an algorithm is one call::
+
+    register_algorithm(AlgorithmSpec("my_algo", uses_memory=False, loss="grpo", advantage="grpo"))
+
+(plus, if it needs them, a new loss with ``@register_policy_loss`` and a new estimator with ``@register_advantage``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from empo2.algo.modes import MODES
+
+
+def on_policy_only(algo_cfg: Any) -> dict[str, float]:
+    """Mode probabilities of a memory-free algorithm: always ``on``."""
+    return {"on": 1.0, "on_tips": 0.0, "off_tips": 0.0}
+
+
+def empo2_modes(algo_cfg: Any) -> dict[str, float]:
+    """EMPO²'s three modes from ``algo.p_memory`` (on_tips + off_tips) and ``algo.p_off_policy`` (off_tips)."""
+    pm, po = algo_cfg.p_memory, algo_cfg.p_off_policy
+    return {"on": 1 - pm, "on_tips": pm - po, "off_tips": po}
+
+
+@dataclass(frozen=True)
+class AlgorithmSpec:
+    name: str
+    uses_memory: bool
+    """Keep a tip memory: retrieve tips in memory modes and reflect after episodes."""
+    loss: str
+    """Policy-loss registry name (``empo2.algo.losses``)."""
+    advantage: str | None = None
+    """Advantage-estimator registry name; ``None`` = the config's ``algo.advantage``."""
+    mode_probs: Callable[[Any], dict[str, float]] = on_policy_only
+    """``AlgoConfig -> {mode: probability}`` over ``on`` / ``on_tips`` / ``off_tips``."""
+    updates_weights: bool = True
+    """``False`` for memory-only baselines (no optimizer step is ever taken)."""
+
+    def estimator(self, algo_cfg: Any) -> str:
+        return self.advantage or algo_cfg.advantage
+
+    def modes(self, algo_cfg: Any) -> dict[str, float]:
+        probs = self.mode_probs(algo_cfg)
+        unknown = set(probs) - set(MODES)
+        if unknown:
+            raise ValueError(f"algorithm {self.name!r} names unknown modes {sorted(unknown)}")
+        return probs
+
+
+ALGORITHMS: dict[str, AlgorithmSpec] = {}
+
+
+def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
+    if spec.name in ALGORITHMS:
+        raise ValueError(f"algorithm {spec.name!r} is already registered")
+    ALGORITHMS[spec.name] = spec
+    return spec
+
+
+def get_algorithm(name: str) -> AlgorithmSpec:
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; registered: {', '.join(sorted(ALGORITHMS))}")
+    return ALGORITHMS[name]
+
+
+register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes))
+register_algorithm(AlgorithmSpec("grpo", uses_memory=False, loss="grpo"))

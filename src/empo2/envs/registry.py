@@ -1,0 +1,57 @@
+"""Environments as registry entries: one :class:`EnvSpec` per ``env.name``.
+
+A spec bundles what the rest of the code needs from an environment: how to build it (``factory``, run inside the pool's
+worker processes), its constructor arguments from an :class:`~empo2.config.EnvConfig`, the task names a config selects,
+the system-prompt guide the agent gets, and the label results are reported under. Adding an environment is one module
+with the environment class plus one ``register_env(EnvSpec(...))`` call; nothing else branches on its name.
+
+The built-in environments register themselves when their module is imported; :func:`get_env_spec` imports them lazily,
+so ``import empo2.envs`` starts no JVM and loads no WebShop catalog.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from empo2.envs.base import EnvError
+
+BUILTIN_MODULES = {"scienceworld": "empo2.envs.scienceworld", "webshop": "empo2.envs.webshop.env"}
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    name: str
+    factory: Callable[..., Any]
+    """``factory(**kwargs) -> TextEnv``; a module-level callable, so worker processes can unpickle it."""
+    kwargs: Callable[[Any], dict]
+    """``EnvConfig -> constructor keyword arguments``."""
+    guide: str
+    """The agent's system prompt: what the environment is and which actions it takes."""
+    tasks: Callable[[Any], list[str]]
+    """``EnvConfig -> task names`` (raises :class:`EnvError` for unknown names)."""
+    label: Callable[[Any], str] | None = None
+    """``EnvConfig -> report label`` (default: ``name``)."""
+
+
+ENVIRONMENTS: dict[str, EnvSpec] = {}
+
+
+def register_env(spec: EnvSpec) -> EnvSpec:
+    if spec.name in ENVIRONMENTS:
+        raise ValueError(f"environment {spec.name!r} is already registered")
+    ENVIRONMENTS[spec.name] = spec
+    return spec
+
+
+def env_names() -> list[str]:
+    return sorted(set(ENVIRONMENTS) | set(BUILTIN_MODULES))
+
+
+def get_env_spec(name: str) -> EnvSpec:
+    if name not in ENVIRONMENTS and name in BUILTIN_MODULES:
+        importlib.import_module(BUILTIN_MODULES[name])  # registers itself
+    if name not in ENVIRONMENTS:
+        raise EnvError(f"unknown environment {name!r}; valid environments: {', '.join(env_names())}")
+    return ENVIRONMENTS[name]

@@ -1,0 +1,30 @@
+"""The update's unit of data: one generated action (a row), with the prompt it is trained on and its advantage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class UpdateRow:
+    train_prompt: list[int]
+    """Prompt token ids the update conditions on (tip-free for ``off_tips``)."""
+    response: list[int]
+    """The sampled action's token ids."""
+    logp_old: list[float]
+    """Behaviour log-probs of ``response`` (recorded at rollout on the rollout prompt)."""
+    advantage: float
+    """This step's advantage (an episode-level estimator gives every step of an episode the same value)."""
+    mode: str
+    """``on`` / ``on_tips`` / ``off_tips``."""
+
+
+def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]:
+    """One row per generated step of ``episodes``; ``step_advantages[i][t]`` is step t of episode i."""
+    rows = []
+    for ep, advs in zip(episodes, step_advantages):
+        for step, a in zip(ep.steps, advs):
+            if step.response_ids:
+                rows.append(UpdateRow(step.train_prompt_ids, step.response_ids, list(step.logp_old), float(a),
+                                      ep.mode))
+    return rows
