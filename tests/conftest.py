@@ -28,3 +28,19 @@ def embedder():
     from empo2.memory.embedder import get_embedder
 
     return get_embedder()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, smollm):
+    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _, tok = smollm
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)

@@ -12,6 +12,8 @@ import pytest
 from empo2.envs.base import EnvError
 from empo2.envs.pool import EnvPool, Failure
 
+pytestmark = pytest.mark.slow  # real simulators / end-to-end runs: `pytest -m "not slow"` skips them
+
 TASK = "find-animal"
 
 

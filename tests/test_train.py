@@ -22,25 +22,11 @@ from safetensors.torch import load_file
 from empo2.cli import main
 from empo2.memory.store import TipMemory
 
+pytestmark = pytest.mark.slow  # real simulators / end-to-end runs: `pytest -m "not slow"` skips them
+
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
         "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
         "train.progress=false", "train.tensorboard=true", "algo.intrinsic_weight=1.0"]
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, smollm):
-    """A randomly initialised 2-layer Llama with SmolLM2's tokenizer and chat template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    _, tok = smollm
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
 
 
 def _metrics(run: Path) -> list[dict]:

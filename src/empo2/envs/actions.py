@@ -43,21 +43,22 @@ def similarity(a: str, b: str, **_: object) -> float:
     return (fuzz.ratio(a, b) + fuzz.token_set_ratio(a, b)) / 2
 
 
-def correct_action(raw: str, valid_actions: list[str], cutoff: float = DEFAULT_CUTOFF) -> str:
-    """The valid action closest to ``raw``; the cleaned ``raw`` itself when nothing is close enough.
+def closest_actions(raw: str, valid_actions: list[str], cutoff: float = DEFAULT_CUTOFF, limit: int = 3) -> list[str]:
+    """Up to ``limit`` valid actions closest to ``raw``, best first (empty when none reaches ``cutoff``).
 
-    An exact match after :func:`clean_action` and :func:`normalise` wins (returned in the valid list's spelling);
-    otherwise the best :func:`similarity` match at or above ``cutoff``; ties go to the higher plain ``fuzz.ratio``,
-    then to the earlier action.
+    An exact match after :func:`clean_action` and :func:`normalise` comes first (in the valid list's spelling); then
+    the best :func:`similarity` matches at or above ``cutoff``; ties go to the higher plain ``fuzz.ratio``, then to the
+    earlier action.
     """
-    cleaned = clean_action(raw)
-    if not valid_actions:
-        return cleaned
-    key = normalise(cleaned)
-    for action in valid_actions:
-        if normalise(action) == key:
-            return action
-    best = process.extract(key, valid_actions, scorer=similarity, processor=normalise, score_cutoff=cutoff, limit=8)
-    if not best:
-        return cleaned
-    return max(best, key=lambda m: (m[1], fuzz.ratio(key, normalise(m[0])), -m[2]))[0]
+    key = normalise(clean_action(raw))
+    exact = [a for a in valid_actions if normalise(a) == key][:1]
+    found = process.extract(key, valid_actions, scorer=similarity, processor=normalise, score_cutoff=cutoff,
+                            limit=limit + 8)
+    ranked = sorted(found, key=lambda m: (-m[1], -fuzz.ratio(key, normalise(m[0])), m[2]))
+    return list(dict.fromkeys(exact + [m[0] for m in ranked]))[:limit]
+
+
+def correct_action(raw: str, valid_actions: list[str], cutoff: float = DEFAULT_CUTOFF) -> str:
+    """The valid action closest to ``raw`` (see :func:`closest_actions`); the cleaned ``raw`` when none is close."""
+    best = closest_actions(raw, valid_actions, cutoff, limit=1)
+    return best[0] if best else clean_action(raw)

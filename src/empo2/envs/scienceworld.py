@@ -23,7 +23,7 @@ import re
 import shutil
 from typing import Any
 
-from empo2.envs.actions import clean_action, correct_action
+from empo2.envs.actions import clean_action, closest_actions
 from empo2.envs.base import EnvError, StepResult
 from empo2.envs.registry import EnvSpec, register_env
 
@@ -228,11 +228,13 @@ class ScienceWorldEnv:
         command = clean_action(action) if self.action_correction else str(action).strip()
         obs, completed = self._send(command)
         if self.action_correction and obs.startswith(UNPARSED):
-            # an unparsed input leaves the state unchanged, so the corrected action is a fresh try
-            fixed = correct_action(command, self.valid_actions(), cutoff=self.action_cutoff)
-            if fixed != command:
+            # An unparsed input leaves the state unchanged, so each candidate is a fresh try. The simulator's
+            # valid-action list holds a few combinations its own parser rejects: fall back to the next closest.
+            for fixed in closest_actions(command, self.valid_actions(), cutoff=self.action_cutoff, limit=3):
                 command = fixed
                 obs, completed = self._send(command)
+                if not obs.startswith(UNPARSED):
+                    break
         if obs.startswith(AMBIGUOUS):  # the simulator asks which object was meant: take the first reading
             obs, completed = self._send("0")
         accepted = not obs.startswith(UNPARSED)

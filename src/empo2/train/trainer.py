@@ -404,7 +404,7 @@ def _iteration_line(r: dict[str, Any]) -> str:
             f"score {r['train']['score_mean']:6.1f} | success {r['train']['success_rate']:.2f} | "
             f"acted {r['train']['accepted_rate']:.0%} | "
             f"memory {r['memory']['size']:>4} (+{r['memory']['added']}) | "
-            f"zero-adv groups {r['advantage']['zero_adv_groups']}/{r['advantage']['groups']} | "
+            f"zero-adv groups {r['advantage']['zero_adv_groups']:.0f}/{r['advantage']['groups']:.0f} | "
             f"rollout {r['time']['rollout']:.0f}s update {r['time']['update']:.0f}s")
     if r.get("eval"):
         line += f" | eval {r['eval']['score_mean']:.1f}"
