@@ -1,4 +1,4 @@
-"""``empo2`` command line: play · train · eval · adapt · memory.
+"""``empo2`` command line: play · train · compare · eval · adapt · memory.
 
 User errors (bad config, unknown task or model, missing Java or data) print one line and exit with code 2.
 """
@@ -94,8 +94,6 @@ def cmd_train(args) -> int:
     from rich.console import Console
 
     from empo2.config import Config
-    from empo2.envs.factory import resolve_tasks
-    from empo2.policy.loader import resolve_model_path
     from empo2.train.trainer import Trainer
 
     console = Console(soft_wrap=True)  # one line per message in logs, whatever the width
@@ -116,10 +114,7 @@ def cmd_train(args) -> int:
         if (run_dir / "metrics.jsonl").exists() and not args.overwrite:
             raise _config_error(f"{run_dir} already holds a run; resume it with --resume {run_dir}, "
                                 "or pass --overwrite / another train.output_dir")
-    resolve_tasks(cfg.env)  # unknown task names fail here, before anything is written
-    resolve_model_path(cfg.policy.model)
-    if cfg.memory.seed_from and not Path(cfg.memory.seed_from).is_file():
-        raise _config_error(f"memory.seed_from: no such file {cfg.memory.seed_from}")
+    check_run_inputs(cfg)
     is_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()
     if args.overwrite and not args.resume and is_run:
         shutil.rmtree(run_dir)  # a fresh run: no stale memory, checkpoints or metrics from the previous one
@@ -137,6 +132,25 @@ def cmd_train(args) -> int:
     console.print(f"run folder: {run_dir}  (metrics.jsonl, scores.png, memory.sqlite, checkpoints/, eval/)")
     print(json.dumps({"run": str(run_dir), "final_eval": final["summary"]}))
     return 0
+
+
+def check_run_inputs(cfg) -> None:
+    """Unknown task or model names and missing files fail here, before a run writes anything."""
+    from empo2.envs.factory import resolve_tasks
+    from empo2.policy.loader import resolve_model_path
+
+    resolve_tasks(cfg.env)
+    resolve_model_path(cfg.policy.model)
+    if cfg.memory.seed_from and not Path(cfg.memory.seed_from).is_file():
+        raise _config_error(f"memory.seed_from: no such file {cfg.memory.seed_from}")
+
+
+# ------------------------------------------------------------------------------------------------------ compare
+def cmd_compare(args) -> int:
+    """Algorithms × seeds on one config, each an ``empo2 train`` run folder, then summary.md/json and curves.png."""
+    from empo2.train.compare import run_compare
+
+    return run_compare(args.config, args.algos, args.seeds, Path(args.out), list(args.overrides), check_run_inputs)
 
 
 class _progress:
@@ -292,6 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds a run")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("compare", help="algorithms × seeds on one config with equal budget; summary and curves")
+    p.add_argument("--config", required=True, help="YAML config shared by every run")
+    p.add_argument("--algos", default="grpo,empo2", help="comma-separated algorithm names")
+    p.add_argument("--seeds", default="3", help="a count N (seeds 0..N-1) or a comma-separated list of seeds")
+    p.add_argument("--out", required=True, help="comparison folder (runs/, summary.md, summary.json, curves.png)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every run")
+    p.set_defaults(func=cmd_compare)
 
     for name, helptext in (("eval", "evaluate a run or a model on held-out variations"),
                            ("adapt", "OOD adaptation: trials with memory updates only")):

@@ -218,6 +218,9 @@ class TrainConfig:
     """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up)."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
+    eval_at_start: bool = False
+    """Also evaluate the untrained policy before iteration 0 (``eval/start.json``), so a learning curve starts at
+    zero environment steps; ``empo2 compare`` turns it on."""
     eval_episodes_per_task: int | None = None
     """Cap on eval episodes per task (``None`` = ``env.eval_variations``)."""
     save_every: int = 1

@@ -92,6 +92,7 @@ class Trainer:
         self.start_iteration = 0
         self.zero_adv_streak = 0
         self.resumed_step_counter = 0
+        self.env_steps = 0  # environment steps of all training episodes so far (the run's budget spent)
         if resume:
             self._restore()
         self.ctx = RolloutContext(self.model, self.tokenizer, self.pool, self.embedder, self.memory, cfg.env.name,
@@ -136,6 +137,7 @@ class Trainer:
         self.novelty.load_state_dict(state["novelty"])
         self.zero_adv_streak = state.get("zero_adv_streak", 0)
         self.resumed_step_counter = state.get("step_counter", 0)
+        self.env_steps = state.get("env_steps", 0)
         ckpt.set_rng_state(state["rng"])
         self.start_iteration = state["iteration"] + 1
         self.metrics.truncate_after(state["iteration"])
@@ -159,6 +161,12 @@ class Trainer:
     def train(self, progress=None) -> dict[str, Any]:
         cfg = self.cfg
         last_eval = None
+        start_done = (self.run_dir / "eval" / "start.json").is_file()
+        if cfg.train.eval_at_start and self.start_iteration == 0 and not start_done:
+            rng = ckpt.rng_state()  # training then draws the same samples as without this evaluation
+            start = self.evaluate(tag="start")  # the untrained policy: a learning curve's point at 0 env steps
+            ckpt.set_rng_state(rng)
+            self._say(f"start eval (no memory, {cfg.env.eval_split}): score {start['summary']['score_mean']:.1f}")
         for it in range(self.start_iteration, cfg.train.iterations):
             t_iter = time.perf_counter()
             record = self.iteration(it, progress)
@@ -216,8 +224,11 @@ class Trainer:
         mem_size = self.memory.stats()["tips"] if self.memory is not None else 0
         scores = [ep.score for ep in episodes]
         tokens = rstats["gen_tokens"]
+        steps = sum(len(ep.steps) for ep in episodes)
+        self.env_steps += steps
         return {
             "iteration": it,
+            "env_steps": self.env_steps,
             "modes": modes,
             "mode_counts": dict(Counter(modes)),
             "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
@@ -225,7 +236,7 @@ class Trainer:
                       "return_mean": float(np.mean(returns)) if len(ok) else 0.0,
                       "intrinsic_mean": _mean(intrinsic), "accepted_rate": accepted,
                       "intrinsic_weight": w, "failed_episodes": len(episodes) - len(ok),
-                      "steps_mean": float(np.mean([len(ep.steps) for ep in episodes]))},
+                      "steps_mean": float(np.mean([len(ep.steps) for ep in episodes])), "env_steps": steps},
             "advantage": adv_metrics,
             "loss": loss_metrics,
             "memory": {"size": mem_size, "added": sum(1 for ep in episodes if ep.tip_written),
@@ -347,6 +358,7 @@ class Trainer:
         state = {"task_sampler": self.task_sampler.state_dict(), "mode_sampler": self.mode_sampler.state_dict(),
                  "novelty": self.novelty.state_dict(), "zero_adv_streak": self.zero_adv_streak,
                  "step_counter": self.ctx.step_counter,
+                 "env_steps": self.env_steps,
                  "config": self.cfg.to_dict()}
         copy = self.memory.copy_to if self.memory is not None else None
         return ckpt.save_checkpoint(self.run_dir, it, self.model, self.optimizer, state, copy,
