@@ -41,7 +41,9 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd):
+def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatch):
+    # one torch thread per training subprocess: on a shared 2-core machine idle OpenMP threads spin and cost 2-3×
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "cmp"
     assert _compare(out, tiny_model) == 0
     names = [f"{a}-seed{s}" for a in ALGOS for s in (0, 1)]
