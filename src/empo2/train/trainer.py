@@ -163,9 +163,10 @@ class Trainer:
         last_eval = None
         start_done = (self.run_dir / "eval" / "start.json").is_file()
         if cfg.train.eval_at_start and self.start_iteration == 0 and not start_done:
-            rng = ckpt.rng_state()  # training then draws the same samples as without this evaluation
+            rng, counter = ckpt.rng_state(), self.ctx.step_counter  # training then runs as without this evaluation
             start = self.evaluate(tag="start")  # the untrained policy: a learning curve's point at 0 env steps
             ckpt.set_rng_state(rng)
+            self.ctx.step_counter = counter
             self._say(f"start eval (no memory, {cfg.env.eval_split}): score {start['summary']['score_mean']:.1f}")
         for it in range(self.start_iteration, cfg.train.iterations):
             t_iter = time.perf_counter()
