@@ -7,6 +7,7 @@ purpose; what is tested is that registration alone is enough (no edit of the pac
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 from safetensors.torch import load_file
@@ -88,7 +89,8 @@ def test_toy_algorithm_and_environment_train_without_editing_src(tmp_path, tiny_
     rc = main(["train", f"train.output_dir={run}", "env.name=two-doors", "algo.name=toy_reinforce",
                f"policy.model={tiny_model}", "algo.num_generations=4", "train.tasks_per_batch=2",
                "train.iterations=1", "env.eval_variations=2", "policy.few_shot=0", "policy.max_completion_length=6",
-               "train.progress=false", "train.tensorboard=false", "train.learning_rate=0.01"])
+               "train.progress=false", "train.tensorboard=false", "train.learning_rate=0.01",
+               "train.mini_batch_size=3"])
     assert rc == 0
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert record["modes"] == ["on", "on"] and record["memory"]["size"] == 0
@@ -96,8 +98,10 @@ def test_toy_algorithm_and_environment_train_without_editing_src(tmp_path, tiny_
     final = json.loads((run / "eval" / "final.json").read_text())
     assert final["label"] == "two-doors" and final["summary"]["episodes"] == 2
     assert not (run / "memory.sqlite").exists()  # the toy algorithm keeps no memory
-    # some group had a winner and a loser, so the toy loss took a step and the adapter moved
-    assert record["advantage"]["zero_adv_groups"] < 2 and record["loss"]["optimizer_steps"] == 1
+    # some group had a winner and a loser, so the toy loss took steps (one per mini-batch of 3 rows) and the
+    # adapter moved
+    assert record["advantage"]["zero_adv_groups"] < 2 and record["loss"]["rows"] >= 2
+    assert record["loss"]["optimizer_steps"] == math.ceil(record["loss"]["rows"] / 3)
     adapter = load_file(str(sorted((run / "checkpoints").glob("iter_*"))[-1] / "model" / "adapter_model.safetensors"))
     assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
 

@@ -19,36 +19,22 @@ from __future__ import annotations
 
 import operator
 import os
-import re
 import shutil
 from typing import Any
 
 from empo2.envs.actions import clean_action, closest_actions
 from empo2.envs.base import EnvError, StepResult
 from empo2.envs.registry import EnvSpec, register_env
+from empo2.envs.scienceworld_tasks import (  # noqa: F401 - re-exported: the task sets are part of this module's API
+    DEFAULT_STEP_CAP,
+    DEFAULT_STEP_CAPS,
+    TASK_NAMES,
+    TASK_SETS,
+    expand_tasks,
+    parse_focus_targets,
+    step_cap,
+)
 
-TASK_SETS: dict[str, list[str]] = {
-    "chemistry": ["chemistry-mix", "chemistry-mix-paint-secondary-color", "chemistry-mix-paint-tertiary-color"],
-    "classification": ["find-animal", "find-living-thing", "find-non-living-thing", "find-plant"],
-    "biology1": ["identify-life-stages-1", "identify-life-stages-2"],
-    "biology2": ["lifespan-longest-lived", "lifespan-longest-lived-then-shortest-lived", "lifespan-shortest-lived"],
-    "electricity": ["power-component", "power-component-renewable-vs-nonrenewable-energy", "test-conductivity",
-                    "test-conductivity-of-unknown-substances"],
-    "measurement": ["measure-melting-point-known-substance", "use-thermometer"],
-}
-"""The paper's six topics (SPEC §7); ``panel18`` is their union and ``all`` every task."""
-TASK_SETS["panel18"] = [t for topic in list(TASK_SETS.values()) for t in topic]
-
-try:  # task names ship with the package as data; no JVM needed
-    from scienceworld.constants import ID2TASK as _ID2TASK
-
-    TASK_NAMES: list[str] = list(_ID2TASK.values())
-except ImportError:  # pragma: no cover - scienceworld is a hard dependency
-    TASK_NAMES = []
-TASK_SETS["all"] = list(TASK_NAMES)
-
-DEFAULT_STEP_CAP = 30
-DEFAULT_STEP_CAPS = {"chemistry-mix": 60, "measure-melting-point-known-substance": 120}
 SPLITS = {"train": "train", "dev": "dev", "eval": "dev", "test": "test"}
 JAVA_HINT = "ScienceWorld needs Java >= 11 on PATH; install it with: apt-get install -y openjdk-17-jre-headless"
 UNPARSED = "No known action matches that input."
@@ -56,37 +42,6 @@ AMBIGUOUS = "Ambiguous request"
 DEMO_OBS_CHARS = 160
 DEFAULT_JAVA_OPTIONS = "-Xmx1g -XX:+UseSerialGC"
 """Measured here: JVM RSS 1.3 GB -> 0.4 GB and ~25% faster steps on 2 cores than the JVM defaults (G1, heap = RAM/4)."""
-
-
-def expand_tasks(names: list[str] | str) -> list[str]:
-    """Resolve task and task-set names (``panel18``, ``biology1`` …) to task names, in order, without duplicates."""
-    if isinstance(names, str):
-        names = [names]
-    out: list[str] = []
-    for name in names:
-        if name in TASK_SETS:
-            out.extend(TASK_SETS[name])
-        elif name in TASK_NAMES:
-            out.append(name)
-        else:
-            raise EnvError(f"unknown ScienceWorld task {name!r}; valid task sets: {', '.join(TASK_SETS)}; "
-                           f"valid tasks: {', '.join(TASK_NAMES)}")
-    return list(dict.fromkeys(out))
-
-
-def step_cap(task: str, max_steps: int | None = None, step_caps: dict[str, int] | None = None) -> int:
-    """Step cap of ``task``: ``step_caps[task]``, else ``max_steps``, else the released default (SPEC §7)."""
-    if step_caps and task in step_caps:
-        return step_caps[task]
-    if max_steps is not None:
-        return max_steps
-    return DEFAULT_STEP_CAPS.get(task, DEFAULT_STEP_CAP)
-
-
-def parse_focus_targets(description: str) -> list[str]:
-    """The objects the task description allows to FOCUS on (``focus on the thermometer`` → ``thermometer``)."""
-    found = re.findall(r"focus on (?:the |a |an )?([^.;]+?)(?:[.;]|$)", description, flags=re.IGNORECASE)
-    return list(dict.fromkeys(f.strip() for f in found if f.strip()))
 
 
 def compact_actions(actions: list[str], limit: int = 64) -> list[str]:

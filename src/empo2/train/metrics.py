@@ -125,3 +125,16 @@ def plot_run(run_dir: Path) -> list[Path]:
     ax.plot(its, [r["memory"]["added"] for r in rows], marker=".", label="added this iteration")
     out.append(save(fig, ax, "memory.png", "tips"))
     return out
+
+
+def iteration_line(r: dict[str, Any]) -> str:
+    """One console line per iteration (kept on one line in logs too)."""
+    line = (f"iter {r['iteration']:>3} | modes {','.join(sorted(set(r['modes'])))} | "
+            f"score {r['train']['score_mean']:6.1f} | success {r['train']['success_rate']:.2f} | "
+            f"acted {r['train']['accepted_rate']:.0%} | "
+            f"memory {r['memory']['size']:>4} (+{r['memory']['added']}) | "
+            f"zero-adv groups {r['advantage']['zero_adv_groups']:.0f}/{r['advantage']['groups']:.0f} | "
+            f"rollout {r['time']['rollout']:.0f}s update {r['time']['update']:.0f}s")
+    if r.get("eval"):
+        line += f" | eval {r['eval']['score_mean']:.1f}"
+    return line

@@ -30,30 +30,12 @@ from empo2.policy.loader import load_model
 from empo2.policy.logprobs import response_logprobs
 from empo2.train import checkpoint as ckpt
 from empo2.train.evaluate import evaluate, write_eval_tables
-from empo2.train.metrics import MetricsLog, plot_run
+from empo2.train.metrics import MetricsLog, iteration_line, plot_run
 from empo2.train.rollout import Episode, RolloutContext, episode_record, novelty_rewards, run_episodes
 from empo2.train.rows import UpdateRow, update_rows
+from empo2.train.sampling import TaskSampler
 
 log = logging.getLogger("empo2.train")
-
-
-class TaskSampler:
-    """Seeded choice of (task, train variation) pairs; its RNG state goes into checkpoints."""
-
-    def __init__(self, tasks: dict[str, list[int]], seed: int):
-        self.tasks = tasks
-        self.rng = np.random.default_rng(seed)
-
-    def sample(self, n: int) -> list[tuple[str, int]]:
-        names = sorted(self.tasks)
-        picks = self.rng.choice(len(names), size=n, replace=n > len(names))
-        return [(names[i], int(self.rng.choice(self.tasks[names[i]]))) for i in picks]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"bit_generator": self.rng.bit_generator.state}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.rng.bit_generator.state = state["bit_generator"]
 
 
 class Trainer:
@@ -178,7 +160,7 @@ class Trainer:
             self.metrics.log(record)
             if (it + 1) % cfg.train.save_every == 0 or it + 1 == cfg.train.iterations:
                 self.save(it)
-            self._say(_iteration_line(record))
+            self._say(iteration_line(record))
         final = self.evaluate(tag="final")
         self._say(f"final eval (no memory, {cfg.env.eval_split}): score {final['summary']['score_mean']:.1f}, "
                   f"success {final['summary']['success_rate']:.2f}")
@@ -410,15 +392,3 @@ def _token_batches(rows: list[UpdateRow], budget: int) -> list[list[UpdateRow]]:
     if current:
         batches.append(current)
     return batches
-
-
-def _iteration_line(r: dict[str, Any]) -> str:
-    line = (f"iter {r['iteration']:>3} | modes {','.join(sorted(set(r['modes'])))} | "
-            f"score {r['train']['score_mean']:6.1f} | success {r['train']['success_rate']:.2f} | "
-            f"acted {r['train']['accepted_rate']:.0%} | "
-            f"memory {r['memory']['size']:>4} (+{r['memory']['added']}) | "
-            f"zero-adv groups {r['advantage']['zero_adv_groups']:.0f}/{r['advantage']['groups']:.0f} | "
-            f"rollout {r['time']['rollout']:.0f}s update {r['time']['update']:.0f}s")
-    if r.get("eval"):
-        line += f" | eval {r['eval']['score_mean']:.1f}"
-    return line
