@@ -1,8 +1,12 @@
-"""Batched generation for many environments at once: left padding, attention mask, KV cache, temperature/top-p.
+"""Batched generation for many environments at once: KV cache, temperature/top-p, shared prompt heads.
 
-Every call serves all still-active episodes in one ``model.generate``; the behaviour log-prob of each sampled token
-(log-softmax of the raw, untempered logits, i.e. π_old at temperature 1) comes back with it, so no second forward
-pass is needed for the rollout policy's log-probs.
+Every call serves all still-active episodes in one batch; the behaviour log-prob of each sampled token (log-softmax
+of the raw, untempered logits, i.e. π_old at temperature 1) comes back with it, so no second forward pass is needed
+for the rollout policy's log-probs.
+
+With prefix sharing (the default, see :mod:`empo2.policy.prefix`) rows that start with the same tokens (the G
+rollouts of a task share system prompt, task and demonstration) compute that head once, and a short decoding loop
+here samples on top of the shared cache. Without it, one left-padded ``model.generate`` call does the work.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from empo2.policy import prefix as px
 
 
 @dataclass
@@ -32,14 +38,43 @@ def generate_batch(
     greedy: bool = False,
     generator_seed: int | None = None,
     top_k: int = 0,
+    prefix_sharing: bool | None = None,
 ) -> list[Generation]:
     """Generate one completion per prompt (token-id lists), all in one batched call.
 
     Only the sampling settings given here apply: the model's own generation defaults (a repetition penalty, top-k,
     n-gram blocking — Qwen2.5-Instruct ships some) are overridden, so the sampled distribution is the tempered
-    policy whose log-probs the update uses."""
+    policy whose log-probs the update uses. ``prefix_sharing`` overrides the model's compute options
+    (:func:`empo2.policy.prefix.attach_options`).
+    """
     if not prompts:
         return []
+    options = px.options_of(model)
+    share = options.prefix_sharing if prefix_sharing is None else prefix_sharing
+    if generator_seed is not None:
+        torch.manual_seed(generator_seed)
+    do_sample = not greedy and temperature > 0
+    with px.autocast(model, options):
+        groups = px.plan_groups(prompts, options.min_shared_tokens) if share else []
+        if groups and px.worth_sharing(groups):
+            new_tokens, token_logp = _decode_shared(model, tokenizer, prompts, groups, max_new_tokens,
+                                                    temperature if do_sample else 0.0, top_p, top_k)
+        else:
+            new_tokens, token_logp = _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample,
+                                                      temperature, top_p, top_k)
+    results = []
+    eos = tokenizer.eos_token_id
+    for row in range(len(prompts)):
+        ids = new_tokens[row].tolist()
+        if eos in ids:
+            ids = ids[: ids.index(eos) + 1]
+        logp = token_logp[row, : len(ids)].tolist()
+        results.append(Generation(ids=ids, logprobs=logp, text=tokenizer.decode(ids, skip_special_tokens=True)))
+    return results
+
+
+def _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample, temperature, top_p, top_k):
+    """Today's path: one left-padded ``model.generate``. Returns ``(tokens [B, N], logp [B, N])``."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
@@ -48,9 +83,6 @@ def generate_batch(
     for row, ids in enumerate(prompts):
         input_ids[row, width - len(ids):] = torch.tensor(ids, dtype=torch.long)
         attention[row, width - len(ids):] = 1
-    if generator_seed is not None:
-        torch.manual_seed(generator_seed)
-    do_sample = not greedy and temperature > 0
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample \
         else dict(do_sample=False)
     neutral = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
@@ -69,12 +101,52 @@ def generate_batch(
     new_tokens = out.sequences[:, width:]  # [B, N]
     logits = torch.stack(out.logits, dim=1).float()  # [B, N, V] raw logits
     token_logp = torch.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)  # [B, N]
-    results = []
-    eos = tokenizer.eos_token_id
-    for row in range(len(prompts)):
-        ids = new_tokens[row].tolist()
-        if eos in ids:
-            ids = ids[: ids.index(eos) + 1]
-        logp = token_logp[row, : len(ids)].tolist()
-        results.append(Generation(ids=ids, logprobs=logp, text=tokenizer.decode(ids, skip_special_tokens=True)))
-    return results
+    return new_tokens, token_logp
+
+
+def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperature, top_p, top_k):
+    """Decode on top of the groups' shared heads; ``temperature == 0`` means greedy.
+
+    Returns ``(tokens [B, N], logp [B, N])``; rows that finished keep receiving the pad token (as in ``generate``).
+    """
+    device = next(model.parameters()).device
+    cache, head_mask = px.head_cache(model, prompts, groups)  # head_mask [B, H]
+    ids, mask, pos = px.tail_batch(prompts, groups, tokenizer.pad_token_id, device)  # [B, S] each
+    mask = torch.cat([head_mask, mask], dim=1)  # [B, H + S]
+    next_pos = torch.tensor([len(p) for p in prompts], device=device)  # [B]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    tokens, logps = [], []
+    for _ in range(max_new_tokens):
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                    **px.cache_kwargs(cache))
+        cache = px.output_cache(out)
+        logits = out.logits[:, -1, :].float()  # [B, V] raw logits
+        tok = _pick(logits, temperature, top_p, top_k)  # [B]
+        tok = torch.where(done, torch.full_like(tok, tokenizer.pad_token_id), tok)
+        tokens.append(tok)
+        logps.append(torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1))
+        done |= tok == tokenizer.eos_token_id
+        if bool(done.all()):
+            break
+        ids, pos = tok[:, None], next_pos[:, None]  # [B, 1]
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        next_pos = next_pos + 1
+    if not tokens:
+        return torch.zeros((len(prompts), 0), dtype=torch.long), torch.zeros((len(prompts), 0))
+    return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)  # [B, N]
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """Greedy (``temperature == 0``) or temperature + top-k + nucleus sampling from raw logits [B, V]; returns [B]."""
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    scaled = logits / temperature  # [B, V]
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[:, -1:]  # [B, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)  # [B, V]
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(dim=-1) - sorted_p < top_p  # the smallest set whose mass reaches top_p (>= 1 token)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p * keep)
+    return torch.multinomial(probs, 1).squeeze(-1)

@@ -9,6 +9,12 @@ final one. Only those are computed (``logits_to_keep``, when the model supports 
 sliced), and log-probs are ``logit[token] − logsumexp(logits)`` in float32, without materialising a full log-softmax.
 ``position_ids`` count real tokens only, so a padded row sees exactly the positions it would see alone.
 
+With prefix sharing (the default; :mod:`empo2.policy.prefix`) rows with a common token head run that head once, with
+gradient, and their tails + responses run on top of its KV cache; the response columns are laid out the same way.
+Where the model exposes its decoder and output layer, logits are computed only at real response tokens and
+``logprob_chunk_tokens`` at a time (each chunk recomputed in backward rather than stored), so no [B, R, V] tensor
+is ever held.
+
 Works with grad enabled (training) and under ``torch.no_grad()`` (behaviour / reference log-probs).
 """
 
@@ -17,6 +23,9 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from empo2.policy import prefix as px
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:
@@ -33,11 +42,13 @@ def response_logprobs(
     pad_token_id: int,
     *,
     temperature: float = 1.0,
+    prefix_sharing: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(r_t | prompt, r_<t) for every response token.
 
     prompt_ids: B lists of token ids (each non-empty); response_ids: B lists (may be empty).
     ``temperature`` divides the logits (use the sampling temperature so the log-probs match the behaviour policy).
+    ``prefix_sharing`` overrides the model's compute options (:func:`empo2.policy.prefix.attach_options`).
     Returns ``(logp [B, R] float32, mask [B, R] bool)`` on the model's device, R = longest response; padded
     positions have ``logp = 0`` and ``mask = False``.
     """
@@ -52,30 +63,97 @@ def response_logprobs(
     if b == 0 or r_len == 0:
         return torch.zeros(b, r_len, device=device), torch.zeros(b, r_len, dtype=torch.bool, device=device)
 
-    ids = torch.full((b, p_len + r_len), pad_token_id, dtype=torch.long)  # [B, L]
-    attn = torch.zeros((b, p_len + r_len), dtype=torch.long)  # [B, L]
+    options = px.options_of(model)
+    share = options.prefix_sharing if prefix_sharing is None else prefix_sharing
+    groups = px.plan_groups(prompt_ids, options.min_shared_tokens) if share else []
     resp = torch.full((b, r_len), pad_token_id, dtype=torch.long)  # [B, R]
     mask = torch.zeros((b, r_len), dtype=torch.bool)  # [B, R]
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        ids[i, p_len - len(p) : p_len] = torch.as_tensor(p, dtype=torch.long)
-        ids[i, p_len : p_len + len(r)] = torch.as_tensor(r, dtype=torch.long)
-        attn[i, p_len - len(p) : p_len + len(r)] = 1
+    for i, r in enumerate(response_ids):
         resp[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
         mask[i, : len(r)] = True
-    ids, attn, resp, mask = ids.to(device), attn.to(device), resp.to(device), mask.to(device)
-    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)  # [B, L]
-
-    kwargs = dict(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
-    try:
-        logits = model(**kwargs, logits_to_keep=r_len + 1).logits  # [B, R + 1, V]
-    except TypeError:  # a model without logits_to_keep: compute all positions, then slice
-        logits = model(**kwargs).logits  # [B, L, V]
-    logits = logits[:, -(r_len + 1) : -1, :].float()  # [B, R, V]; position P-1+t predicts r_t
-    if temperature != 1.0:
-        logits = logits / temperature
-    token_logit = logits.gather(-1, resp.unsqueeze(-1)).squeeze(-1)  # [B, R]
-    logp = token_logit - torch.logsumexp(logits, dim=-1)  # [B, R]
+    resp, mask = resp.to(device), mask.to(device)
+    with px.autocast(model, options):
+        if groups and px.worth_sharing(groups):
+            kwargs = _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id)
+        else:
+            kwargs = _padded_inputs(prompt_ids, resp, mask, p_len, pad_token_id, device)
+        logp = _response_logp(model, kwargs, resp, mask, temperature, options.logprob_chunk_tokens)
     return torch.where(mask, logp, 0.0), mask
+
+
+def _padded_inputs(prompt_ids, resp, mask, p_len: int, pad_token_id: int, device) -> dict:
+    """Today's layout: prompts LEFT-padded to P, responses RIGHT-padded to R (module docstring)."""
+    b, r_len = resp.shape
+    ids = torch.full((b, p_len), pad_token_id, dtype=torch.long)  # [B, P]
+    attn = torch.zeros((b, p_len), dtype=torch.long)  # [B, P]
+    for i, p in enumerate(prompt_ids):
+        ids[i, p_len - len(p):] = torch.as_tensor(p, dtype=torch.long)
+        attn[i, p_len - len(p):] = 1
+    ids = torch.cat([ids.to(device), resp], dim=1)  # [B, L]
+    attn = torch.cat([attn.to(device), mask.long()], dim=1)  # [B, L]
+    position_ids = (attn.cumsum(dim=1) - 1).clamp(min=0)  # [B, L]
+    return dict(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
+
+
+def _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id: int) -> dict:
+    """Heads once (with grad) as a KV cache; tails LEFT-padded, then responses RIGHT-padded, on top of it."""
+    cache, head_mask = px.head_cache(model, prompt_ids, groups)  # head_mask [B, H]
+    ids, tail_mask, pos = px.tail_batch(prompt_ids, groups, pad_token_id, resp.device)  # [B, S] each
+    lengths = torch.tensor([len(p) for p in prompt_ids], device=resp.device)  # [B]
+    resp_pos = lengths[:, None] + torch.arange(resp.shape[1], device=resp.device)  # [B, R]
+    return dict(input_ids=torch.cat([ids, resp], dim=1), position_ids=torch.cat([pos, resp_pos], dim=1),
+                attention_mask=torch.cat([head_mask, tail_mask, mask.long()], dim=1), use_cache=True,
+                **px.cache_kwargs(cache))
+
+
+def _split_head(model):
+    """(decoder, output layer) when logits are a plain linear map of the decoder's last hidden state, else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):
+        return None
+    try:
+        decoder, head = base.get_decoder(), base.get_output_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+    if decoder is None or not isinstance(head, torch.nn.Linear):
+        return None
+    return decoder, head
+
+
+def _response_logp(model, kwargs: dict, resp, mask, temperature: float, chunk: int) -> torch.Tensor:
+    """log π(r_t | …) [B, R] float32 from one forward over ``kwargs`` whose last R columns are the responses."""
+    r_len = resp.shape[1]
+    split = _split_head(model)
+    if split is None:
+        try:
+            logits = model(**kwargs, logits_to_keep=r_len + 1).logits  # [B, R + 1, V]
+        except TypeError:  # a model without logits_to_keep: compute all positions, then slice
+            logits = model(**kwargs).logits  # [B, L, V]
+        logits = logits[:, -(r_len + 1): -1, :].float() / temperature  # [B, R, V]; column P-1+t predicts r_t
+        token_logit = logits.gather(-1, resp.unsqueeze(-1)).squeeze(-1)  # [B, R]
+        return token_logit - torch.logsumexp(logits, dim=-1)  # [B, R]
+    decoder, head = split
+    hidden = decoder(**kwargs).last_hidden_state[:, -(r_len + 1): -1, :]  # [B, R, D]
+    rows, cols = mask.nonzero(as_tuple=True)  # the N real response tokens
+    picked, targets = hidden[rows, cols], resp[rows, cols]  # [N, D], [N]
+    parts = []
+    for start in range(0, picked.shape[0], max(1, chunk)):
+        h, t = picked[start: start + chunk], targets[start: start + chunk]
+        if torch.is_grad_enabled() and h.requires_grad:
+            parts.append(checkpoint(_chunk_logp, head, h, t, temperature, use_reentrant=False))
+        else:
+            parts.append(_chunk_logp(head, h, t, temperature))
+    logp = torch.zeros(resp.shape, dtype=torch.float32, device=resp.device)
+    if parts:
+        logp = logp.index_put((rows, cols), torch.cat(parts))
+    return logp
+
+
+def _chunk_logp(head: torch.nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """log-softmax at ``targets`` [n] of ``head(hidden)`` [n, V] in float32, without a full log-softmax tensor."""
+    logits = head(hidden).float() / temperature  # [n, V]
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [n]
 
 
 def micro_batches(

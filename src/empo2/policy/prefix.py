@@ -1,0 +1,179 @@
+"""Shared-prefix computation: rows that start with the same tokens pay for that head once.
+
+The G rollouts of a group share the system prompt, the task and the demonstration (and at step 0 the whole
+observation), which is most of a ~600-token prompt. :func:`plan_groups` groups rows by a common token head;
+:func:`head_cache` runs each group's head once (batch 1, with gradient when grad is enabled) and lays the heads' keys
+and values out as one batched KV cache; the rows' own tails then run on top of it. Batch layout (H = longest head)::
+
+    cache columns:  [0 … 0  h_1 … h_P]            each row's group head, LEFT-padded to H (mask 0 on the pads)
+    input columns:  [pad … pad  t_1 … t_k | …]     each row's tail (prompt after its head), LEFT-padded
+
+``position_ids`` are explicit (a tail token at index j of its prompt gets position j), so every real token sees
+exactly the keys and positions it would see in an unpadded single-row forward.
+
+The per-model compute options (prefix sharing on/off, bfloat16 autocast, log-prob chunk size) live here too: they
+are attached to the model object, so ``generate_batch`` / ``response_logprobs`` keep their signatures.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class ComputeOptions:
+    prefix_sharing: bool = True
+    """Compute a shared token head once per group of rows (generation and training log-probs)."""
+    compute_dtype: str = "float32"
+    """``float32`` or ``bfloat16`` (autocast around forward passes; weights and optimizer state stay float32)."""
+    logprob_chunk_tokens: int = 1024
+    """Response positions whose vocabulary logits are materialised at once when computing log-probs."""
+    min_shared_tokens: int = 16
+    """A head shorter than this is not worth a separate forward; such rows run unshared."""
+
+
+DEFAULT_OPTIONS = ComputeOptions()
+_ATTR = "_empo2_compute_options"
+
+
+def attach_options(model: torch.nn.Module, options: ComputeOptions) -> None:
+    """Make ``options`` the compute options of ``model`` (read by generation and log-prob code)."""
+    if options.compute_dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"compute_dtype must be float32 or bfloat16, not {options.compute_dtype!r}")
+    object.__setattr__(model, _ATTR, options)
+
+
+def options_of(model: torch.nn.Module) -> ComputeOptions:
+    return getattr(model, _ATTR, None) or DEFAULT_OPTIONS
+
+
+def autocast(model: torch.nn.Module, options: ComputeOptions):
+    """bfloat16 autocast for forward passes when asked for (a no-op context otherwise)."""
+    if options.compute_dtype != "bfloat16":
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------- grouping
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def plan_groups(prompts: Sequence[Sequence[int]], min_shared: int = 16) -> list[tuple[list[int], int]]:
+    """Group rows by a shared token head: a list of ``(row indices, head length)`` covering every row once.
+
+    Rows are visited in lexicographic order (rows with long common heads become neighbours); a row joins the current
+    group when that lowers the total token count: a group of k rows with head P that shrinks to P' by the join costs
+    k·(P − P') more tail tokens and saves P' head tokens of the new row. A head never covers a row's last token (its
+    logits must come from the tail forward). Single rows get head length 0 (nothing shared).
+    """
+    order = sorted(range(len(prompts)), key=lambda i: list(prompts[i]))
+    groups: list[tuple[list[int], int]] = []
+    for i in order:
+        if groups:
+            rows, head = groups[-1]
+            first = prompts[rows[0]]
+            cap = min(len(prompts[i]), len(first)) - 1 if len(rows) == 1 else min(head, len(prompts[i]) - 1)
+            new = min(common_prefix_len(first, prompts[i]), cap)
+            cost = 0 if len(rows) == 1 else len(rows) * (head - new)  # extra tail tokens of the current members
+            if new >= min_shared and cost < new:
+                groups[-1] = (rows + [i], new)
+                continue
+        groups.append(([i], 0))
+    return [(sorted(rows), head if len(rows) > 1 else 0) for rows, head in groups]
+
+
+def worth_sharing(groups: list[tuple[list[int], int]]) -> bool:
+    return any(head > 0 for _, head in groups)
+
+
+# ----------------------------------------------------------------------------------------------- head cache
+def make_cache(model, layers: list[tuple[torch.Tensor, torch.Tensor]]):
+    """A transformers DynamicCache holding the given per-layer (keys, values) [B, kv_heads, T, head_dim]."""
+    from transformers import DynamicCache
+
+    return DynamicCache(ddp_cache_data=layers, config=getattr(model, "config", None))
+
+
+def cache_kwargs(cache) -> dict:
+    """The keyword that passes a KV cache to a model (transformers 5 renamed ``past_key_values`` to ``cache``)."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return {"cache": cache} if major >= 5 else {"past_key_values": cache}
+
+
+def output_cache(out):
+    """The KV cache a forward returned (``cache`` in transformers 5, ``past_key_values`` before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _layer_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return [(cache.key_cache[i], cache.value_cache[i]) for i in range(len(cache.key_cache))]  # transformers 4.x
+
+
+def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[int], int]]):
+    """Run each group's head once and lay it out for all rows: returns ``(cache, head_mask [B, H])``.
+
+    Autograd flows through the copies, so with grad enabled the head's parameters get the sum of every row's
+    gradient, as if each row had run it.
+    """
+    device = next(model.parameters()).device
+    b, width = len(prompts), max(head for _, head in groups)
+    head_mask = torch.zeros((b, width), dtype=torch.long, device=device)  # [B, H]
+    per_group = []
+    for rows, head in groups:
+        if head == 0:
+            continue
+        ids = torch.tensor([list(prompts[rows[0]][:head])], dtype=torch.long, device=device)  # [1, P]
+        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(head, device=device)
+                    [None], use_cache=True, logits_to_keep=1)
+        per_group.append((rows, head, _layer_kv(output_cache(out))))
+        head_mask[rows, width - head:] = 1
+    layers = []
+    for layer in range(len(per_group[0][2])):
+        k0, v0 = per_group[0][2][layer]  # [1, kv_heads, P, head_dim]
+        zero_k = k0.new_zeros((1, k0.shape[1], width, k0.shape[3]))
+        zero_v = v0.new_zeros((1, v0.shape[1], width, v0.shape[3]))
+        row_k, row_v = [zero_k] * b, [zero_v] * b
+        for rows, _, kv in per_group:
+            k, v = _padded(kv[layer][0], width), _padded(kv[layer][1], width)  # [1, kv_heads, H, head_dim]
+            for r in rows:
+                row_k[r], row_v[r] = k, v
+        layers.append((torch.cat(row_k), torch.cat(row_v)))  # [B, kv_heads, H, head_dim]
+    return make_cache(model, layers), head_mask
+
+
+def _padded(kv: torch.Tensor, width: int) -> torch.Tensor:
+    """[1, h, P, d] → [1, h, width, d], zeros on the left."""
+    return torch.nn.functional.pad(kv, (0, 0, width - kv.shape[2], 0))
+
+
+def tail_batch(prompts: Sequence[Sequence[int]], groups, pad_id: int, device) -> tuple[torch.Tensor, ...]:
+    """Each row's tokens after its head, LEFT-padded: ``(ids [B, S], mask [B, S], positions [B, S])``."""
+    heads = [0] * len(prompts)
+    for rows, head in groups:
+        for r in rows:
+            heads[r] = head
+    width = max(len(p) - h for p, h in zip(prompts, heads))
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    pos = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, (p, h) in enumerate(zip(prompts, heads)):
+        n = len(p) - h
+        ids[r, width - n:] = torch.as_tensor(list(p[h:]), dtype=torch.long)
+        mask[r, width - n:] = 1
+        pos[r, width - n:] = torch.arange(h, len(p))
+    return ids.to(device), mask.to(device), pos.to(device)
