@@ -112,3 +112,78 @@ def test_shared_greedy_generation_equals_plain_tiny():
     lp, _ = response_logprobs(model, prompts, [s.ids for s in sampled], PAD, prefix_sharing=False)
     for i, s in enumerate(sampled):
         np.testing.assert_allclose(s.logprobs, lp[i, : len(s.ids)].detach().numpy(), atol=1e-5)
+
+
+def test_shared_micro_batches_cover_rows_within_budget():
+    from empo2.policy.logprobs import shared_micro_batches
+
+    prompts, responses = shared_rows(5, heads=(40, 25, 33), per_head=4)
+    for budget in (1, 60, 120, 400, 10_000):
+        batches = shared_micro_batches(prompts, responses, budget, min_shared=8)
+        assert sorted(i for b in batches for i in b) == list(range(len(prompts)))
+        for b in batches:
+            groups = px.plan_groups([prompts[i] for i in b], 8)
+            heads = sum(h for _, h in groups)
+            tails = {i: len(prompts[b[i]]) - h for rows, h in groups for i in rows}
+            cost = heads + len(b) * max(tails[k] + len(responses[b[k]]) for k in range(len(b)))
+            assert cost <= budget or len(b) == 1
+    assert len(shared_micro_batches(prompts, responses, 10_000, min_shared=8)) == 1
+
+
+def test_bfloat16_autocast_ratio_stays_near_one():
+    """Behaviour log-probs (generation) and training log-probs under the same bfloat16 autocast: ratio ≈ 1.
+
+    Bound: median |ratio − 1| < 1e-2 and max < 0.1 (bfloat16 has 8 mantissa bits; both sides use the same numerics,
+    the differences come only from cached vs uncached summation order). float32 stays within 1e-4.
+    """
+    model = tiny_lm(3)
+    prompts, _ = shared_rows(6)
+    for dtype, median_bound, max_bound in (("bfloat16", 1e-2, 0.1), ("float32", 1e-5, 1e-4)):
+        px.attach_options(model, px.ComputeOptions(compute_dtype=dtype, min_shared_tokens=8))
+        gens = generate_batch(model, Tok(), prompts, 8, temperature=1.0, generator_seed=1)
+        model.train()
+        new, mask = response_logprobs(model, prompts, [g.ids for g in gens], PAD)
+        model.eval()
+        assert new.dtype == torch.float32 and all(p.dtype == torch.float32 for p in model.parameters())
+        old = torch.zeros_like(new)
+        for r, g in enumerate(gens):
+            old[r, : len(g.ids)] = torch.tensor(g.logprobs)
+        dev = (new.detach() - old)[mask].exp().sub(1).abs()
+        assert float(dev.median()) < median_bound and float(dev.max()) < max_bound, (dtype, dev.median(), dev.max())
+        new.sum().backward()  # gradients reach the float32 weights through autocast
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+        model.zero_grad(set_to_none=True)
+
+
+def test_peak_rss_resets_per_iteration():
+    import numpy as np
+
+    from empo2.train.metrics import peak_rss_gb, reset_peak_rss
+
+    reset_peak_rss()
+    base = peak_rss_gb()
+    block = np.ones(200_000_000 // 8)  # 200 MB touched
+    assert peak_rss_gb() > base + 0.15
+    del block
+    reset_peak_rss()
+    assert peak_rss_gb() < base + 0.1
+
+
+def test_shared_greedy_generation_equals_plain_smollm(smollm):
+    """The real SmolLM2 on G=3 ScienceWorld-like prompts: identical at step 0 for two rows, a longer history for one."""
+    from empo2.agent.prompts import PromptParts, render_prompt_ids
+
+    model, tok = smollm
+    base = PromptParts(env="scienceworld", task="Your task is to find a(n) animal. First, focus on the thing. Then, "
+                       "move it to the red box in the kitchen.", observation="This room is called the hallway. In it, "
+                       "you see: a picture. You also see: a door to the kitchen.", demonstration="> go to outside\n"
+                       "You move to the outside.\n> focus on dove egg\nYou focus on the dove egg.")
+    rollout = PromptParts(**{**base.__dict__, "history": [("go to kitchen", "This room is called the kitchen.")],
+                             "observation": "This room is called the kitchen."})
+    prompts = [render_prompt_ids(tok, p, 2, 1024) for p in (base, base, rollout)]
+    assert px.worth_sharing(px.plan_groups(prompts))
+    shared = generate_batch(model, tok, prompts, 8, greedy=True, prefix_sharing=True)
+    plain = generate_batch(model, tok, prompts, 8, greedy=True, prefix_sharing=False)
+    assert [s.ids for s in shared] == [p.ids for p in plain]
+    for s, p in zip(shared, plain):
+        np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)

@@ -109,6 +109,13 @@ class PolicyConfig:
     """How many recent (action, observation) steps the prompt shows."""
     few_shot: int = 1
     """Number of gold demonstrations (from other variations) in the prompt."""
+    prefix_sharing: bool = True
+    """Compute the token head that several prompts share (system prompt, task, demonstration) once, in generation
+    and in the update; ``False`` = every row runs its whole prompt (the older, slower path; same results)."""
+    compute_dtype: str = "float32"
+    """``float32`` or ``bfloat16``: bfloat16 autocast around forward passes, weights and optimizer state stay in
+    ``dtype``. On CPUs without native bfloat16 (no AVX512-BF16/AMX) bfloat16 is slower; see
+    benchmarks/results/iteration.json."""
 
 
 @dataclass
@@ -216,6 +223,8 @@ class TrainConfig:
     over the whole iteration. verl takes one step per ``ppo_mini_batch_size``, ~20–30 per iteration."""
     micro_batch_tokens: int = 4096
     """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up)."""
+    logprob_chunk_tokens: int = 1024
+    """Response tokens whose full-vocabulary logits exist at once when computing log-probs (bounds update memory)."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
     eval_at_start: bool = False
@@ -347,6 +356,8 @@ class Config:
             (t.num_iterations >= 1, "train.num_iterations must be >= 1"),
             (t.micro_batch_tokens >= 1 and t.mini_batch_size >= 0, "train.micro_batch_tokens >= 1 and "
              "train.mini_batch_size >= 0"),
+            (t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens must be >= 1"),
+            (p.compute_dtype in ("float32", "bfloat16"), "policy.compute_dtype must be float32|bfloat16"),
         ]
         for ok, message in checks:
             if not ok:

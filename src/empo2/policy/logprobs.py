@@ -185,3 +185,41 @@ def micro_batches(
         max_p, max_r = p, r
     if batch:
         yield batch
+
+
+def shared_micro_batches(
+    prompt_ids: Sequence[Sequence[int]],
+    response_ids: Sequence[Sequence[int]],
+    max_tokens: int,
+    min_shared: int = 16,
+) -> list[list[int]]:
+    """Micro-batches (lists of row indices) for prefix-shared log-probs, each costing at most ``max_tokens``.
+
+    Rows are grouped by common token head (:func:`empo2.policy.prefix.plan_groups`) and filled group by group. The
+    cost of a micro-batch is what it computes: each group head once (a group cut down to one row loses its head),
+    plus rows × the longest tail + response. A single row over the budget gets a micro-batch of its own.
+    """
+    if max_tokens < 1:
+        raise ValueError("max_tokens must be >= 1")
+    heads = {}
+    order = []
+    for gid, (rows, head) in enumerate(px.plan_groups(prompt_ids, min_shared)):
+        for r in rows:
+            heads[r] = (gid, head)
+            order.append(r)
+
+    def cost(batch: list[int]) -> int:
+        members: dict[int, int] = {}
+        for r in batch:
+            members[heads[r][0]] = members.get(heads[r][0], 0) + 1
+        used = {g: heads[r][1] if members[g] > 1 else 0 for r in batch for g in [heads[r][0]]}
+        width = max(len(prompt_ids[r]) - used[heads[r][0]] + len(response_ids[r]) for r in batch)
+        return sum(used.values()) + len(batch) * width
+
+    batches: list[list[int]] = []
+    for r in order:
+        if batches and cost(batches[-1] + [r]) <= max_tokens:
+            batches[-1].append(r)
+        else:
+            batches.append([r])
+    return batches

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,22 @@ def iteration_line(r: dict[str, Any]) -> str:
     if r.get("eval"):
         line += f" | eval {r['eval']['score_mean']:.1f}"
     return line
+
+
+def reset_peak_rss() -> None:
+    """Restart the kernel's peak-RSS counter (Linux) so ``peak_rss_gb`` measures one iteration."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux / not permitted: peak_rss_gb reports the process-lifetime peak
+
+
+def peak_rss_gb() -> float:
+    """Peak resident memory since the last ``reset_peak_rss`` (VmHWM), else the process-lifetime peak, in GB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / 1e9
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB

@@ -1,0 +1,276 @@
+"""Iteration-cost benchmark (issue 11): each speed switch off and on, side by side in one process.
+
+    EMPO2_HOME=/tmp/e2home python benchmarks/iteration.py             # defaults: ~10 min on 2 idle cores
+    python benchmarks/iteration.py --max-steps 6 --rollout-generations 4 8 --iterations 2   # the issue's settings
+                                                                      # (~25 min on 2 idle cores)
+
+Real ``Trainer`` s from ``configs/scienceworld_cpu.yaml`` (SmolLM2-135M + LoRA, ScienceWorld find-animal, sampled
+rollouts at temperature 1.0, same seed for every arm). "today" = ``policy.prefix_sharing=false`` (left-padded
+``model.generate`` and padded log-prob rows), "shared" = the default (prompt heads computed once, responses' logits
+in chunks). Arms alternate order; rows of the table are medians.
+
+1. Rollout env-steps/s at each ``--rollout-generations`` G (one task, G episodes of ``--max-steps`` steps, no memory).
+2. Update tokens/s: the same rows (the last shared rollout's steps, advantages ±1) through ``Trainer.update``.
+3. A whole EMPO² iteration (modes forced to ``on_tips``) today vs shared, with the trainer's per-iteration peak RSS.
+4. EMPO² ``on_tips`` iteration vs GRPO iteration (both shared), and the reflection's share of the EMPO² iteration.
+5. First-mini-batch |ratio − 1| (median, p99) with ``policy.compute_dtype`` float32 and bfloat16: behaviour
+   log-probs from a rollout, training log-probs of the same rows in ``train()`` mode, same numerics.
+
+The machine is shared with other agents: absolute times are noisy, the ratios less so; ``uptime`` is recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "iteration.json"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from rollout import loadavg, median  # noqa: E402  (the other benchmark's helpers)
+
+
+def uptime() -> str:
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+
+
+def set_arm(trainer, share: bool, dtype: str = "float32") -> None:
+    """Switch a trainer between today's path and the shared one (config and the model's compute options)."""
+    from empo2.policy.prefix import ComputeOptions, attach_options
+
+    trainer.cfg.policy.prefix_sharing = share
+    trainer.cfg.policy.compute_dtype = dtype
+    attach_options(trainer.model, ComputeOptions(prefix_sharing=share, compute_dtype=dtype,
+                                                 logprob_chunk_tokens=trainer.cfg.train.logprob_chunk_tokens))
+
+
+def make_trainer(tmp: Path, name: str, args, extra: list[str]):
+    from empo2.config import Config
+    from empo2.train.trainer import Trainer
+
+    overrides = [f"train.seed={args.seed}", "env.tasks=[find-animal]", f"env.max_steps={args.max_steps}",
+                 "train.progress=false", "train.tensorboard=false", "train.eval_every=0", "train.iterations=100",
+                 "train.sample_trajectories=0", f"train.micro_batch_tokens={args.micro_batch_tokens}"] + extra
+    return Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides), tmp / name)
+
+
+def bench_rollout(trainer, args, log) -> tuple[dict, list]:
+    from empo2.train.rollout import run_episodes
+
+    out, last = {}, None
+    for g in args.rollout_generations:
+        runs = {"today": [], "shared": []}
+        for rnd in range(args.rounds):
+            for arm in (("today", "shared") if rnd % 2 == 0 else ("shared", "today")):
+                set_arm(trainer, arm == "shared")
+                import torch
+
+                torch.manual_seed(args.seed + rnd)
+                t = time.perf_counter()
+                eps, st = run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * g, temperature=1.0, reflect=False)
+                dt = time.perf_counter() - t
+                steps = sum(len(e.steps) for e in eps)
+                runs[arm].append({"seconds": dt, "steps": steps, "steps_per_s": steps / dt,
+                                  "generate_s": st["gen_time"], "prompt_tokens": st["prompt_tokens"]})
+                log(f"[rollout] G={g} round {rnd} {arm:6s} {steps} steps in {dt:6.1f}s (gen {st['gen_time']:.1f}s)")
+                if arm == "shared":
+                    last = eps
+        a, b = (median([r["steps_per_s"] for r in runs[k]]) for k in ("today", "shared"))
+        out[f"G{g}"] = {"today_steps_per_s": a, "shared_steps_per_s": b, "speedup": b / a, "runs": runs}
+    return out, last
+
+
+def bench_update(trainer, episodes, args, log) -> dict:
+    adv = [1.0 if i % 2 == 0 else -1.0 for i in range(len(episodes))]
+    runs = {"today": [], "shared": []}
+    for rnd in range(args.rounds):
+        for arm in (("today", "shared") if rnd % 2 == 0 else ("shared", "today")):
+            set_arm(trainer, arm == "shared")
+            from empo2.train.metrics import peak_rss_gb, reset_peak_rss
+
+            reset_peak_rss()
+            t = time.perf_counter()
+            m = trainer.update(episodes, adv)
+            dt = time.perf_counter() - t
+            runs[arm].append({"seconds": dt, "tokens": m["tokens"], "tokens_per_s": m["tokens"] / dt,
+                              "peak_rss_gb": peak_rss_gb()})
+            log(f"[update] round {rnd} {arm:6s} {m['rows']} rows, {m['tokens']} tokens in {dt:6.1f}s, "
+                f"peak RSS {runs[arm][-1]['peak_rss_gb']:.2f} GB")
+    a, b = (median([r["tokens_per_s"] for r in runs[k]]) for k in ("today", "shared"))
+    return {"today_tokens_per_s": a, "shared_tokens_per_s": b, "speedup": b / a, "runs": runs}
+
+
+class ReflectTimer:
+    """Times ``_reflect_and_update`` (the end-of-episode reflection) by wrapping it in this process."""
+
+    def __init__(self):
+        import empo2.train.rollout as rollout_mod
+
+        self.seconds, orig = 0.0, rollout_mod._reflect_and_update
+
+        def wrapped(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return orig(*a, **kw)
+            finally:
+                self.seconds += time.perf_counter() - t
+
+        rollout_mod._reflect_and_update = wrapped
+
+
+def run_iteration(trainer, it: int, timer: ReflectTimer, label: str, log) -> dict:
+    timer.seconds = 0.0
+    t = time.perf_counter()
+    rec = trainer.iteration(it)
+    whole = time.perf_counter() - t
+    row = {"whole": whole, "rollout": rec["time"]["rollout"], "update": rec["time"]["update"],
+           "reflection": timer.seconds, "peak_rss_gb": rec["memory_peak_rss_gb"], "modes": rec["modes"],
+           "steps": rec["train"]["steps_mean"], "update_tokens": rec["loss"].get("tokens", 0)}
+    log(f"[iter] {label:14s} it {it}: whole {whole:6.1f}s rollout {row['rollout']:6.1f}s (reflection "
+        f"{row['reflection']:.1f}s) update {row['update']:6.1f}s peak RSS {row['peak_rss_gb']:.2f} GB")
+    return row
+
+
+def bench_ratio(trainer, episodes, args, log) -> dict:
+    """First-mini-batch |ratio − 1| per compute dtype: behaviour log-probs vs training log-probs, same rows."""
+    import numpy as np
+    import torch
+
+    from empo2.policy.generate import generate_batch
+    from empo2.policy.logprobs import response_logprobs, shared_micro_batches
+
+    prompts = [s.prompt_ids for e in episodes for s in e.steps]
+    first = shared_micro_batches(prompts, [[0] * 16] * len(prompts), args.micro_batch_tokens)[0]
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        set_arm(trainer, True, dtype)
+        torch.manual_seed(args.seed)
+        t = time.perf_counter()
+        gens = generate_batch(trainer.model, trainer.tokenizer, [prompts[i] for i in first], 16, temperature=1.0)
+        gen_s = time.perf_counter() - t
+        trainer.model.train()
+        with torch.no_grad():
+            t = time.perf_counter()
+            new, mask = response_logprobs(trainer.model, [prompts[i] for i in first], [g.ids for g in gens],
+                                          trainer.tokenizer.pad_token_id)
+            lp_s = time.perf_counter() - t
+        trainer.model.eval()
+        old = torch.zeros_like(new)
+        for r, g in enumerate(gens):
+            old[r, : len(g.logprobs)] = torch.tensor(g.logprobs)
+        dev = (new - old)[mask].exp().sub(1).abs().numpy()
+        out[dtype] = {"median": float(np.median(dev)), "p99": float(np.quantile(dev, 0.99)), "max": float(dev.max()),
+                      "tokens": int(mask.sum()), "rows": len(first), "generate_s": gen_s, "logprob_s": lp_s}
+        log(f"[ratio] {dtype:8s} |ratio-1| median {out[dtype]['median']:.2e} p99 {out[dtype]['p99']:.2e} over "
+            f"{out[dtype]['tokens']} tokens; generate {gen_s:.1f}s, log-probs {lp_s:.1f}s")
+    set_arm(trainer, True, "float32")
+    return out
+
+
+def bench_iterations(empo2, grpo, args, log) -> dict:
+    timer = ReflectTimer()
+    empo2.cfg.algo.num_generations = args.generations
+    rows = {"empo2_today": [], "empo2_shared": [], "grpo_shared": []}
+    set_arm(empo2, True)
+    run_iteration(empo2, 0, timer, "warm-up empo2", log)  # writes the tips later iterations retrieve
+    arms = list(rows)
+    for i in range(args.iterations):
+        for arm in (arms if i % 2 == 0 else arms[::-1]):
+            trainer = grpo if arm.startswith("grpo") else empo2
+            set_arm(trainer, arm.endswith("shared"))
+            rows[arm].append(run_iteration(trainer, 1 + 3 * i + arms.index(arm), timer, arm, log))
+    med = {arm: {k: median([r[k] for r in rs]) for k in ("whole", "rollout", "update", "reflection", "peak_rss_gb")}
+           for arm, rs in rows.items()}
+    e, t, g = med["empo2_shared"], med["empo2_today"], med["grpo_shared"]
+    return {"runs": rows, "median": med, "shared_over_today": e["whole"] / t["whole"],
+            "memory_over_grpo": e["whole"] / g["whole"], "reflection_share": e["reflection"] / e["whole"],
+            "peak_rss_gb_max_shared": max(max(r["peak_rss_gb"] for r in rows[a]) for a in ("empo2_shared",
+                                                                                            "grpo_shared"))}
+
+
+def table(res: dict) -> str:
+    ok = lambda cond: "PASS" if cond else "MISS"  # noqa: E731
+    lines = ["Rollout env-steps/s (find-animal, sampled, no memory)          today   shared  speedup  target >= 3x"]
+    for g, r in res["rollout"].items():
+        lines.append(f"  {g:58s} {r['today_steps_per_s']:6.3f}  {r['shared_steps_per_s']:6.3f}  {r['speedup']:6.2f}x "
+                     f" {ok(r['speedup'] >= 3)}")
+    u = res["update"]
+    lines += ["", f"Update tokens/s                                                {u['today_tokens_per_s']:6.1f}  "
+                  f"{u['shared_tokens_per_s']:6.1f}  {u['speedup']:6.2f}x  target >= 2x {ok(u['speedup'] >= 2)}"]
+    if "bfloat16_tokens_per_s" in u:
+        lines.append(f"  shared + bfloat16 autocast: {u['bfloat16_tokens_per_s']:.1f} tokens/s")
+    it = res["iterations"]
+    m = it["median"]
+    lines += ["", "Whole iterations (median s)       whole  rollout  reflection  update  peak RSS GB"]
+    for arm, r in m.items():
+        lines.append(f"  {arm:30s} {r['whole']:6.1f}  {r['rollout']:6.1f}  {r['reflection']:9.1f}  {r['update']:6.1f}"
+                     f"  {r['peak_rss_gb']:6.2f}")
+    lines += [f"  EMPO² iteration shared / today   {it['shared_over_today']:.2f}   target <= 0.33 "
+              f"{ok(it['shared_over_today'] <= 1 / 3)}",
+              f"  on_tips iteration / GRPO         {it['memory_over_grpo']:.2f}   target <= 1.10 "
+              f"{ok(it['memory_over_grpo'] <= 1.10)}",
+              f"  reflection share of EMPO² iter.  {100 * it['reflection_share']:.0f}%",
+              f"  peak RSS (shared arms, max)      {it['peak_rss_gb_max_shared']:.2f} GB  target <= 3 GB "
+              f"{ok(it['peak_rss_gb_max_shared'] <= 3)}", "",
+              "First-mini-batch |ratio - 1|       median      p99"]
+    for dtype, r in res["ratio"].items():
+        lines.append(f"  {dtype:30s} {r['median']:.2e}  {r['p99']:.2e}  (generate {r['generate_s']:.1f}s, "
+                     f"log-probs {r['logprob_s']:.1f}s)")
+    lines += ["", f"load: {res['uptime_start']}  ->  {res['uptime_end']} (wall {res['wall_s']:.0f}s)"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rollout-generations", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--generations", type=int, default=4, help="G of the whole iterations")
+    ap.add_argument("--max-steps", type=int, default=3, help="env.max_steps (the issue: 6)")
+    ap.add_argument("--rounds", type=int, default=1, help="rounds of each rollout/update arm pair")
+    ap.add_argument("--iterations", type=int, default=1, help="timed iterations per arm (after one warm-up)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-iterations", action="store_true")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    log = lambda s: print(s, flush=True)  # noqa: E731
+
+    t0 = time.perf_counter()
+    res = {"benchmark": "iteration", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+           "uptime_start": uptime(), "loadavg_start": loadavg()}
+    tmp = Path(tempfile.mkdtemp(prefix="iteration_bench_"))
+    g_max = max(args.rollout_generations + [args.generations])
+    empo2 = make_trainer(tmp, "empo2", args, [f"algo.num_generations={g_max}", "algo.p_memory=1.0",
+                                              "algo.p_off_policy=0.0"])
+    grpo = None
+    try:
+        res["rollout"], episodes = bench_rollout(empo2, args, log)
+        res["update"] = bench_update(empo2, episodes, args, log)
+        set_arm(empo2, True, "bfloat16")
+        t = time.perf_counter()
+        m = empo2.update(episodes, [1.0 if i % 2 == 0 else -1.0 for i in range(len(episodes))])
+        res["update"]["bfloat16_tokens_per_s"] = m["tokens"] / (time.perf_counter() - t)
+        log(f"[update] shared+bf16 {res['update']['bfloat16_tokens_per_s']:.1f} tokens/s")
+        res["ratio"] = bench_ratio(empo2, episodes, args, log)
+        if not args.skip_iterations:
+            grpo = make_trainer(tmp, "grpo", args, [f"algo.num_generations={args.generations}", "algo.name=grpo"])
+            res["iterations"] = bench_iterations(empo2, grpo, args, log)
+    finally:
+        empo2.close()
+        if grpo is not None:
+            grpo.close()
+    res["uptime_end"], res["loadavg_end"], res["wall_s"] = uptime(), loadavg(), time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=2))
+    if "iterations" in res:
+        print("\n" + table(res))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":  # the env pool uses multiprocessing spawn: workers re-import this file
+    main()
