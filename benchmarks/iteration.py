@@ -235,8 +235,14 @@ def main() -> None:
     ap.add_argument("--micro-batch-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-iterations", action="store_true")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default); on a machine "
+                    "loaded by other jobs 1 thread avoids stalls at every parallel region")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     log = lambda s: print(s, flush=True)  # noqa: E731
 
     t0 = time.perf_counter()
@@ -248,15 +254,20 @@ def main() -> None:
     empo2 = make_trainer(tmp, "empo2", args, [f"algo.num_generations={g_max}", "algo.p_memory=1.0",
                                               "algo.p_off_policy=0.0"])
     grpo = None
+    save = lambda: args.out.write_text(json.dumps(res, indent=2))  # noqa: E731  (partial results survive)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     try:
         res["rollout"], episodes = bench_rollout(empo2, args, log)
+        save()
         res["update"] = bench_update(empo2, episodes, args, log)
+        save()
         set_arm(empo2, True, "bfloat16")
         t = time.perf_counter()
         m = empo2.update(episodes, [1.0 if i % 2 == 0 else -1.0 for i in range(len(episodes))])
         res["update"]["bfloat16_tokens_per_s"] = m["tokens"] / (time.perf_counter() - t)
         log(f"[update] shared+bf16 {res['update']['bfloat16_tokens_per_s']:.1f} tokens/s")
         res["ratio"] = bench_ratio(empo2, episodes, args, log)
+        save()
         if not args.skip_iterations:
             grpo = make_trainer(tmp, "grpo", args, [f"algo.num_generations={args.generations}", "algo.name=grpo"])
             res["iterations"] = bench_iterations(empo2, grpo, args, log)
@@ -265,8 +276,7 @@ def main() -> None:
         if grpo is not None:
             grpo.close()
     res["uptime_end"], res["loadavg_end"], res["wall_s"] = uptime(), loadavg(), time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2))
+    save()
     if "iterations" in res:
         print("\n" + table(res))
     print(f"\nwrote {args.out}")
