@@ -85,8 +85,14 @@ def bench_rollout(trainer, args, log) -> tuple[dict, list]:
     return out, last
 
 
+def signed_rows(episodes):
+    """The episodes' update rows with advantages ±1 (every row trains)."""
+    from empo2.train.rows import update_rows
+
+    return update_rows(episodes, [[1.0 if i % 2 == 0 else -1.0] * len(e.steps) for i, e in enumerate(episodes)])
+
+
 def bench_update(trainer, episodes, args, log) -> dict:
-    adv = [1.0 if i % 2 == 0 else -1.0 for i in range(len(episodes))]
     runs = {"today": [], "shared": []}
     for rnd in range(args.rounds):
         for arm in (("today", "shared") if rnd % 2 == 0 else ("shared", "today")):
@@ -95,7 +101,7 @@ def bench_update(trainer, episodes, args, log) -> dict:
 
             reset_peak_rss()
             t = time.perf_counter()
-            m = trainer.update(episodes, adv)
+            m = trainer.update(signed_rows(episodes))
             dt = time.perf_counter() - t
             runs[arm].append({"seconds": dt, "tokens": m["tokens"], "tokens_per_s": m["tokens"] / dt,
                               "peak_rss_gb": peak_rss_gb()})
@@ -263,7 +269,7 @@ def main() -> None:
         save()
         set_arm(empo2, True, "bfloat16")
         t = time.perf_counter()
-        m = empo2.update(episodes, [1.0 if i % 2 == 0 else -1.0 for i in range(len(episodes))])
+        m = empo2.update(signed_rows(episodes))
         res["update"]["bfloat16_tokens_per_s"] = m["tokens"] / (time.perf_counter() - t)
         log(f"[update] shared+bf16 {res['update']['bfloat16_tokens_per_s']:.1f} tokens/s")
         res["ratio"] = bench_ratio(empo2, episodes, args, log)
