@@ -47,6 +47,14 @@ def attach_options(model: torch.nn.Module, options: ComputeOptions) -> None:
     object.__setattr__(model, _ATTR, options)
 
 
+def configure_model(model: torch.nn.Module, cfg) -> None:
+    """Attach the compute options of a run's config (``policy.prefix_sharing``, ``policy.compute_dtype``,
+    ``train.logprob_chunk_tokens``) to its model."""
+    attach_options(model, ComputeOptions(prefix_sharing=cfg.policy.prefix_sharing,
+                                         compute_dtype=cfg.policy.compute_dtype,
+                                         logprob_chunk_tokens=cfg.train.logprob_chunk_tokens))
+
+
 def options_of(model: torch.nn.Module) -> ComputeOptions:
     return getattr(model, _ATTR, None) or DEFAULT_OPTIONS
 

@@ -28,7 +28,7 @@ from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
 from empo2.policy.loader import load_model
 from empo2.policy.logprobs import response_logprobs, shared_micro_batches
-from empo2.policy.prefix import ComputeOptions, attach_options
+from empo2.policy.prefix import configure_model
 from empo2.train import checkpoint as ckpt
 from empo2.train.evaluate import evaluate, write_eval_tables
 from empo2.train.metrics import MetricsLog, iteration_line, peak_rss_gb, plot_run, reset_peak_rss
@@ -49,9 +49,7 @@ class Trainer:
 
         self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
         self.model = self._adapt(self.model)
-        attach_options(self.model, ComputeOptions(prefix_sharing=cfg.policy.prefix_sharing,
-                                                  compute_dtype=cfg.policy.compute_dtype,
-                                                  logprob_chunk_tokens=cfg.train.logprob_chunk_tokens))
+        configure_model(self.model, cfg)  # prefix sharing, compute dtype, log-prob chunks
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay,
@@ -235,8 +233,7 @@ class Trainer:
                      "generate": rstats["gen_time"], "env": rstats["env_time"]},
             "tokens_per_s": {"generate": tokens / max(rstats["gen_time"], 1e-9),
                              "update": loss_metrics.get("tokens", 0) / max(t_update, 1e-9)},
-            "long_prompts": rstats["long_prompts"],
-            "memory_peak_rss_gb": peak_rss_gb(),
+            "long_prompts": rstats["long_prompts"], "memory_peak_rss_gb": peak_rss_gb(),
         }
 
     # ----------------------------------------------------------------------------------------------- update
@@ -260,7 +257,7 @@ class Trainer:
             minis = [[rows[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
             for m, mini in enumerate(minis):
                 ok = True
-                for batch in self._micro_batches(mini):
+                for batch in _token_batches(mini, cfg.train.micro_batch_tokens, cfg.policy.prefix_sharing):
                     metrics, batch_ok = self._backward(batch, mini)
                     ok &= batch_ok
                     sums.update(metrics)
@@ -277,15 +274,6 @@ class Trainer:
         out.update(rows=len(rows), response_tokens=sum(len(r.response) for r in rows), tokens=processed,
                    optimizer_steps=steps, skipped_steps=skipped)
         return out
-
-    def _micro_batches(self, mini: list[UpdateRow]) -> list[list[UpdateRow]]:
-        """Token-budgeted micro-batches; with prefix sharing, rows sharing a prompt head go together (their order
-        inside a mini-batch does not matter: the micro-batches' gradients add up to the mini-batch's)."""
-        budget = self.cfg.train.micro_batch_tokens
-        if not self.cfg.policy.prefix_sharing:
-            return _token_batches(mini, budget)
-        groups = shared_micro_batches([r.train_prompt for r in mini], [r.response for r in mini], budget)
-        return [[mini[i] for i in g] for g in groups]
 
     def _backward(self, batch: list[UpdateRow], mini: list[UpdateRow]) -> tuple[dict[str, float], bool]:
         """Loss and backward of one micro-batch, weighted by its share of the mini-batch ``mini``."""
@@ -394,8 +382,11 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def _token_batches(rows: list[UpdateRow], budget: int) -> list[list[UpdateRow]]:
+def _token_batches(rows: list[UpdateRow], budget: int, shared: bool = False) -> list[list[UpdateRow]]:
     """Split rows into micro-batches whose padded size (rows × longest prompt+response) stays within ``budget``."""
+    if shared:  # rows sharing a prompt head go together, costed as computed (order in a mini-batch is free)
+        idx = shared_micro_batches([r.train_prompt for r in rows], [r.response for r in rows], budget)
+        return [[rows[i] for i in b] for b in idx]
     batches, current, longest = [], [], 0
     for r in rows:
         length = len(r.train_prompt) + len(r.response)
