@@ -58,6 +58,10 @@ def test_plan_groups_covers_rows_and_heads_are_common():
     for rows, head in groups:
         assert all(prompts[r][:head] == prompts[rows[0]][:head] and len(prompts[r]) > head for r in rows)
     assert px.plan_groups([[1, 2, 3], [4, 5]], min_shared=1) == [([0], 0), ([1], 0)]
+    assert px.plan_layout([[1, 2, 3], [4, 5]], min_shared=1) is None
+    # with sharing, a lone row gets its own head (all but its last token), so its tail does not pad the others
+    layout = px.plan_layout(prompts, min_shared=8)
+    assert ([len(prompts) - 1], 16) in layout and all(len(prompts[r]) - h <= 12 for rows, h in layout for r in rows)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -121,11 +125,13 @@ def test_shared_micro_batches_cover_rows_within_budget():
     for budget in (1, 60, 120, 400, 10_000):
         batches = shared_micro_batches(prompts, responses, budget, min_shared=8)
         assert sorted(i for b in batches for i in b) == list(range(len(prompts)))
-        for b in batches:
-            groups = px.plan_groups([prompts[i] for i in b], 8)
-            heads = sum(h for _, h in groups)
-            tails = {i: len(prompts[b[i]]) - h for rows, h in groups for i in rows}
-            cost = heads + len(b) * max(tails[k] + len(responses[b[k]]) for k in range(len(b)))
+        for b in batches:  # what response_logprobs computes for this micro-batch
+            groups = px.plan_layout([prompts[i] for i in b], 8)
+            if groups is None:
+                cost = len(b) * max(len(prompts[i]) + len(responses[i]) for i in b)
+            else:
+                tails = {i: len(prompts[b[i]]) - h for rows, h in groups for i in rows}
+                cost = sum(h for _, h in groups) + len(b) * max(tails[k] + len(responses[b[k]]) for k in range(len(b)))
             assert cost <= budget or len(b) == 1
     assert len(shared_micro_batches(prompts, responses, 10_000, min_shared=8)) == 1
 

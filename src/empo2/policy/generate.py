@@ -55,8 +55,8 @@ def generate_batch(
         torch.manual_seed(generator_seed)
     do_sample = not greedy and temperature > 0
     with px.autocast(model, options):
-        groups = px.plan_groups(prompts, options.min_shared_tokens) if share else []
-        if groups and px.worth_sharing(groups):
+        groups = px.plan_layout(prompts, options.min_shared_tokens) if share else None
+        if groups:
             new_tokens, token_logp = _decode_shared(model, tokenizer, prompts, groups, max_new_tokens,
                                                     temperature if do_sample else 0.0, top_p, top_k)
         else:

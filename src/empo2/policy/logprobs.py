@@ -65,7 +65,7 @@ def response_logprobs(
 
     options = px.options_of(model)
     share = options.prefix_sharing if prefix_sharing is None else prefix_sharing
-    groups = px.plan_groups(prompt_ids, options.min_shared_tokens) if share else []
+    groups = px.plan_layout(prompt_ids, options.min_shared_tokens) if share else None
     resp = torch.full((b, r_len), pad_token_id, dtype=torch.long)  # [B, R]
     mask = torch.zeros((b, r_len), dtype=torch.bool)  # [B, R]
     for i, r in enumerate(response_ids):
@@ -73,7 +73,7 @@ def response_logprobs(
         mask[i, : len(r)] = True
     resp, mask = resp.to(device), mask.to(device)
     with px.autocast(model, options):
-        if groups and px.worth_sharing(groups):
+        if groups:
             kwargs = _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id)
         else:
             kwargs = _padded_inputs(prompt_ids, resp, mask, p_len, pad_token_id, device)
@@ -196,7 +196,7 @@ def shared_micro_batches(
     """Micro-batches (lists of row indices) for prefix-shared log-probs, each costing at most ``max_tokens``.
 
     Rows are grouped by common token head (:func:`empo2.policy.prefix.plan_groups`) and filled group by group. The
-    cost of a micro-batch is what it computes: each group head once (a group cut down to one row loses its head),
+    cost of a micro-batch is what it computes: each group head once (a row left alone runs its own head),
     plus rows × the longest tail + response. A single row over the budget gets a micro-batch of its own.
     """
     if max_tokens < 1:
@@ -212,9 +212,13 @@ def shared_micro_batches(
         members: dict[int, int] = {}
         for r in batch:
             members[heads[r][0]] = members.get(heads[r][0], 0) + 1
-        used = {g: heads[r][1] if members[g] > 1 else 0 for r in batch for g in [heads[r][0]]}
-        width = max(len(prompt_ids[r]) - used[heads[r][0]] + len(response_ids[r]) for r in batch)
-        return sum(used.values()) + len(batch) * width
+        if max(members.values()) == 1:  # nothing shared: the padded layout
+            return len(batch) * max(len(prompt_ids[r]) + len(response_ids[r]) for r in batch)
+        # Shared layout (plan_layout): each group's head once; a lone row's own head is its prompt but one token.
+        own = {r: heads[r][1] if members[heads[r][0]] > 1 else len(prompt_ids[r]) - 1 for r in batch}
+        computed = {heads[r][0]: own[r] for r in batch}
+        width = max(len(prompt_ids[r]) - own[r] + len(response_ids[r]) for r in batch)
+        return sum(computed.values()) + len(batch) * width
 
     batches: list[list[int]] = []
     for r in order:
@@ -223,3 +227,4 @@ def shared_micro_batches(
         else:
             batches.append([r])
     return batches
+

@@ -104,6 +104,18 @@ def worth_sharing(groups: list[tuple[list[int], int]]) -> bool:
     return any(head > 0 for _, head in groups)
 
 
+def plan_layout(prompts: Sequence[Sequence[int]], min_shared: int = 16) -> list[tuple[list[int], int]] | None:
+    """Groups ready for :func:`head_cache`, or ``None`` when no head is shared (then the plain path is as good).
+
+    A row that shares nothing gets its own head (its prompt but the last token, run alone): its tail is then one
+    token, so a single long unshared prompt does not pad every row's tail to its length.
+    """
+    groups = plan_groups(prompts, min_shared)
+    if not worth_sharing(groups):
+        return None
+    return [(rows, head if len(rows) > 1 else len(prompts[rows[0]]) - 1) for rows, head in groups]
+
+
 # ----------------------------------------------------------------------------------------------- head cache
 def make_cache(model, layers: list[tuple[torch.Tensor, torch.Tensor]]):
     """A transformers DynamicCache holding the given per-layer (keys, values) [B, kv_heads, T, head_dim]."""
