@@ -131,3 +131,25 @@ def test_anchor_groups_stay_inside_episode_groups_and_similarity_merges():
     assert near[0][0] == near[1][0]
     far = anchor_groups(np.array([0, 0]), [["You are in the kitchen."], ["A hallway."]], similarity=0.9)
     assert far[0][0] != far[1][0]
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "sum"])
+def test_input_from_episodes_step_rewards_add_up_to_the_return(aggregation):
+    """The trainer's conversion: step rewards (with the weighted novelty reward) sum to the episode's return, and
+    state keys are namespaced by task and variation (the same observation in two variations is two anchors)."""
+    from empo2.algo.advantages import combine_returns
+    from empo2.train.rollout import Episode, Step
+
+    def step(obs, reward, intrinsic):
+        return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, obs, intrinsic=intrinsic)
+
+    eps = [Episode("t", 0, 0, "on", steps=[step("hall", 0.0, 1.0), step("room", 5.0, 0.5)]),
+           Episode("t", 1, 0, "on", steps=[step("hall", 1.0, 0.25)])]
+    w = 0.4
+    intrinsic = [ep.intrinsic_return(aggregation) for ep in eps]
+    returns = combine_returns([ep.extrinsic_return for ep in eps], intrinsic, w)
+    inp = AdvantageInput.from_episodes(eps, returns, w, AdvantageOptions(), aggregation)
+    for r, R in zip(inp.step_rewards, returns):
+        assert r.sum() == pytest.approx(R, rel=1e-12)
+    assert inp.state_keys == [["t#0\nhall", "t#0\nroom"], ["t#1\nhall"]]
+    assert inp.group_ids.tolist() == [0, 0]
