@@ -90,7 +90,7 @@ def test_report_errors_write_nothing(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_adapt_presets_reflexion_and_ood_report(tmp_path, tiny_model):
-    """Train on (a task of) Biology1, adapt to Biology2 with tips and with Reflexion (weights proven unchanged), then report."""
+    """Train on a Biology1 task, adapt to Biology2 with tips and with Reflexion (weights proven unchanged), report."""
     run = tmp_path / "bio1"
     assert main(["train", "--config", "configs/scienceworld_cpu.yaml", "--algo", "grpo", f"train.output_dir={run}",
                  f"policy.model={tiny_model}", "env.tasks=[identify-life-stages-1]", *SCIWORLD]) == 0

@@ -251,9 +251,8 @@ def cmd_eval(args) -> int:
 
 def cmd_adapt(args) -> int:
     """Out-of-distribution adaptation (SPEC §6): trials with memory updates only, no parameter updates."""
-    from empo2.envs.factory import env_label, resolve_tasks
+    from empo2.envs.factory import resolve_tasks
     from empo2.train import adapt
-    from empo2.train.report import method_label
 
     args.env, args.tasks = adapt.resolve_tasks(args.preset, args.tasks, args.max_tasks, args.env)
     if not args.run and not args.model:
@@ -267,23 +266,16 @@ def cmd_adapt(args) -> int:
         adapt.use_reflexion(ctx)
     try:
         tasks = resolve_tasks(cfg.env)
-        trials, checksum = adapt.run_trials(ctx, tasks, args.trials or adapt.PRESET_TRIALS, args.split, args.variations,
-                                  args.temperature, args.batch, args.baseline)
+        trials, checksum = adapt.run_trials(ctx, tasks, args.trials or adapt.PRESET_TRIALS, args.split,
+                                            args.variations, args.temperature, args.batch, args.baseline)
     except adapt.WeightsChanged as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
         ctx.pool.close()
         ctx.memory.close()
-    method = "reflexion" if reflexion else (f"{method_label(cfg)} + tips" if args.run else "base model + tips")
-    pair = "→".join(adapt.PRESETS[args.preset]) if args.preset else None
-    report = adapt.adaptation_report(trials, tasks=tasks, preset=args.preset, pair=pair, method=method,
-                                     label=env_label(cfg),
-                                     run=args.run, model=cfg.policy.model, split=args.split,
-                                     weights_sha256=checksum, weights_unchanged=True)
-    for path in adapt.write_adaptation(out, report):
-        print(f"wrote {path}")
-    print(adapt.adaptation_markdown(report))
+    report = adapt.finish(out, tasks, trials, checksum, cfg, preset=args.preset, baseline=args.baseline, run=args.run,
+                          split=args.split)
     print(json.dumps({k: report[k] for k in ("preset", "method", "scores", "best", "trial0", "gain", "gain_pct")}))
     return 0
 

@@ -147,7 +147,8 @@ class AlgoConfig:
 
     name: str = "empo2"
     """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
-    only, no memory) or ``gigpo`` (GRPO's loop with the ``gigpo`` estimator). The algorithm decides memory use, mode probabilities, loss and (by default) estimator."""
+    only, no memory) or ``gigpo`` (GRPO's loop with the ``gigpo`` estimator). The algorithm decides memory use, mode
+    probabilities, loss and (by default) estimator."""
     num_generations: int = 8
     """Rollouts per task (the GRPO group G)."""
     advantage: str = "grpo"

@@ -39,7 +39,8 @@ def discounted_step_returns(rewards: np.ndarray, gamma: float) -> np.ndarray:
     return out
 
 
-def anchor_groups(group_ids: np.ndarray, state_keys: list[list[str]], similarity: float | None = None) -> list[np.ndarray]:
+def anchor_groups(group_ids: np.ndarray, state_keys: list[list[str]],
+                  similarity: float | None = None) -> list[np.ndarray]:
     """Stage 3: an anchor-group id per step (N int arrays [T_i]); groups never span two episode groups.
 
     ``similarity=None``: one anchor group per distinct (episode group, key). Otherwise a step joins the first anchor

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from empo2.config import ConfigError
+from empo2.envs.factory import env_label
 from empo2.train.evaluate import play_split, summarise
+from empo2.train.report import method_label
 from empo2.train.rollout import Episode, RolloutContext, write_tips
 
 PRESETS: dict[str, tuple[str, str]] = {
@@ -155,6 +157,20 @@ def adaptation_report(trials: list[dict[str, Any]], **meta: Any) -> dict[str, An
     base, best = scores[0], max(scores)
     return {**meta, "scores": scores, "best": best, "trial0": base, "gain": best - base,
             "gain_pct": (best - base) / abs(base) * 100 if base else None, "trials": trials}
+
+
+def finish(out: Path, tasks: list[str], trials: list[dict[str, Any]], checksum: str, cfg, *, preset: str | None,
+           baseline: str, run: str | None, split: str) -> dict[str, Any]:
+    """Label the method, build the report, write it (:func:`write_adaptation`) and print its table."""
+    method = "reflexion" if baseline == "reflexion" else (f"{method_label(cfg)} + tips" if run else "base model + tips")
+    report = adaptation_report(trials, tasks=tasks, preset=preset,
+                               pair="→".join(PRESETS[preset]) if preset else None, method=method,
+                               label=env_label(cfg), run=run, model=cfg.policy.model, split=split,
+                               weights_sha256=checksum, weights_unchanged=True)
+    for path in write_adaptation(out, report):
+        print(f"wrote {path}")
+    print(adaptation_markdown(report))
+    return report
 
 
 def write_adaptation(out: Path, report: dict[str, Any]) -> list[Path]:

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, combine_returns, compute_advantages, intrinsic_weight
+from empo2.algo.advantages import (AdvantageInput, AdvantageOptions, combine_returns, compute_advantages,
+                                   intrinsic_weight)
 from empo2.algo.losses import behaviour_logp_for_ratio, get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config
