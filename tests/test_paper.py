@@ -81,8 +81,12 @@ def test_report_errors_write_nothing(tmp_path, capsys):
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
     (unfinished / "config.yaml").write_text("algo: {name: grpo}\n")
+    corrupt = tmp_path / "corrupt"
+    (corrupt / "eval").mkdir(parents=True)
+    (corrupt / "config.yaml").write_text("algo: {name: grpo}\n")
+    (corrupt / "eval" / "final.json").write_text('{"summary": ')
     for folder, message in ((tmp_path / "empty", "is not a run folder"), (unfinished, "has no eval/final.json"),
-                            (tmp_path / "missing", "no such folder")):
+                            (tmp_path / "missing", "no such folder"), (corrupt, "unreadable")):
         assert main(["report", str(folder), "--out", str(tmp_path / "out")]) == 2
         assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

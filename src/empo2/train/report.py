@@ -47,8 +47,11 @@ def collect(paths: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
         if not runs and not adapts:
             raise ConfigError(f"{p} is not a run folder (config.yaml), a compare folder (runs/) or an adaptation "
                               "folder (adapt.json)")
-        found["runs"] += [_read_run(r) for r in runs if (r / "config.yaml").is_file()]
-        found["adapt"] += [_read_adapt(a) for a in adapts]
+        try:
+            found["runs"] += [_read_run(r) for r in runs if (r / "config.yaml").is_file()]
+            found["adapt"] += [_read_adapt(a) for a in adapts]
+        except (json.JSONDecodeError, yaml.YAMLError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{p}: unreadable run or adaptation file ({type(exc).__name__}: {exc})") from None
     return found
 
 
