@@ -12,11 +12,22 @@ from hypothesis import strategies as st
 
 from empo2.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageInput,
+    AdvantageOptions,
     combine_returns,
     compute_advantages,
     intrinsic_weight,
     register_advantage,
 )
+
+
+def grpo(returns, groups, scale_rewards=True, eps=1e-6, lengths=None):
+    """GRPO through the step-level contract; checks that every step carries its episode's value, returns [N]."""
+    options = AdvantageOptions(scale_rewards=scale_rewards, eps=eps)
+    steps, metrics = compute_advantages("grpo", AdvantageInput.from_returns(returns, groups, lengths, options))
+    for a in steps:
+        assert a.dtype == np.float64 and np.all(a == a[0])
+    return np.array([a[0] for a in steps]), metrics
 
 
 def reference_grpo(returns, groups, scale=True, eps=1e-6):
@@ -40,23 +51,24 @@ def test_grpo_matches_reference(seed, scale):
     groups = rng.permutation(np.repeat(np.arange(6), 8))  # non-contiguous groups of 8
     returns = rng.normal(size=48) * 50 - 20
     returns[groups == 2] = 7.3  # one group with equal returns
-    adv, m = compute_advantages("grpo", returns, groups, scale_rewards=scale, eps=1e-6)
-    assert adv.dtype == torch.float32 and adv.shape == (48,)
-    np.testing.assert_allclose(adv.numpy(), reference_grpo(returns, groups.tolist(), scale), rtol=1e-6, atol=1e-6)
+    lengths = rng.integers(1, 6, size=48)  # every step of an episode gets the episode's advantage
+    adv, m = grpo(returns, groups, scale, 1e-6, lengths)
+    assert adv.shape == (48,)
+    np.testing.assert_allclose(adv, reference_grpo(returns, groups.tolist(), scale), rtol=1e-12, atol=1e-12)
     assert m["groups"] == 6 and m["zero_adv_groups"] == 1
 
 
 def test_population_std_convention():
-    adv, _ = compute_advantages("grpo", [0.0, 1.0], [0, 0], eps=0.0)
+    adv, _ = grpo([0.0, 1.0], [0, 0], eps=0.0)
     assert adv.tolist() == [-1.0, 1.0]  # pstd = 0.5; with ddof=1 it would be ±0.7071
-    adv, _ = compute_advantages("grpo", torch.tensor([0.0, 1.0, 2.0]), torch.tensor([3, 3, 3]), scale_rewards=False)
+    adv, _ = grpo(torch.tensor([0.0, 1.0, 2.0]), torch.tensor([3, 3, 3]), scale_rewards=False)
     assert adv.tolist() == [-1.0, 0.0, 1.0]
 
 
 def test_singletons_and_equal_groups_give_exact_zero():
     returns = [0.1, 0.1, 0.1, 5.0, -100.0, 1.0, 2.0]
     groups = [0, 0, 0, 1, 2, 3, 3]
-    adv, m = compute_advantages("grpo", returns, groups)
+    adv, m = grpo(returns, groups)
     assert adv[:5].tolist() == [0.0] * 5  # exactly 0, even though mean(0.1, 0.1, 0.1) != 0.1 in floating point
     assert adv[5] < 0 < adv[6]
     assert m["groups"] == 4 and m["zero_adv_groups"] == 3 and m["singleton_groups"] == 2
@@ -68,17 +80,17 @@ def test_singletons_and_equal_groups_give_exact_zero():
 def test_properties(rows, scale, shift):
     groups = np.array([g for g, _ in rows])
     returns = np.array([r for _, r in rows])
-    adv, _ = compute_advantages("grpo", returns, groups, eps=0.0)
-    adv2, _ = compute_advantages("grpo", returns * scale + shift, groups, eps=0.0)
-    assert np.all(np.isfinite(adv.numpy())) and np.all(np.isfinite(adv2.numpy()))
+    adv, _ = grpo(returns, groups, eps=0.0)
+    adv2, _ = grpo(returns * scale + shift, groups, eps=0.0)
+    assert np.all(np.isfinite(adv)) and np.all(np.isfinite(adv2))
     for g in set(groups.tolist()):
         in_group = groups == g
-        a = adv.double().numpy()[in_group]
+        a = adv[in_group]
         assert abs(a.sum()) < 1e-3  # centred per group
         if np.ptp(returns[in_group]) > 1e-6:
             assert np.mean(a**2) == pytest.approx(1.0, rel=1e-4)  # unit population variance
             # invariant to affine rescaling (only where the spread is far above the equality tolerance)
-            np.testing.assert_allclose(adv.numpy()[in_group], adv2.numpy()[in_group], atol=5e-3)
+            np.testing.assert_allclose(adv[in_group], adv2[in_group], atol=5e-3)
 
 
 @pytest.mark.parametrize("returns", [(0.0, 2.04e-209), (0.0, 9.3e-20), (1.0, 1.0 + 9.3e-20), (5.0, 5.0 + 1e-12)])
@@ -86,34 +98,38 @@ def test_returns_equal_up_to_tolerance_give_exact_zero(returns):
     """Regression: Hypothesis once drew (0, 2.04e-209) -> [-inf, inf] and (0, 9.3e-20) -> [-1, 1] (while the same
     returns shifted by 1 gave [0, 0])."""
     for eps in (0.0, 1e-6):
-        adv, m = compute_advantages("grpo", list(returns), [0, 0], eps=eps)
+        adv, m = grpo(list(returns), [0, 0], eps=eps)
         assert adv.tolist() == [0.0, 0.0] and m["zero_adv_groups"] == 1
 
 
 @pytest.mark.parametrize("returns", [(-1e300, 1e300), (0.0, 1e-7), (1e-300, 1.0)])
 def test_extreme_but_distinct_returns_stay_finite(returns):
-    adv, _ = compute_advantages("grpo", list(returns), [0, 0], eps=0.0)
+    adv, _ = grpo(list(returns), [0, 0], eps=0.0)
     assert adv.tolist() == pytest.approx([-1.0, 1.0], rel=1e-6)
 
 
 def test_registry_and_errors():
-    assert "grpo" in ADVANTAGE_ESTIMATORS
+    assert {"grpo", "gigpo"} <= set(ADVANTAGE_ESTIMATORS)
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        compute_advantages("not-an-estimator", AdvantageInput.from_returns([1.0], [0]))
     with pytest.raises(ValueError):
-        compute_advantages("gigpo-not-yet", [1.0], [0])
+        compute_advantages("grpo", AdvantageInput.from_returns([1.0, 2.0], [0]))
     with pytest.raises(ValueError):
-        compute_advantages("grpo", [1.0, 2.0], [0])
+        compute_advantages("grpo", AdvantageInput.from_returns([1.0, float("nan")], [0, 0]))
+    bad_keys = AdvantageInput.from_returns([1.0, 2.0], [0, 0], [2, 1])
+    bad_keys.state_keys[0] = ["only one"]
+    with pytest.raises(ValueError, match="one state key per step"):
+        compute_advantages("grpo", bad_keys)
     with pytest.raises(ValueError):
-        compute_advantages("grpo", [1.0, float("nan")], [0, 0])
-    with pytest.raises(ValueError):
-        register_advantage("grpo")(lambda *a, **k: None)
+        register_advantage("grpo")(lambda inp: None)
 
     @register_advantage("test_zero")
-    def zero(returns, group_ids, *, scale_rewards, eps):
-        return np.zeros_like(returns), {"groups": 0.0, "zero_adv_groups": 0.0}
+    def zero(inp):
+        return [np.zeros(len(r)) for r in inp.step_rewards], {"groups": 0.0, "zero_adv_groups": 0.0}
 
     try:
-        adv, _ = compute_advantages("test_zero", [1.0, 2.0], [0, 0])
-        assert adv.tolist() == [0.0, 0.0]
+        adv, _ = compute_advantages("test_zero", AdvantageInput.from_returns([1.0, 2.0], [0, 0], [3, 0]))
+        assert [a.tolist() for a in adv] == [[0.0, 0.0, 0.0], []]
     finally:
         del ADVANTAGE_ESTIMATORS["test_zero"]
 

@@ -84,7 +84,9 @@ def test_adapt_updates_memory_only(tmp_path, tiny_model):
     assert main(["adapt", "--model", tiny_model, "--tasks", "find-animal", "--trials", "2", "--variations", "2",
                  "--batch", "2", "--max-steps", "2", "--out", str(out)]) == 0
     report = json.loads((out / "adapt.json").read_text())
-    assert len(report["trials"]) == 2 and report["best"] == max(report["trials"])
+    assert len(report["trials"]) == 2 and report["best"] == max(report["scores"])
+    assert report["trials"][1]["per_task"]["find-animal"]["episodes"] == 2 and report["weights_unchanged"]
+    assert (out / "adapt.png").is_file() and (out / "adapt.md").is_file()
     with TipMemory(out / "memory.sqlite") as memory:
         assert len(memory) + sum(memory.rejections().values()) >= 2  # every episode reflected
 

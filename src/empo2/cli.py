@@ -1,4 +1,4 @@
-"""``empo2`` command line: play · train · compare · eval · adapt · memory.
+"""``empo2`` command line: play · train · compare · eval · adapt · report · memory.
 
 User errors (bad config, unknown task or model, missing Java or data) print one line and exit with code 2.
 """
@@ -217,6 +217,7 @@ def _policy_context(args, with_memory_path: Path | None):
     embedder = get_embedder(cfg.memory.embedder)
     memory = None
     if with_memory_path is not None:
+        with_memory_path.parent.mkdir(parents=True, exist_ok=True)  # only now: a bad run or model writes nothing
         memory = TipMemory(with_memory_path, dim=embedder.dim, capacity=cfg.memory.capacity,
                            eviction=cfg.memory.eviction, dedup_threshold=cfg.memory.dedup_threshold)
     pool = EnvPool(cfg.env.name, make_env_kwargs(cfg.env), args.batch)
@@ -251,29 +252,41 @@ def cmd_eval(args) -> int:
 def cmd_adapt(args) -> int:
     """Out-of-distribution adaptation (SPEC §6): trials with memory updates only, no parameter updates."""
     from empo2.envs.factory import resolve_tasks
-    from empo2.train.evaluate import evaluate
+    from empo2.train import adapt
 
+    args.env, args.tasks = adapt.resolve_tasks(args.preset, args.tasks, args.max_tasks, args.env)
+    if not args.run and not args.model:
+        raise _config_error("give --run RUN_DIR or --model NAME")
     out = Path(args.out)
     if out.exists() and any(out.iterdir()):
         raise _config_error(f"{out} is not empty")
-    out.mkdir(parents=True, exist_ok=True)
-    cfg, ctx = _policy_context(args, out / "memory.sqlite")
-    trials = []
+    reflexion = args.baseline == "reflexion"
+    cfg, ctx = _policy_context(args, None if reflexion else out / "memory.sqlite")
+    if reflexion:
+        adapt.use_reflexion(ctx)
     try:
         tasks = resolve_tasks(cfg.env)
-        for trial in range(args.trials):
-            result = evaluate(ctx, tasks, args.split, args.variations, None, args.temperature, args.batch,
-                              with_memory=True, reflect=True)
-            trials.append(result["summary"]["score_mean"])
-            print(f"trial {trial}: mean score {trials[-1]:.1f}  (tips in memory: {ctx.memory.stats()['tips']})")
+        trials, checksum = adapt.run_trials(ctx, tasks, args.trials or adapt.PRESET_TRIALS, args.split,
+                                            args.variations, args.temperature, args.batch, args.baseline)
+    except adapt.WeightsChanged as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         ctx.pool.close()
         ctx.memory.close()
-    base = trials[0]
-    report = {"tasks": tasks, "trials": trials, "best": max(trials), "trial0": base,
-              "gain": max(trials) - base, "gain_pct": (max(trials) - base) / abs(base) * 100 if base else None}
-    (out / "adapt.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps(report))
+    report = adapt.finish(out, tasks, trials, checksum, cfg, preset=args.preset, baseline=args.baseline, run=args.run,
+                          split=args.split)
+    print(json.dumps({k: report[k] for k in ("preset", "method", "scores", "best", "trial0", "gain", "gain_pct")}))
+    return 0
+
+
+def cmd_report(args) -> int:
+    """The paper's comparison tables from run, compare and adaptation folders."""
+    from empo2.train.report import write_report
+
+    write_report(args.folders, Path(args.out))
+    print((Path(args.out) / "report.md").read_text())
+    print(f"wrote {args.out}/report.md, report.json and one PNG per table")
     return 0
 
 
@@ -332,9 +345,20 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out")
             p.set_defaults(func=cmd_eval)
         else:
-            p.add_argument("--trials", type=int, default=10)
+            p.add_argument("--trials", type=int, default=None, help="trials (default 10)")
+            p.add_argument("--preset", choices=["bio1-to-bio2", "bio2-to-elec", "elec-to-chem"],
+                           help="the paper's OOD pairs: adapt a run trained on the first topic to the second")
+            p.add_argument("--max-tasks", type=int, default=None, help="only the first N tasks (quick checks)")
+            p.add_argument("--baseline", choices=["memory", "reflexion"], default="memory",
+                           help="memory: EMPO²'s state-retrieved tips; reflexion: reflections on failed trials, "
+                                "shown in the same variation's next trial")
             p.add_argument("--out", required=True)
             p.set_defaults(func=cmd_adapt)
+
+    p = sub.add_parser("report", help="the paper's tables (ScienceWorld, WebShop, OOD) from run/compare/adapt folders")
+    p.add_argument("folders", nargs="+", metavar="RUN_OR_COMPARE_DIR")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_report)
 
     try:
         from empo2.memory.cli import add_memory_parser, run_memory_command

@@ -153,12 +153,20 @@ class AlgoConfig:
     """The RL objective: advantages, the clipped loss, modes, and the intrinsic reward."""
 
     name: str = "empo2"
-    """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory) or ``grpo`` (on-policy
-    only, no memory). The algorithm decides memory use, mode probabilities, loss and (by default) estimator."""
+    """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
+    only, no memory) or ``gigpo`` (GRPO's loop with the ``gigpo`` estimator). The algorithm decides memory use, mode
+    probabilities, loss and (by default) estimator."""
     num_generations: int = 8
     """Rollouts per task (the GRPO group G)."""
     advantage: str = "grpo"
-    """Advantage-estimator registry name, for algorithms that do not fix their own."""
+    """Advantage-estimator registry name, for algorithms that do not fix their own: ``grpo`` or ``gigpo``."""
+    gamma: float = 0.95
+    """GiGPO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (paper: 0.95)."""
+    step_advantage_weight: float = 1.0
+    """GiGPO: ω in A = A_episode + ω·A_step (paper: 1.0)."""
+    step_similarity: float | None = None
+    """GiGPO: ``None`` = anchor states grouped by exact match; a ratio in (0, 1] also groups states whose texts are
+    at least this similar (difflib ratio)."""
     scale_rewards: bool = True
     """Divide group-centred returns by the group std (ddof=0) + ``adv_eps``."""
     adv_eps: float = 1e-6
@@ -347,6 +355,8 @@ class Config:
             (a.mode_granularity in ("batch", "group"), "algo.mode_granularity must be batch|group"),
             (a.intrinsic_schedule in ("constant", "linear"), "algo.intrinsic_schedule must be constant|linear"),
             (a.intrinsic_aggregation in ("mean", "sum"), "algo.intrinsic_aggregation must be mean|sum"),
+            (0 <= a.gamma <= 1, "algo.gamma must be in [0, 1]"),
+            (a.step_similarity is None or 0 < a.step_similarity <= 1, "algo.step_similarity must be in (0, 1] or null"),
             (m.namespace in ("task", "task_variation"), "memory.namespace must be task|task_variation"),
             (m.top_k_tips >= 0 and m.capacity >= 1, "memory.top_k_tips >= 0 and memory.capacity >= 1"),
             (p.temperature >= 0 and p.reflection_temperature >= 0 and p.top_k >= 0 and 0 < p.top_p <= 1,

@@ -1,26 +1,29 @@
 """Advantage estimators (a registry, verl-style) and the return that feeds them (SPEC §1.5, §4).
 
-An estimator maps per-trajectory returns and group ids to per-trajectory advantages::
+Every estimator gets step-level data in one :class:`AdvantageInput` and gives one advantage per STEP::
 
-    fn(returns [N] float64 numpy, group_ids [N] int64 numpy, *, scale_rewards: bool, eps: float)
-        -> (advantages [N] float64 numpy, metrics dict[str, float])
+    fn(inp: AdvantageInput) -> (advantages: list of [T_i] float64 numpy arrays, metrics dict[str, float])
 
-Register a new one with ``@register_advantage("name")``; call any of them through :func:`compute_advantages`,
-which converts inputs and returns a ``torch.float32`` tensor. The trainer broadcasts a trajectory's advantage to
-every generated token of every step of that trajectory.
+``inp.returns`` [N] and ``inp.group_ids`` [N] are per episode; ``inp.step_rewards[i]`` [T_i] and
+``inp.state_keys[i]`` (T_i strings: the state each step's action was taken in) are per step of episode i. The
+trainer gives every generated token of step t of episode i the advantage ``advantages[i][t]``.
+Register a new estimator with ``@register_advantage("name")`` and call any of them through
+:func:`compute_advantages`, which checks the input.
 
-GRPO (the only entry for now; GiGPO will be a second entry)::
+GRPO broadcasts one group-normalised value per episode to all of its steps::
 
     A_i = (R_i - mean_G R) / (std_G R + eps)        std_G = POPULATION std of the group (ddof = 0)
     A_i =  R_i - mean_G R                           when scale_rewards=False
 
-A group of one rollout, or a group whose returns are all equal (up to :data:`EQUAL_RTOL`), gets exactly 0 (no learning signal); such groups are
-counted in ``metrics["zero_adv_groups"]`` because their rollouts cost compute and teach nothing.
+A group of one rollout, or a group whose returns are all equal (up to :data:`EQUAL_RTOL`), gets exactly 0 (no
+learning signal); such groups are counted in ``metrics["zero_adv_groups"]`` because their rollouts cost compute and
+teach nothing. GiGPO (episode + anchor-state step groups) lives in :mod:`empo2.algo.gigpo`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +31,71 @@ import torch
 EQUAL_RTOL = 1e-9
 """Returns of a group that differ by at most this × max(1, |R|) count as equal (advantage exactly 0)."""
 
-AdvantageFn = Callable[..., tuple[np.ndarray, dict[str, float]]]
+
+@dataclass
+class AdvantageOptions:
+    """Knobs shared by the estimators (from ``algo.*`` of the config)."""
+
+    scale_rewards: bool = True
+    """Divide group-centred values by the group std (ddof=0) + ``eps`` (both GRPO and GiGPO's two levels)."""
+    eps: float = 1e-6
+    gamma: float = 0.95
+    """GiGPO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k."""
+    step_advantage_weight: float = 1.0
+    """GiGPO: ω in A = A_episode + ω·A_step."""
+    step_similarity: float | None = None
+    """GiGPO: None = anchor states grouped by exact key; a ratio in (0, 1] groups keys at least this similar."""
+
+    @classmethod
+    def from_config(cls, algo) -> "AdvantageOptions":
+        """From an ``AlgoConfig`` (``algo.scale_rewards``, ``adv_eps``, ``gamma``, ``step_*``)."""
+        return cls(scale_rewards=algo.scale_rewards, eps=algo.adv_eps, gamma=algo.gamma,
+                   step_advantage_weight=algo.step_advantage_weight, step_similarity=algo.step_similarity)
+
+
+@dataclass
+class AdvantageInput:
+    """Step-level data of N episodes (see the module docstring)."""
+
+    returns: np.ndarray
+    """[N] float64: each episode's return (extrinsic + weighted intrinsic; = the sum of its step rewards)."""
+    group_ids: np.ndarray
+    """[N] int64: the GRPO group (same task and variation, same rollout batch)."""
+    step_rewards: list[np.ndarray]
+    """N arrays [T_i] float64: each step's reward (step index = position)."""
+    state_keys: list[list[str]]
+    """N lists of T_i strings: the state each step's action was taken in (namespaced by task+variation)."""
+    options: AdvantageOptions = field(default_factory=AdvantageOptions)
+
+    @classmethod
+    def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
+                      intrinsic_aggregation: str = "sum") -> "AdvantageInput":
+        """From rollout episodes (plain data: ``task``, ``variation``, ``group``, ``steps`` with ``reward``,
+        ``intrinsic`` and ``state_text``). Step reward = r_t + w·r_int_t (``mean`` aggregation: w·r_int_t / T_i, so
+        the step rewards add up to the episode's return); state key = ``task#variation`` + the step's state."""
+        rewards = []
+        for ep in episodes:
+            w = intrinsic_weight / max(len(ep.steps), 1) if intrinsic_aggregation == "mean" else intrinsic_weight
+            rewards.append(np.array([s.reward + w * s.intrinsic for s in ep.steps], dtype=np.float64))
+        keys = [[f"{ep.task}#{ep.variation}\n{s.state_text}" for s in ep.steps] for ep in episodes]
+        groups = np.array([ep.group for ep in episodes], dtype=np.int64)
+        return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options)
+
+    @classmethod
+    def from_returns(cls, returns, group_ids, lengths: Sequence[int] | None = None,
+                     options: AdvantageOptions | None = None) -> "AdvantageInput":
+        """Episode-level data only: step rewards are 0 except the return on the last step; keys are unique."""
+        r = _as_numpy(returns, np.float64)
+        lengths = [1] * len(r) if lengths is None else list(lengths)
+        rewards = [np.zeros(n) for n in lengths]
+        for i, n in enumerate(lengths):
+            if n:
+                rewards[i][-1] = r[i]
+        keys = [[f"episode {i} step {t}" for t in range(n)] for i, n in enumerate(lengths)]
+        return cls(r, _as_numpy(group_ids, np.int64), rewards, keys, options or AdvantageOptions())
+
+
+AdvantageFn = Callable[[AdvantageInput], tuple[list[np.ndarray], dict[str, float]]]
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
 """Registry: estimator name -> function (see the module docstring for the signature)."""
@@ -52,14 +119,12 @@ def _as_numpy(x, dtype) -> np.ndarray:
     return np.asarray(x, dtype=dtype).reshape(-1)
 
 
-@register_advantage("grpo")
-def grpo_advantages(
-    returns: np.ndarray, group_ids: np.ndarray, *, scale_rewards: bool = True, eps: float = 1e-6
-) -> tuple[np.ndarray, dict[str, float]]:
-    """GRPO group-normalised advantages. returns [N] float64, group_ids [N] int -> ([N] float64, metrics).
+def group_normalise(values: np.ndarray, group_ids: np.ndarray, *, scale_rewards: bool = True,
+                    eps: float = 1e-6) -> tuple[np.ndarray, dict[str, float]]:
+    """Group-normalised values. values [N] float64, group_ids [N] int -> ([N] float64, metrics).
 
-    Groups need not be contiguous. Population std (ddof=0): for returns (0, 1) the std is 0.5, so A ≈ (-1, +1)
-    (ddof=1 would give ±0.707).
+    Groups need not be contiguous. Population std (ddof=0): for values (0, 1) the std is 0.5, so A ≈ (-1, +1)
+    (ddof=1 would give ±0.707). A degenerate group (one member, or all equal up to EQUAL_RTOL) gets exactly 0.
     """
     _, inv = np.unique(group_ids, return_inverse=True)  # inv: [N] group index 0..G-1
     inv = inv.reshape(-1)
@@ -67,15 +132,15 @@ def grpo_advantages(
     size = np.bincount(inv, minlength=num_groups).astype(np.float64)  # [G]
     gmax = np.full(num_groups, -np.inf)
     gmin = np.full(num_groups, np.inf)
-    np.maximum.at(gmax, inv, returns)
-    np.minimum.at(gmin, inv, returns)
-    # A group whose returns agree up to EQUAL_RTOL (relative to max(1, |R|)) carries no signal: exactly 0. Without
+    np.maximum.at(gmax, inv, values)
+    np.minimum.at(gmin, inv, values)
+    # A group whose values agree up to EQUAL_RTOL (relative to max(1, |R|)) carries no signal: exactly 0. Without
     # this, (0, 2e-209) divides by an underflowed std (±inf) and (0, 9e-20) gives ±1 while (1, 1 + 9e-20) gives 0.
     magnitude = np.maximum(1.0, np.maximum(np.abs(gmax), np.abs(gmin)))  # [G]
     degenerate = (gmax - gmin) <= EQUAL_RTOL * magnitude  # [G]; a group of size 1 is always degenerate
-    mean = np.bincount(inv, weights=returns, minlength=num_groups) / np.maximum(size, 1)  # [G]
-    centred = returns - mean[inv]  # [N]
-    # std computed on returns divided by the group's spread, so neither huge nor tiny returns overflow/underflow.
+    mean = np.bincount(inv, weights=values, minlength=num_groups) / np.maximum(size, 1)  # [G]
+    centred = values - mean[inv]  # [N]
+    # std computed on values divided by the group's spread, so neither huge nor tiny values overflow/underflow.
     spread = np.where(degenerate, 1.0, gmax - gmin)  # [G]
     unit = centred / spread[inv]  # [N], |unit| <= 1
     std = spread * np.sqrt(np.bincount(inv, weights=unit**2, minlength=num_groups) / np.maximum(size, 1))  # [G]
@@ -92,24 +157,41 @@ def grpo_advantages(
     return adv, metrics
 
 
-def compute_advantages(
-    name: str, returns, group_ids, *, scale_rewards: bool = True, eps: float = 1e-6
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Run registered estimator ``name``. returns [N] float (numpy/torch/list), group_ids [N] int.
+@register_advantage("grpo")
+def grpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
+    """GRPO: the episode's group-normalised return, broadcast to every step of the episode."""
+    adv, metrics = group_normalise(inp.returns, inp.group_ids, scale_rewards=inp.options.scale_rewards,
+                                   eps=inp.options.eps)  # [N]
+    return [np.full(len(r), a) for a, r in zip(adv, inp.step_rewards)], metrics
 
-    Returns ``(advantages torch.float32 [N], metrics)``; metrics include ``groups`` and ``zero_adv_groups``.
-    Computation is in float64 and cast at the end.
+
+def compute_advantages(name: str, inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
+    """Run registered estimator ``name`` on ``inp``; returns per-step advantages (N arrays [T_i] float64) + metrics.
+
+    Metrics include ``groups`` and ``zero_adv_groups`` (episode groups without a learning signal).
     """
     if name not in ADVANTAGE_ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; registered: {', '.join(sorted(ADVANTAGE_ESTIMATORS))}")
-    r = _as_numpy(returns, np.float64)  # [N]
-    g = _as_numpy(group_ids, np.int64)  # [N]
+    inp = _checked(inp)
+    adv, metrics = ADVANTAGE_ESTIMATORS[name](inp)
+    if len(adv) != len(inp.step_rewards) or any(len(a) != len(r) for a, r in zip(adv, inp.step_rewards)):
+        raise RuntimeError(f"advantage estimator {name!r} returned the wrong shape")
+    return [np.asarray(a, dtype=np.float64) for a in adv], metrics
+
+
+def _checked(inp: AdvantageInput) -> AdvantageInput:
+    r = _as_numpy(inp.returns, np.float64)  # [N]
+    g = _as_numpy(inp.group_ids, np.int64)  # [N]
+    rewards = [_as_numpy(x, np.float64) for x in inp.step_rewards]
     if r.shape != g.shape:
         raise ValueError(f"returns {r.shape} and group_ids {g.shape} must have the same length")
-    if not np.all(np.isfinite(r)):
-        raise ValueError("returns contain non-finite values")
-    adv, metrics = ADVANTAGE_ESTIMATORS[name](r, g, scale_rewards=scale_rewards, eps=eps)
-    return torch.as_tensor(adv, dtype=torch.float32), metrics
+    if len(rewards) != len(r) or len(inp.state_keys) != len(r):
+        raise ValueError(f"{len(r)} returns but {len(rewards)} step-reward and {len(inp.state_keys)} state-key lists")
+    if any(len(k) != len(x) for k, x in zip(inp.state_keys, rewards)):
+        raise ValueError("every episode needs one state key per step reward")
+    if not np.all(np.isfinite(r)) or not all(np.all(np.isfinite(x)) for x in rewards):
+        raise ValueError("returns or step rewards contain non-finite values")
+    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options)
 
 
 def combine_returns(extrinsic, intrinsic_sums, weight: float) -> np.ndarray:
@@ -145,3 +227,6 @@ def intrinsic_weight(
         frac = min(max(iteration / span, 0.0), 1.0)
         return float(start + (end - start) * frac)
     raise ValueError(f"unknown intrinsic schedule {schedule!r}; use 'constant' or 'linear'")
+
+
+from empo2.algo import gigpo as _gigpo  # noqa: E402,F401  (registers "gigpo")

@@ -71,3 +71,4 @@ def get_algorithm(name: str) -> AlgorithmSpec:
 
 register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes))
 register_algorithm(AlgorithmSpec("grpo", uses_memory=False, loss="grpo"))
+register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo"))  # Feng et al. 2025

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from empo2.train.rollout import RolloutContext, run_episodes
+from empo2.train.rollout import Episode, RolloutContext, run_episodes
 
 
 def evaluate(
@@ -26,6 +26,15 @@ def evaluate(
     reflect: bool = False,
 ) -> dict[str, Any]:
     """Play the first ``variations_per_task`` variations of ``split`` for every task, ``batch_size`` at a time."""
+    episodes = play_split(ctx, tasks, split, variations_per_task, episodes_per_task, temperature, batch_size,
+                          with_memory, reflect)
+    return summarise(episodes, tasks, split, temperature, with_memory)
+
+
+def play_split(ctx: RolloutContext, tasks: list[str], split: str, variations_per_task: int,
+               episodes_per_task: int | None, temperature: float, batch_size: int, with_memory: bool = False,
+               reflect: bool = False) -> list[Episode]:
+    """The episodes of :func:`evaluate` (one per task variation, in task order)."""
     specs = []
     for task in tasks:
         variations = list(ctx.pool.call(0, "variations", task, split))[:variations_per_task]
@@ -36,6 +45,12 @@ def evaluate(
     for start in range(0, len(specs), batch_size):
         eps, _ = run_episodes(ctx, specs[start:start + batch_size], temperature=temperature, reflect=reflect)
         episodes += eps
+    return episodes
+
+
+def summarise(episodes: list[Episode], tasks: list[str], split: str, temperature: float,
+              with_memory: bool) -> dict[str, Any]:
+    """Per-task and overall mean score / success rate of played episodes (the result :func:`evaluate` returns)."""
     per_task = {}
     for task in tasks:
         mine = [ep for ep in episodes if ep.task == task]

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from empo2.algo.advantages import combine_returns, compute_advantages, intrinsic_weight
+from empo2.algo.advantages import (AdvantageInput, AdvantageOptions, combine_returns, compute_advantages,
+                                   intrinsic_weight)
 from empo2.algo.losses import behaviour_logp_for_ratio, get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config
@@ -189,10 +190,11 @@ class Trainer:
         ok = [ep for ep in episodes if not ep.failed]
         intrinsic = [ep.intrinsic_return(cfg.algo.intrinsic_aggregation) for ep in ok]
         returns = combine_returns([ep.extrinsic_return for ep in ok], intrinsic, w)
-        adv, adv_metrics = compute_advantages(self.algorithm.estimator(cfg.algo), returns, [ep.group for ep in ok],
-                                              scale_rewards=cfg.algo.scale_rewards, eps=cfg.algo.adv_eps)
+        inputs = AdvantageInput.from_episodes(ok, returns, w, AdvantageOptions.from_config(cfg.algo),
+                                              cfg.algo.intrinsic_aggregation)
+        adv, adv_metrics = compute_advantages(self.algorithm.estimator(cfg.algo), inputs)  # one value per step
         t0 = time.perf_counter()
-        rows = update_rows(ok, [[a] * len(ep.steps) for ep, a in zip(ok, adv.tolist())])
+        rows = update_rows(ok, adv)
         loss_metrics = self.update(rows, progress) if self.algorithm.updates_weights else {}
         t_update = time.perf_counter() - t0
 

@@ -1,0 +1,191 @@
+"""The paper's comparison tables from run folders (``empo2 report``).
+
+Inputs, any mix: a run folder (``config.yaml`` + ``eval/final.json``), a compare folder (a ``runs/`` subfolder of
+run folders; seeds of one method are averaged and their number n is shown), an adaptation folder (``adapt.json``
+from ``empo2 adapt``), or a folder holding adaptation folders. Outputs ``report.md``, ``report.json`` and one PNG of
+bars per table:
+
+- ScienceWorld: tasks × methods (mean score), with an average row (the paper's Table 1 layout);
+- WebShop: score and success per method (Table 2), one table per environment label, so the bundled fixture
+  (``webshop-fixture``) is never shown as WebShop;
+- OOD: topic pairs × methods, best score and % gain over trial 0 (Table 3).
+
+A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from empo2.algo.registry import ALGORITHMS
+from empo2.config import ConfigError
+
+
+def method_label(cfg) -> str:
+    """``empo2``, ``grpo``, ``gigpo``, ``empo2+gigpo`` … from a Config (or its ``algo`` mapping)."""
+    algo = cfg.get("algo", {}) if isinstance(cfg, dict) else vars(cfg.algo)
+    name, advantage = algo.get("name", "empo2"), algo.get("advantage", "grpo")
+    spec = ALGORITHMS.get(name)
+    fixed = spec is not None and spec.advantage is not None  # e.g. gigpo: its own estimator, whatever the config says
+    return name if fixed or advantage == "grpo" else f"{name}+{advantage}"
+
+
+def collect(paths: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
+    """Read every input into ``{"runs": [...], "adapt": [...]}``; a folder that is none of the kinds is an error."""
+    found: dict[str, list[dict[str, Any]]] = {"runs": [], "adapt": []}
+    for p in map(Path, paths):
+        if not p.is_dir():
+            raise ConfigError(f"no such folder: {p}")
+        runs = [p] if (p / "config.yaml").is_file() else sorted(q for q in (p / "runs").glob("*") if q.is_dir())
+        adapts = [p] if (p / "adapt.json").is_file() else sorted(q.parent for q in p.glob("*/adapt.json"))
+        if not runs and not adapts:
+            raise ConfigError(f"{p} is not a run folder (config.yaml), a compare folder (runs/) or an adaptation "
+                              "folder (adapt.json)")
+        try:
+            found["runs"] += [_read_run(r) for r in runs if (r / "config.yaml").is_file()]
+            found["adapt"] += [_read_adapt(a) for a in adapts]
+        except (json.JSONDecodeError, yaml.YAMLError, KeyError, TypeError, AttributeError) as exc:
+            raise ConfigError(f"{p}: unreadable run or adaptation file ({type(exc).__name__}: {exc})") from None
+    return found
+
+
+def _read_run(run: Path) -> dict[str, Any]:
+    final = run / "eval" / "final.json"
+    if not final.is_file():
+        raise ConfigError(f"{run} has no eval/final.json (the run has not finished)")
+    cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    result = json.loads(final.read_text())
+    env = cfg.get("env", {}).get("name", "scienceworld")
+    return {"path": str(run), "method": method_label(cfg), "env": env, "label": result.get("label", env),
+            "summary": result["summary"], "per_task": result.get("per_task", {})}
+
+
+def _read_adapt(folder: Path) -> dict[str, Any]:
+    data = json.loads((folder / "adapt.json").read_text())
+    return {"path": str(folder), "method": data.get("method", "?"), "label": data.get("label", "?"),
+            "pair": data.get("pair") or data.get("preset") or ", ".join(data.get("tasks", [])),
+            "best": data["best"], "gain_pct": data.get("gain_pct")}
+
+
+def _mean(values: list[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return float(np.mean(values)) if values else None
+
+
+def tables(found: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """The numbers of every table (seeds averaged), keyed by table name (``scienceworld``, ``webshop-fixture`` …)."""
+    out: dict[str, Any] = {}
+    by_label: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for r in found["runs"]:
+        by_label[r["label"]][r["method"]].append(r)
+    for label, methods in sorted(by_label.items()):
+        if label == "scienceworld":
+            tasks = sorted({t for runs in methods.values() for r in runs for t in r["per_task"]})
+            out[label] = {"kind": "scienceworld", "tasks": tasks, "methods": {}}
+            for m, runs in sorted(methods.items()):
+                per_task = {t: _mean([r["per_task"].get(t, {}).get("score_mean") for r in runs]) for t in tasks}
+                out[label]["methods"][m] = {"n": len(runs), "per_task": per_task,
+                                            "average": _mean(list(per_task.values()))}  # over tasks, as the paper
+        else:
+            out[label] = {"kind": "webshop", "methods": {
+                m: {"n": len(runs), "score": _mean([r["summary"]["score_mean"] for r in runs]),
+                    "success": _mean([r["summary"]["success_rate"] * 100 for r in runs])}
+                for m, runs in sorted(methods.items())}}
+    if found["adapt"]:
+        cells: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        for a in found["adapt"]:
+            cells[a["pair"]][f"{a['method']} ({a['label']})"].append(a)
+        methods = sorted({m for row in cells.values() for m in row})
+        out["ood"] = {"kind": "ood", "methods": methods, "pairs": {
+            pair: {m: {"n": len(row[m]), "best": _mean([a["best"] for a in row[m]]),
+                       "gain_pct": _mean([a["gain_pct"] for a in row[m]])} for m in row} for pair, row in
+            sorted(cells.items())}}
+    return out
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def markdown(tabs: dict[str, Any]) -> str:
+    """All tables as markdown, each headed by its environment label."""
+    parts = []
+    for label, t in tabs.items():
+        heads = [f"{m} (n={v['n']})" for m, v in t["methods"].items()] if t["kind"] != "ood" else t["methods"]
+        if t["kind"] == "scienceworld":
+            lines = [f"### ScienceWorld — env `{label}`: mean score per task (eval without memory)", "",
+                     "| task | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+            for task in t["tasks"]:
+                lines.append(f"| {task} | " + " | ".join(_fmt(v["per_task"][task]) for v in t["methods"].values())
+                             + " |")
+            lines.append("| **average** | " + " | ".join(f"**{_fmt(v['average'])}**" for v in t["methods"].values())
+                         + " |")
+        elif t["kind"] == "webshop":
+            lines = [f"### WebShop — env `{label}`: score and success (eval without memory)", "",
+                     "| method | n | score | success (%) |", "|---|---:|---:|---:|"]
+            for m, v in t["methods"].items():
+                lines.append(f"| {m} | {v['n']} | {_fmt(v['score'])} | {_fmt(v['success'])} |")
+        else:
+            lines = ["### OOD adaptation (memory only, weights unchanged): best mean score (gain over trial 0)", "",
+                     "| pair | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
+            for pair, row in t["pairs"].items():
+                cells = [f"{_fmt(row[m]['best'])} ({_gain(row[m]['gain_pct'])}, n={row[m]['n']})" if m in row
+                         else "–" for m in t["methods"]]
+                lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts) + "\n"
+
+
+def _gain(pct: float | None) -> str:
+    return "n/a" if pct is None else f"{pct:+.0f}%"
+
+
+def plot(tabs: dict[str, Any], out: Path) -> list[Path]:
+    """One grouped bar chart per table: ``<table>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for label, t in tabs.items():
+        if t["kind"] == "scienceworld":
+            groups, series = t["tasks"] + ["average"], {m: [*v["per_task"].values(), v["average"]]
+                                                        for m, v in t["methods"].items()}
+        elif t["kind"] == "webshop":
+            groups, series = ["score", "success (%)"], {m: [v["score"], v["success"]] for m, v in t["methods"].items()}
+        else:
+            groups = list(t["pairs"])
+            series = {m: [t["pairs"][p].get(m, {}).get("best") for p in groups] for m in t["methods"]}
+        fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(groups) * max(1, len(series)) ** 0.5), 3.8))
+        width = 0.8 / max(len(series), 1)
+        for k, (m, ys) in enumerate(series.items()):
+            x = np.arange(len(groups)) + (k - (len(series) - 1) / 2) * width
+            ax.bar(x, [np.nan if y is None else y for y in ys], width, label=m)
+        ax.set_xticks(np.arange(len(groups)), groups, rotation=30 if len(groups) > 3 else 0, ha="right", fontsize=7)
+        ax.set_title(f"{t['kind']} — env {label}" if t["kind"] != "ood" else "OOD adaptation: best mean score")
+        ax.axhline(0, color="grey", linewidth=0.5)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(Path(out) / f"{label}.png")
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write_report(paths: list[str | Path], out: Path) -> dict[str, Any]:
+    """Read ``paths``, then write ``report.md``, ``report.json`` and the PNGs into ``out``; returns the tables."""
+    tabs = tables(collect(paths))  # every input is read (and may fail) before anything is written
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text(markdown(tabs))
+    (out / "report.json").write_text(json.dumps(tabs, indent=2))
+    plot(tabs, out)
+    return tabs
