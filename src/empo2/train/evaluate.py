@@ -28,7 +28,7 @@ def evaluate(
     """Play the first ``variations_per_task`` variations of ``split`` for every task, ``batch_size`` at a time."""
     specs = []
     for task in tasks:
-        variations = list(ctx.pool.call(0, "variations", task, split))[:variations_per_task]
+        variations = list(ctx.pool.call(0, "variations", task, split, retries=1))[:variations_per_task]
         if episodes_per_task is not None:
             variations = variations[:episodes_per_task]
         specs += [(task, v, len(specs) + k, "on_tips" if with_memory else "on") for k, v in enumerate(variations)]
