@@ -126,7 +126,8 @@ def check_integrity(path: Path, level: str = "quick") -> None:
             if not was and p.exists() and (p.name.endswith("-shm") or p.stat().st_size == 0):
                 p.unlink(missing_ok=True)
     if problems != ["ok"]:
-        raise MemoryStoreError(f"{path} is damaged ({pragma}: {problems[0]}); it was left unchanged — "
+        first = [line for line in problems[0].splitlines() if line.strip() and not line.startswith("***")]
+        raise MemoryStoreError(f"{path} is damaged ({pragma}: {(first or ['?'])[0]}); it was left unchanged — "
                                f"{restore_hint(path)}")
 
 
