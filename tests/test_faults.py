@@ -176,6 +176,7 @@ def test_jvms_that_keep_dying_stop_the_run_with_one_line(tmp_path, tiny_model):
     assert (run / LOCK_NAME).read_text() == ""
 
 
+@pytest.mark.slow  # real simulator
 def test_crash_during_demonstration_marks_the_episode_failed():
     """The worker-call path of every rollout phase: a JVM killed before ``demonstration()`` fails that episode only,
     the worker is restarted, and the pool keeps serving (the user saw a WorkerError traceback end the run)."""
