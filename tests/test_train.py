@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -27,6 +28,22 @@ pytestmark = pytest.mark.slow  # real simulators / end-to-end runs: `pytest -m "
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
         "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
         "train.progress=false", "train.tensorboard=true", "algo.intrinsic_weight=1.0"]
+
+
+def _group_left(pgid: int, wait: float = 10.0) -> list[str]:
+    """Names of live processes still in process group ``pgid`` after ``wait`` seconds."""
+    deadline = time.time() + wait
+    while True:
+        left = []
+        for p in psutil.process_iter(["name", "status"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(p.info["name"])
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.2)
 
 
 def _metrics(run: Path) -> list[dict]:
@@ -115,6 +132,7 @@ def test_kill_mid_iteration_then_resume(tmp_path, tiny_model):
     time.sleep(1.0)  # now inside iteration 1
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its environment workers, as a crash would
     proc.wait()
+    assert _group_left(proc.pid) == []  # no worker or JVM outlives the crash
     with TipMemory(run / "memory.sqlite") as memory:
         tips_before = {t.id for t in memory.all_tips()}
     assert tips_before

@@ -6,11 +6,11 @@ User errors (bad config, unknown task or model, missing Java or data) print one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import random
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,8 +20,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from empo2.memory.embedder import EmbedderError
     from empo2.memory.store import MemoryStoreError
     from empo2.policy.loader import ModelLoadError
+    from empo2.train.runlock import RunLockError
+    from empo2.train.storage import RunWriteError
 
-    return (ConfigError, EnvError, ModelLoadError, MemoryStoreError, EmbedderError)
+    return (ConfigError, EnvError, ModelLoadError, MemoryStoreError, EmbedderError, RunLockError, RunWriteError)
 
 
 # --------------------------------------------------------------------------------------------------------- play
@@ -94,6 +96,8 @@ def cmd_train(args) -> int:
     from rich.console import Console
 
     from empo2.config import Config
+    from empo2.memory.schema import check_file
+    from empo2.train.runlock import clear_run_folder
     from empo2.train.trainer import Trainer
 
     console = Console(soft_wrap=True)  # one line per message in logs, whatever the width
@@ -115,9 +119,12 @@ def cmd_train(args) -> int:
             raise _config_error(f"{run_dir} already holds a run; resume it with --resume {run_dir}, "
                                 "or pass --overwrite / another train.output_dir")
     check_run_inputs(cfg)
+    _own_run_folder(args, run_dir)
+    if args.resume:  # a damaged live memory is refused (exit 2, file untouched) before anything loads it
+        check_file(run_dir / "memory.sqlite")
     is_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()
     if args.overwrite and not args.resume and is_run:
-        shutil.rmtree(run_dir)  # a fresh run: no stale memory, checkpoints or metrics from the previous one
+        clear_run_folder(run_dir)  # a fresh run: no stale memory, checkpoints or metrics from the previous one
     console.print(f"[bold]empo2 train[/bold] algo={cfg.algo.name} env={cfg.env.name} tasks={cfg.env.tasks} "
                   f"model={cfg.policy.model} G={cfg.algo.num_generations} iterations={cfg.train.iterations} "
                   f"→ {run_dir}")
@@ -143,6 +150,16 @@ def check_run_inputs(cfg) -> None:
     resolve_model_path(cfg.policy.model)
     if cfg.memory.seed_from and not Path(cfg.memory.seed_from).is_file():
         raise _config_error(f"memory.seed_from: no such file {cfg.memory.seed_from}")
+
+
+def _own_run_folder(args, run_dir: Path) -> None:
+    """Take ``run_dir``'s lock (one train/adapt per folder) for the rest of the command; storage failures from here
+    on end with one line naming the path."""
+    from empo2.train.runlock import RunLock
+    from empo2.train.storage import reported
+
+    args.exit_stack.enter_context(RunLock(run_dir))
+    args.exit_stack.enter_context(reported(run_dir))
 
 
 # ------------------------------------------------------------------------------------------------------ compare
@@ -253,12 +270,14 @@ def cmd_adapt(args) -> int:
     """Out-of-distribution adaptation (SPEC §6): trials with memory updates only, no parameter updates."""
     from empo2.envs.factory import resolve_tasks
     from empo2.train import adapt
+    from empo2.train.runlock import LOCK_NAME
 
     args.env, args.tasks = adapt.resolve_tasks(args.preset, args.tasks, args.max_tasks, args.env)
     if not args.run and not args.model:
         raise _config_error("give --run RUN_DIR or --model NAME")
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
+    _own_run_folder(args, out)  # a second adapt into the same folder is refused here, naming the first
+    if any(p.name != LOCK_NAME for p in out.iterdir()):
         raise _config_error(f"{out} is not empty")
     reflexion = args.baseline == "reflexion"
     cfg, ctx = _policy_context(args, None if reflexion else out / "memory.sqlite")
@@ -384,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
     try:
-        return int(args.func(args) or 0)
+        with contextlib.ExitStack() as stack:  # locks and error translators a command holds until it returns
+            args.exit_stack = stack
+            return int(args.func(args) or 0)
     except _user_errors() as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

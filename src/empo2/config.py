@@ -256,6 +256,9 @@ class TrainConfig:
     """Write TensorBoard events to ``RUN/tb``."""
     progress: bool = True
     """Show a progress bar (only on a terminal)."""
+    max_consecutive_env_failures: int = 8
+    """Stop the run (exit 2) after this many training episodes in a row were lost to a crashed environment worker
+    (a dead JVM is restarted and its episode dropped from the update; a steady stream of crashes is not a run)."""
 
 
 @dataclass
@@ -294,7 +297,7 @@ class Config:
             try:
                 data = yaml.safe_load(p.read_text()) or {}
             except yaml.YAMLError as exc:
-                raise ConfigError(f"malformed YAML in {p}: {exc}") from None
+                raise ConfigError(f"malformed YAML in {p}: {_yaml_problem(exc)}") from None
             if not isinstance(data, dict):
                 raise ConfigError(f"{p} must hold a mapping of sections, got {type(data).__name__}")
         cfg = cls.from_dict(data)
@@ -363,6 +366,7 @@ class Config:
              "policy temperatures >= 0, policy.top_k >= 0 and policy.top_p in (0, 1]"),
             (t.iterations >= 0 and t.tasks_per_batch >= 1, "train.iterations >= 0 and train.tasks_per_batch >= 1"),
             (t.learning_rate > 0, "train.learning_rate must be > 0"),
+            (t.max_consecutive_env_failures >= 1, "train.max_consecutive_env_failures must be >= 1"),
             (t.num_iterations >= 1, "train.num_iterations must be >= 1"),
             (t.micro_batch_tokens >= 1 and t.mini_batch_size >= 0, "train.micro_batch_tokens >= 1 and "
              "train.mini_batch_size >= 0"),
@@ -405,6 +409,13 @@ class Config:
         from empo2.algo.registry import get_algorithm
 
         return get_algorithm(self.algo.name)
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML parser error as one line: what went wrong, and where (the parser's own text spans several lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return " ".join(str(getattr(exc, "problem", None) or exc).split()) + where
 
 
 def _coerce(key: str, value: Any, obj: Any, name: str) -> Any:

@@ -31,6 +31,30 @@ class WorkerError(RuntimeError):
     """A :meth:`EnvPool.call` whose worker crashed; the worker has been restarted (its episode is lost)."""
 
 
+class EnvFailuresError(EnvError):
+    """Too many episodes in a row were lost to crashed workers: the environment is broken, not unlucky."""
+
+
+class FailureStreak:
+    """Counts episodes lost to crashed workers in a row; :meth:`update` raises :class:`EnvFailuresError` at ``limit``
+    (``train.max_consecutive_env_failures``)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.count = limit, 0
+
+    def update(self, errors: list[str | None], run_dir: Any = None) -> bool:
+        """Feed one batch in episode order (``None`` = the episode ran, else its error); True if any failed."""
+        for error in errors:
+            self.count = self.count + 1 if error is not None else 0
+            if self.count >= self.limit:
+                last = (error.splitlines() or ["unknown error"])[0][:160]
+                resume = f"; resume with --resume {run_dir}" if run_dir is not None else ""
+                raise EnvFailuresError(f"{self.count} training episodes in a row were lost to crashed environment "
+                                       f"workers (last: {last}); stopping (train.max_consecutive_env_failures="
+                                       f"{self.limit}){resume}")
+        return any(e is not None for e in errors)
+
+
 class _Dead(Exception):
     """Internal: the worker is gone or silent."""
 
@@ -46,6 +70,9 @@ def _worker_main(conn, factory, env_kwargs: dict) -> None:
     requests until ``close`` or EOF."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's business; it closes us
     logging.getLogger("py4j").setLevel(logging.CRITICAL)  # a dead JVM is reported to the parent, not logged here
+    # py4j also calls the module-level logging.exception(), which would install a stderr handler on the root logger
+    # and print a traceback under the parent's one-line error; a handler on root stops that.
+    logging.getLogger().addHandler(logging.NullHandler())
     try:
         env = factory(**env_kwargs)
     except BaseException as exc:  # noqa: BLE001 - report everything, the parent decides
@@ -108,10 +135,7 @@ class EnvPool:
             for i in range(size):
                 self._spawn(i)
             for i in range(size):
-                try:
-                    self._ensure_ready(i)
-                except _Dead as exc:
-                    raise RuntimeError(f"{env_name} worker {i} failed to start: {exc}") from None
+                self._start_with_retry(i)
         except BaseException:
             self.close()
             raise
@@ -134,12 +158,17 @@ class EnvPool:
         replies = self._request({i: ("step", (action,)) for i, action in actions.items()})
         return {i: failed_step(payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
 
-    def call(self, i: int, method: str, *args: Any) -> Any:
-        """Call ``method(*args)`` on worker ``i``'s environment (e.g. ``demonstration``, ``valid_actions``)."""
-        kind, payload = self._request({i: (method, args)})[i]
-        if kind == "crash":
-            raise WorkerError(f"worker {i} crashed during {method}(): {payload}; it has been restarted")
-        return payload
+    def call(self, i: int, method: str, *args: Any, retries: int = 0) -> Any:
+        """Call ``method(*args)`` on worker ``i``'s environment (e.g. ``demonstration``, ``valid_actions``).
+
+        A crash restarts the worker and raises :class:`WorkerError`, after ``retries`` more tries on the fresh
+        worker (only for calls that do not depend on the episode state, such as ``variations``).
+        """
+        for attempt in range(retries + 1):
+            kind, payload = self._request({i: (method, args)})[i]
+            if kind != "crash":
+                return payload
+        raise WorkerError(f"worker {i} crashed during {method}(): {payload}; it has been restarted")
 
     def java_pids(self) -> dict[int, int | None]:
         """Current JVM process id of each worker (``None`` for environments without a JVM or not yet started)."""
@@ -223,6 +252,18 @@ class EnvPool:
         slot.procs.append(psutil.Process(process.pid))
         self._all_procs.append(slot.procs[0])
         self._slots[i] = slot
+
+    def _start_with_retry(self, i: int) -> None:
+        """Await worker ``i``'s start; one that dies starting (e.g. its JVM was killed) gets one fresh try."""
+        try:
+            self._ensure_ready(i)
+            return
+        except _Dead:
+            self._restart(i)
+        try:
+            self._ensure_ready(i)
+        except _Dead as exc:
+            raise EnvError(f"{self.env_name} worker {i} failed to start twice: {exc}") from None
 
     def _ensure_ready(self, i: int) -> None:
         """Wait for worker ``i``'s start-up message; a start-up EnvError (e.g. Java missing) is raised as is."""

@@ -35,6 +35,8 @@ def add_memory_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
 
     p = with_db(sub.add_parser("stats", help="counts per namespace, rejections by reason, mean utility"))
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--check", action="store_true",
+                   help="full SQLite integrity_check of the file first (every open runs the faster quick_check)")
     p = with_db(sub.add_parser("show", help="list tips, newest first"))
     p.add_argument("--namespace", help="only this namespace (task)")
     p.add_argument("--limit", type=int, default=20, help="at most N tips (default 20; 0 = all)")
@@ -70,7 +72,8 @@ def _line(tip, extra: str = "") -> str:
 
 def _run(args: argparse.Namespace) -> None:
     cmd = args.memory_command
-    with TipMemory(resolve_db(args.db), dim=None) as mem:
+    check = "full" if getattr(args, "check", False) else "quick"
+    with TipMemory(resolve_db(args.db), dim=None, integrity_check=check) as mem:
         if cmd == "stats":
             stats = mem.stats()
             if args.json:
@@ -94,16 +97,21 @@ def _run(args: argparse.Namespace) -> None:
         elif cmd == "search":
             if args.k < 1:
                 raise MemoryCliError("-k must be >= 1")
+            text = query_text(args.text)
             namespaces = [args.namespace] if args.namespace else mem.namespaces()
             if not namespaces:
+                print("no tips: the memory is empty", file=sys.stderr if args.json else sys.stdout)
                 return
             from .embedder import DEFAULT_EMBEDDER, get_embedder
 
             embedder = get_embedder(mem.meta.get("embedder") or DEFAULT_EMBEDDER)
             if embedder.dim != mem.dim:
                 raise MemoryCliError(f"embedder {embedder.name} gives {embedder.dim}-d vectors; the memory has {mem.dim}")
-            query = embedder.encode([args.text])
+            query = embedder.encode([text])
             hits = mem.retrieve(namespaces, query.repeat(len(namespaces), axis=0), k=args.k, threshold=args.threshold)
+            if not any(hits):
+                print(f"no tips with similarity >= {args.threshold:g} in {len(namespaces)} namespace(s)",
+                      file=sys.stderr if args.json else sys.stdout)
             for tips in hits:
                 for t in tips:
                     print(json_line(_public(t, True)) if args.json
@@ -118,6 +126,19 @@ def _run(args: argparse.Namespace) -> None:
             print(f"wrote {out}")
         else:  # pragma: no cover - argparse enforces the choices
             raise MemoryCliError(f"unknown memory command {cmd!r}")
+
+
+def query_text(raw: str) -> str:
+    """The search text as valid UTF-8: bytes the shell passed that are not UTF-8 (which Python keeps as lone
+    surrogates) become U+FFFD; an empty text is a user error."""
+    try:
+        data = raw.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # surrogates that did not come from undecodable bytes
+        data = raw.encode("utf-8", "replace")
+    text = data.decode("utf-8", "replace").strip()
+    if not text:
+        raise MemoryCliError("the search text is empty; give the state to search for (task + observation)")
+    return text
 
 
 def _public(tip, with_similarity: bool = False) -> dict:

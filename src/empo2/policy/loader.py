@@ -124,7 +124,40 @@ def resolve_model_path(name: str) -> str:
             f"unknown model {name!r}: not a bundled name ({known}), not an existing folder, and not a hub id "
             "of the form owner/name"
         )
+    check_hub_reachable(name)
     return name  # a hub id; transformers downloads it when online, or finds it in the HF cache
+
+
+_OFF = ("1", "on", "yes", "true")
+
+
+def check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
+    """Fail at once, with one line, for a hub id that is not cached while offline (instead of ~1 min of retries).
+
+    Offline means ``HF_HUB_OFFLINE``/``TRANSFORMERS_OFFLINE`` set, or the hub endpoint not answering a TCP connect
+    within ``timeout`` s. Skipped behind a proxy (a direct connect says nothing there); sets no environment.
+    """
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return  # cached: transformers can load it offline
+    where = "is not in the local Hugging Face cache"
+    if any(os.environ.get(v, "").lower() in _OFF for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        raise ModelLoadError(f"model {repo_id!r} {where} and HF_HUB_OFFLINE is set; check the name, or download it "
+                             "while online")
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise ModelLoadError(f"model {repo_id!r} {where} and {host} cannot be reached ({exc.strerror or exc}; "
+                             "offline?); check the name, or download it while online") from None
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL):

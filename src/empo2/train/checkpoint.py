@@ -57,12 +57,16 @@ def save_checkpoint(
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save({**state, "iteration": iteration, "rng": rng_state()}, tmp / "state.pt")
-    if memory_copy is not None:
-        memory_copy(tmp / "memory.sqlite")
-    _fsync_tree(tmp)
+    try:
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save({**state, "iteration": iteration, "rng": rng_state()}, tmp / "state.pt")
+        if memory_copy is not None:
+            memory_copy(tmp / "memory.sqlite")
+        _fsync_tree(tmp)
+    except BaseException:  # e.g. disk full: give the space back; the previous checkpoints are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     final = root / f"{PREFIX}{iteration:06d}"
     if final.exists():
         shutil.rmtree(final)

@@ -37,7 +37,7 @@ def play_split(ctx: RolloutContext, tasks: list[str], split: str, variations_per
     """The episodes of :func:`evaluate` (one per task variation, in task order)."""
     specs = []
     for task in tasks:
-        variations = list(ctx.pool.call(0, "variations", task, split))[:variations_per_task]
+        variations = list(ctx.pool.call(0, "variations", task, split, retries=1))[:variations_per_task]
         if episodes_per_task is not None:
             variations = variations[:episodes_per_task]
         specs += [(task, v, len(specs) + k, "on_tips" if with_memory else "on") for k, v in enumerate(variations)]

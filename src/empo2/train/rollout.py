@@ -14,6 +14,7 @@ import numpy as np
 
 from empo2.agent.prompts import PromptParts, parse_action, render_prompt_ids
 from empo2.agent.reflection import parse_tip, reflection_messages
+from empo2.envs.pool import WorkerError
 from empo2.policy.generate import Generation, generate_batch
 
 MEMORY_MODES = ("on_tips", "off_tips")
@@ -196,8 +197,11 @@ def _reset(ctx: RolloutContext, episodes: list[Episode]) -> dict[int, PromptPart
             ep.failed, ep.done, ep.error = True, True, str(getattr(res, "error", res))
             continue
         obs, info = res
-        ep.task_description = info.get("task_description") or ctx.pool.call(i, "task_description")
-        demo = ctx.pool.call(i, "demonstration", ep.task, ep.variation, pcfg.few_shot) if pcfg.few_shot > 0 else ""
+        ep.task_description = info.get("task_description") or call_worker(ctx.pool, ep, i, "task_description")
+        demo = call_worker(ctx.pool, ep, i, "demonstration", ep.task, ep.variation, pcfg.few_shot) \
+            if pcfg.few_shot > 0 else ""
+        if ep.failed:
+            continue
         parts[i] = PromptParts(env=ctx.env_name, task=ep.task_description, observation=obs, initial_observation=obs,
                                demonstration=demo, hints=hints_text(info))
     return parts
@@ -266,10 +270,24 @@ def _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips
         ep.done = ep.done or res.done
 
 
+def call_worker(pool, ep: Episode, i: int, method: str, *args: Any) -> Any:
+    """``pool.call(i, method, *args)`` for episode ``ep``; a worker that crashed (the pool has restarted it) ends the
+    episode as failed, like a crash during reset or step, and gives ``None``."""
+    if ep.failed:
+        return None
+    try:
+        return pool.call(i, method, *args)
+    except WorkerError as exc:
+        ep.failed, ep.done, ep.error = True, True, str(exc)
+        return None
+
+
 def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: bool | None) -> None:
     """Each finished episode writes one tip (batched generation) and updates the utility of the tips it used."""
     mcfg = ctx.memory_cfg
     for ep in episodes:
+        if ep.failed:  # a crashed environment says nothing about the tips the episode saw
+            continue
         used = sorted({tid for s in ep.steps for tid in s.tip_ids})
         if used:
             ctx.memory.record_use(used, ctx.step_counter)

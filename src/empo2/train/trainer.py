@@ -23,7 +23,7 @@ from empo2.algo.losses import behaviour_logp_for_ratio, get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config
 from empo2.envs.factory import env_label, make_env_kwargs, resolve_tasks
-from empo2.envs.pool import EnvPool
+from empo2.envs.pool import EnvPool, FailureStreak
 from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
@@ -64,7 +64,7 @@ class Trainer:
         self.pool = EnvPool(cfg.env.name, env_kwargs, self.pool_size)
         train_vars = {}
         for name in names:
-            variations = self.pool.call(0, "variations", name, "train")
+            variations = self.pool.call(0, "variations", name, "train", retries=1)
             train_vars[name] = list(variations[: cfg.env.train_variations]) or list(variations[:1])
         self.task_names = names
         self.task_sampler = TaskSampler(train_vars, seed)
@@ -78,6 +78,7 @@ class Trainer:
         self.zero_adv_streak = 0
         self.resumed_step_counter = 0
         self.env_steps = 0  # environment steps of all training episodes so far (the run's budget spent)
+        self.env_failures = FailureStreak(cfg.train.max_consecutive_env_failures)
         if resume:
             self._restore()
         self.ctx = RolloutContext(self.model, self.tokenizer, self.pool, self.embedder, self.memory, cfg.env.name,
@@ -182,6 +183,9 @@ class Trainer:
         episodes, rstats = run_episodes(self.ctx, specs, temperature=cfg.policy.temperature, reflect=None
                                         if self.use_memory else False, progress=cb)
         t_rollout = time.perf_counter() - t0
+        if self.env_failures.update([ep.error if ep.failed else None for ep in episodes], self.run_dir):
+            self._say(f"[warning] {sum(ep.failed for ep in episodes)} episode(s) lost to a crashed environment "
+                      "worker (restarted); they are left out of this update")
 
         w = intrinsic_weight(it, cfg.train.iterations, cfg.algo.intrinsic_schedule, cfg.algo.intrinsic_weight,
                              cfg.algo.intrinsic_weight_start, cfg.algo.intrinsic_weight_end)

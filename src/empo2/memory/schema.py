@@ -1,0 +1,284 @@
+"""The tip memory's SQLite file: schema, header check, integrity check, transactions and embedding blobs.
+
+Schema (``PRAGMA user_version`` = :data:`SCHEMA_VERSION`, ``PRAGMA application_id`` = :data:`APPLICATION_ID`)::
+
+    meta(key, value)            schema_version, dim, embedder, created_at, capacity, eviction
+    tips(id, namespace, text, key_text, key_emb, tip_emb, score, step, created_at,
+         use_count, last_use_step, touched, utility, utility_n)
+    counters(name, value)       rejected:<reason>, evicted
+
+Embeddings are little-endian float32 blobs of ``dim`` values, L2-normalised on the way in.
+``utility`` is NULL until an episode that used the tip reports its return.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import struct
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from .validate import MemoryStoreError
+
+SCHEMA_VERSION = 1
+APPLICATION_ID = 0x454D5032  # "EMP2"
+SQLITE_MAGIC = b"SQLite format 3\x00"
+INTEGRITY_CHECKS = ("none", "quick", "full")
+
+_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE tips (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    namespace TEXT NOT NULL,
+    text TEXT NOT NULL,
+    key_text TEXT NOT NULL DEFAULT '',
+    key_emb BLOB NOT NULL,
+    tip_emb BLOB NOT NULL,
+    score REAL NOT NULL,
+    step INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    use_count INTEGER NOT NULL DEFAULT 0,
+    last_use_step INTEGER,
+    touched INTEGER NOT NULL,
+    utility REAL,
+    utility_n INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX tips_namespace ON tips(namespace);
+CREATE TABLE counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+"""
+
+
+@contextlib.contextmanager
+def transaction(conn: sqlite3.Connection):
+    """One write transaction: committed as a whole, or rolled back (and the error re-raised)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield conn
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    conn.execute("COMMIT")
+
+
+def blob(vec: np.ndarray) -> bytes:
+    return np.asarray(vec, dtype="<f4").tobytes()
+
+
+def unblob(data: bytes, dim: int, tid: int) -> np.ndarray:
+    if len(data) != 4 * dim:
+        raise MemoryStoreError(f"tip {tid}: stored embedding has {len(data) // 4} values, expected {dim}")
+    return np.frombuffer(data, dtype="<f4")
+
+
+def check_header(path: Path) -> None:
+    """Refuse a file that is not an empo2 memory before SQLite touches it (so it is never modified)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(100)
+    except OSError as exc:
+        raise MemoryStoreError(f"cannot read memory file {path}: {exc}") from None
+    if len(head) < 100 or not head.startswith(SQLITE_MAGIC):
+        raise MemoryStoreError(f"{path} is not a SQLite database (corrupt or foreign file); it was left unchanged")
+    (app_id,) = struct.unpack(">I", head[68:72])
+    if app_id != APPLICATION_ID:
+        raise MemoryStoreError(f"{path} is a SQLite database but not an empo2 tip memory "
+                               f"(application_id {app_id:#x}); it was left unchanged")
+
+
+def restore_hint(path: Path) -> str:
+    """Where a damaged run memory can be restored from: the newest checkpoint's copy, when there is one."""
+    copies = sorted(Path(path).parent.glob("checkpoints/iter_*/memory.sqlite"))
+    if copies:
+        return f"restore it from the last checkpoint's copy: cp {copies[-1]} {path}"
+    return "restore it from the last checkpoint's copy (RUN/checkpoints/iter_*/memory.sqlite)"
+
+
+def check_integrity(path: Path, level: str = "quick") -> None:
+    """Run ``PRAGMA quick_check`` (``full``: ``integrity_check``) on a read-only connection; raise if damaged.
+
+    Read-only, so a damaged file is never written (no WAL checkpoint on close); -wal/-shm files that only this
+    check created are removed again.
+    """
+    if level not in INTEGRITY_CHECKS:
+        raise MemoryStoreError(f"integrity check must be one of {', '.join(INTEGRITY_CHECKS)}, got {level!r}")
+    if level == "none":
+        return
+    path = Path(path)
+    sidecars = [path.with_name(path.name + s) for s in ("-wal", "-shm")]
+    existed = [p.exists() for p in sidecars]
+    pragma = "integrity_check" if level == "full" else "quick_check"
+    try:
+        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, timeout=30)
+        try:
+            problems = [r[0] for r in conn.execute(f"PRAGMA {pragma}(5)")]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        problems = [str(exc)]
+    finally:
+        for p, was in zip(sidecars, existed):
+            if not was and p.exists() and (p.name.endswith("-shm") or p.stat().st_size == 0):
+                p.unlink(missing_ok=True)
+    if problems != ["ok"]:
+        first = [line for line in problems[0].splitlines() if line.strip() and not line.startswith("***")]
+        raise MemoryStoreError(f"{path} is damaged ({pragma}: {(first or ['?'])[0]}); it was left unchanged — "
+                               f"{restore_hint(path)}")
+
+
+def check_file(path: Path, level: str = "quick") -> None:
+    """:func:`check_header` + :func:`check_integrity` of an existing non-empty file (a missing one passes)."""
+    path = Path(path)
+    if path.is_file() and path.stat().st_size > 0:
+        check_header(path)
+        check_integrity(path, level)
+
+
+def create_schema(conn: sqlite3.Connection, meta: dict[str, str]) -> None:
+    """Write header pragmas, tables and ``meta`` in one rollback-journal transaction, then switch to WAL.
+
+    The main file is complete (and recognisable by :func:`check_header`) before the WAL exists; a crash here leaves
+    no half-made memory.
+    """
+    conn.execute("BEGIN IMMEDIATE")
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    for stmt in filter(None, (s.strip() for s in _SCHEMA.split(";"))):
+        conn.execute(stmt)
+    conn.executemany("INSERT INTO meta(key, value) VALUES (?, ?)", meta.items())
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA journal_mode = WAL")
+
+
+def insert_tip(conn: sqlite3.Connection, row: tuple) -> int:
+    """Insert (namespace, text, key_text, key_emb, tip_emb, score, step, created_at, touched); the new id."""
+    return int(conn.execute("INSERT INTO tips(namespace, text, key_text, key_emb, tip_emb, score, step, created_at, "
+                            "touched) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row).lastrowid)
+
+
+def delete_tips(conn: sqlite3.Connection, ids: list[int]) -> None:
+    """Delete evicted tips and count them."""
+    if ids:
+        conn.executemany("DELETE FROM tips WHERE id = ?", [(t,) for t in ids])
+        bump(conn, "evicted", len(ids))
+
+
+def bump(conn: sqlite3.Connection, name: str, by: int = 1) -> None:
+    conn.execute("INSERT INTO counters(name, value) VALUES (?, ?) "
+                 "ON CONFLICT(name) DO UPDATE SET value = value + excluded.value", (name, by))
+
+
+def new_meta(dim: int, embedder_name: str, capacity: int, eviction: str) -> dict[str, str]:
+    return {"schema_version": str(SCHEMA_VERSION), "dim": str(dim), "created_at": str(time.time()),
+            "embedder": embedder_name, "capacity": str(capacity), "eviction": eviction}
+
+
+def read_schema(conn: sqlite3.Connection, path: Path) -> tuple[int, dict[str, str]]:
+    """(schema version, meta table) of an open memory; raises :class:`MemoryStoreError` for foreign/damaged files."""
+    try:
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        if not {"meta", "tips", "counters"} <= tables:
+            raise MemoryStoreError(f"{path} lacks the tip-memory tables (foreign or damaged file)")
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    except sqlite3.DatabaseError as exc:
+        raise MemoryStoreError(f"{path} is corrupt: {exc}") from None
+    if version > SCHEMA_VERSION:
+        raise MemoryStoreError(f"{path} has memory schema {version}; this empo2 reads up to {SCHEMA_VERSION} "
+                               "(upgrade empo2)")
+    return version, meta
+
+
+# ------------------------------------------------------------------------------------------------------- rows
+_TIP_COLUMNS = "id, namespace, text, key_text, score, step, created_at, use_count, last_use_step, utility, utility_n"
+
+
+@dataclass
+class Tip:
+    """One stored tip. ``similarity`` and ``rank_score`` are set by :meth:`TipMemory.retrieve` (else 0)."""
+
+    id: int
+    namespace: str
+    text: str
+    key_text: str
+    score: float
+    step: int
+    created_at: float
+    use_count: int
+    last_use_step: int | None
+    utility: float | None
+    utility_n: int
+    similarity: float = 0.0
+    rank_score: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class AddResult:
+    """Outcome of :meth:`TipMemory.add`: ``id`` when stored, else ``reason`` (one of :data:`REJECTION_REASONS`)."""
+
+    id: int | None
+    reason: str | None = None
+    evicted: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return self.id is not None
+
+
+def fetch_tips(conn: sqlite3.Connection, ids: list[int]) -> dict[int, Tip]:
+    """The tips with these ids (unknown ids are absent), 500 ids per query."""
+    out: dict[int, Tip] = {}
+    for i in range(0, len(ids), 500):
+        chunk = ids[i:i + 500]
+        for r in conn.execute(f"SELECT {_TIP_COLUMNS} FROM tips WHERE id IN ({','.join('?' * len(chunk))})", chunk):
+            out[r[0]] = Tip(*r)
+    return out
+
+
+def select_tips(conn: sqlite3.Connection, namespace: str | None) -> list[Tip]:
+    """Every tip (optionally of one namespace), oldest first."""
+    sql = f"SELECT {_TIP_COLUMNS} FROM tips" + (" WHERE namespace = ?" if namespace is not None else "")
+    return [Tip(*r) for r in conn.execute(sql + " ORDER BY id", (namespace,) if namespace is not None else ())]
+
+
+def read_embeddings(conn: sqlite3.Connection, dim: int) -> dict[str, list[tuple]]:
+    """Per namespace: (id, key [dim], tip embedding [dim], score, utility or NaN, touched) rows, by id."""
+    rows: dict[str, list] = {}
+    for tid, ns, key, temb, score, util, touched in conn.execute(
+            "SELECT id, namespace, key_emb, tip_emb, score, utility, touched FROM tips ORDER BY id"):
+        rows.setdefault(ns, []).append((tid, unblob(key, dim, tid), unblob(temb, dim, tid), score,
+                                        np.nan if util is None else util, touched))
+    return rows
+
+
+def read_stats(conn: sqlite3.Connection) -> dict[str, Any]:
+    """Counts per namespace, rejections by reason, utilities and usage (plain JSON types)."""
+    per_ns = {}
+    for ns, n, rated, mean_u, uses, used in conn.execute(
+            "SELECT namespace, COUNT(*), COUNT(utility), AVG(utility), SUM(use_count), "
+            "SUM(use_count > 0) FROM tips GROUP BY namespace ORDER BY namespace"):
+        per_ns[ns] = {"tips": n, "rated": rated, "mean_utility": mean_u, "uses": uses, "used_tips": used}
+    total, rated, mean_u = conn.execute("SELECT COUNT(*), COUNT(utility), AVG(utility) FROM tips").fetchone()
+    evicted = conn.execute("SELECT value FROM counters WHERE name = 'evicted'").fetchone()
+    rej = {name.split(":", 1)[1]: int(v)
+           for name, v in conn.execute("SELECT name, value FROM counters WHERE name LIKE 'rejected:%'")}
+    return {"tips": total, "rated_tips": rated, "mean_utility": mean_u, "namespaces": per_ns, "rejections": rej,
+            "rejected": sum(rej.values()), "evicted": int(evicted[0]) if evicted else 0}
+
+
+def backup_to(conn: sqlite3.Connection, dest: Path) -> None:
+    """A consistent copy of the open database at ``dest`` (SQLite online backup), in WAL mode."""
+    target = sqlite3.connect(str(dest))
+    try:
+        conn.backup(target)
+        target.execute("PRAGMA journal_mode = WAL")
+    finally:
+        target.close()
