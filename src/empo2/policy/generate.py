@@ -32,12 +32,14 @@ def generate_batch(
     greedy: bool = False,
     generator_seed: int | None = None,
     top_k: int = 0,
+    row_seeds: list[int] | None = None,
 ) -> list[Generation]:
     """Generate one completion per prompt (token-id lists), all in one batched call.
 
     Only the sampling settings given here apply: the model's own generation defaults (a repetition penalty, top-k,
     n-gram blocking — Qwen2.5-Instruct ships some) are overridden, so the sampled distribution is the tempered
-    policy whose log-probs the update uses."""
+    policy whose log-probs the update uses. ``row_seeds`` (one per prompt) samples each row from its own random
+    stream (:mod:`empo2.policy.seeded`), so a row's tokens do not depend on the rest of the batch."""
     if not prompts:
         return []
     device = next(model.parameters()).device
@@ -54,6 +56,13 @@ def generate_batch(
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample \
         else dict(do_sample=False)
     neutral = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
+    if do_sample and row_seeds is not None:
+        from transformers import LogitsProcessorList
+
+        from empo2.policy.seeded import SeededSampler
+
+        sampler = SeededSampler(row_seeds, temperature, top_p, top_k)
+        sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
     out = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from empo2.train.distributed import gather_episodes
 from empo2.train.rollout import RolloutContext, run_episodes
 
 
@@ -24,18 +25,28 @@ def evaluate(
     batch_size: int,
     with_memory: bool = False,
     reflect: bool = False,
+    dist=None,
 ) -> dict[str, Any]:
-    """Play the first ``variations_per_task`` variations of ``split`` for every task, ``batch_size`` at a time."""
+    """Play the first ``variations_per_task`` variations of ``split`` for every task, ``batch_size`` at a time.
+
+    With a data-parallel ``dist`` (:class:`empo2.train.distributed.Dist`) each rank plays its share of every chunk
+    of ``batch_size × ranks`` episodes and the result covers all of them.
+    """
     specs = []
     for task in tasks:
         variations = list(ctx.pool.call(0, "variations", task, split))[:variations_per_task]
         if episodes_per_task is not None:
             variations = variations[:episodes_per_task]
         specs += [(task, v, len(specs) + k, "on_tips" if with_memory else "on") for k, v in enumerate(variations)]
+    ranks = dist.world_size if dist is not None else 1
     episodes = []
-    for start in range(0, len(specs), batch_size):
-        eps, _ = run_episodes(ctx, specs[start:start + batch_size], temperature=temperature, reflect=reflect)
+    for start in range(0, len(specs), batch_size * ranks):  # every rank runs as many batches (memory sync)
+        chunk = specs[start:start + batch_size * ranks]
+        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=temperature,
+                              reflect=reflect)
         episodes += eps
+    if ranks > 1:
+        episodes = gather_episodes(dist, episodes)
     per_task = {}
     for task in tasks:
         mine = [ep for ep in episodes if ep.task == task]
