@@ -34,8 +34,9 @@ from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
 from empo2.train.evaluate import evaluate, write_eval_tables
+from empo2.train.intrinsic import novelty_rewards
 from empo2.train.metrics import MetricsLog, iteration_line, plot_run
-from empo2.train.rollout import Episode, RolloutContext, episode_record, novelty_rewards, run_episodes
+from empo2.train.rollout import Episode, RolloutContext, episode_record, run_episodes
 from empo2.train.rows import UpdateRow, update_rows
 from empo2.train.sampling import TaskSampler
 
