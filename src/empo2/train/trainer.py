@@ -170,7 +170,7 @@ class Trainer:
     def train(self, progress=None) -> dict[str, Any]:
         cfg = self.cfg
         last_eval = None
-        start_done = (self.run_dir / "eval" / "start.json").is_file()
+        start_done = self.dist.broadcast_object((self.run_dir / "eval" / "start.json").is_file())  # rank 0's view
         if cfg.train.eval_at_start and self.start_iteration == 0 and not start_done:
             rng, counter = ckpt.rng_state(), self.ctx.step_counter  # training then runs as without this evaluation
             start = self.evaluate(tag="start")  # the untrained policy: a learning curve's point at 0 env steps
