@@ -13,7 +13,7 @@ in chunks). Arms alternate order; rows of the table are medians.
 2. Update tokens/s: the same rows (the last shared rollout's steps, advantages ±1) through ``Trainer.update``.
 3. A whole EMPO² iteration (modes forced to ``on_tips``) today vs shared, with the trainer's per-iteration peak RSS.
 4. EMPO² ``on_tips`` iteration vs GRPO iteration (both shared), and the reflection's share of the EMPO² iteration.
-5. First-mini-batch |ratio − 1| (median, p99) with ``policy.compute_dtype`` float32 and bfloat16: behaviour
+5. First-mini-batch |ratio − 1| (median, p99) with ``policy.autocast`` none (float32) and bfloat16: behaviour
    log-probs from a rollout, training log-probs of the same rows in ``train()`` mode, same numerics.
 
 The machine is shared with other agents: absolute times are noisy, the ratios less so; ``uptime`` is recorded.
@@ -44,7 +44,7 @@ def set_arm(trainer, share: bool, dtype: str = "float32") -> None:
     from empo2.policy.prefix import ComputeOptions, attach_options
 
     trainer.cfg.policy.prefix_sharing = share
-    trainer.cfg.policy.compute_dtype = dtype
+    trainer.cfg.policy.autocast = "none" if dtype == "float32" else dtype
     attach_options(trainer.model, ComputeOptions(prefix_sharing=share, compute_dtype=dtype,
                                                  logprob_chunk_tokens=trainer.cfg.train.logprob_chunk_tokens))
 

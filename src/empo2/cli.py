@@ -19,11 +19,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from empo2.envs.base import EnvError
     from empo2.memory.embedder import EmbedderError
     from empo2.memory.store import MemoryStoreError
+    from empo2.policy.backend import BackendError
     from empo2.policy.loader import ModelLoadError
     from empo2.train.runlock import RunLockError
     from empo2.train.storage import RunWriteError
 
-    return (ConfigError, EnvError, ModelLoadError, MemoryStoreError, EmbedderError, RunLockError, RunWriteError)
+    return (ConfigError, EnvError, ModelLoadError, MemoryStoreError, EmbedderError, RunLockError, RunWriteError,
+            BackendError)
 
 
 # --------------------------------------------------------------------------------------------------------- play
@@ -98,9 +100,11 @@ def cmd_train(args) -> int:
     from empo2.config import Config
     from empo2.memory.schema import check_file
     from empo2.train.runlock import clear_run_folder
+    from empo2.train.distributed import env_rank
     from empo2.train.trainer import Trainer
 
-    console = Console(soft_wrap=True)  # one line per message in logs, whatever the width
+    main_rank = env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
+    console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
     if args.resume:
         run_dir = Path(args.resume)
         saved = run_dir / "config.yaml"
@@ -123,12 +127,18 @@ def cmd_train(args) -> int:
     if args.resume:  # a damaged live memory is refused (exit 2, file untouched) before anything loads it
         check_file(run_dir / "memory.sqlite")
     is_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()
-    if args.overwrite and not args.resume and is_run:
+    if args.overwrite and not args.resume and is_run and main_rank:
         clear_run_folder(run_dir)  # a fresh run: no stale memory, checkpoints or metrics from the previous one
     console.print(f"[bold]empo2 train[/bold] algo={cfg.algo.name} env={cfg.env.name} tasks={cfg.env.tasks} "
                   f"model={cfg.policy.model} G={cfg.algo.num_generations} iterations={cfg.train.iterations} "
                   f"→ {run_dir}")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
+    if not main_rank:
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        return 0
     cfg.save(run_dir / "config.yaml")
     try:
         with _progress(console, cfg.train.progress) as progress:

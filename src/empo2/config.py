@@ -64,6 +64,9 @@ class EnvConfig:
     """Use only the first N catalog products (``None`` = all)."""
     seed: int = 0
     """Seed for environment-side randomness (WebShop prices/goals)."""
+    pool: str = "process"
+    """Where environment workers run: ``process`` (local subprocesses) or ``ray`` (Ray actors, on any node of the
+    cluster in ``$RAY_ADDRESS``, else a local Ray; ``pip install 'empo2[ray]'``)."""
 
 
 @dataclass
@@ -76,6 +79,20 @@ class PolicyConfig:
     """``auto`` (float32 on CPU, bfloat16 on GPU), ``float32``, ``bfloat16`` or ``float16``."""
     device: str = "auto"
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    autocast: str = "none"
+    """Compute dtype for forward passes (``torch.autocast``): ``none``, ``bfloat16`` or ``float16``. Weights and
+    optimizer state stay in ``dtype``: ``dtype=float32`` + ``autocast=bfloat16`` is fp32 master weights with bf16
+    compute. Full fine-tuning refuses non-float32 ``dtype`` (small updates would round to zero). On CPUs without
+    native bfloat16 (no AVX512-BF16/AMX) bfloat16 is slower; see benchmarks/results/iteration.json."""
+    backend: str = "hf"
+    """Rollout generation: ``hf`` (the training model's ``generate``) or ``vllm`` (a colocated vLLM engine with
+    prefix caching, weights synced after every update; ``pip install 'empo2[vllm]'``, CUDA only)."""
+    vllm_memory: float = 0.4
+    """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest."""
+    seeded_sampling: bool = False
+    """Seed each rollout's sampling by (``train.seed``, iteration, group, member, turn) instead of one shared stream,
+    so its tokens do not depend on the other rollouts in its batch: a run on N data-parallel ranks then samples what
+    the one-rank run samples. Costs one vocabulary-sized noise draw per rollout and token."""
     lora: bool = True
     """Train a LoRA adapter (CPU default); ``False`` = full fine-tuning."""
     lora_r: int = 16
@@ -112,10 +129,6 @@ class PolicyConfig:
     prefix_sharing: bool = True
     """Compute the token head that several prompts share (system prompt, task, demonstration) once, in generation
     and in the update; ``False`` = every row runs its whole prompt (the older, slower path; same results)."""
-    compute_dtype: str = "float32"
-    """``float32`` or ``bfloat16``: bfloat16 autocast around forward passes, weights and optimizer state stay in
-    ``dtype``. On CPUs without native bfloat16 (no AVX512-BF16/AMX) bfloat16 is slower; see
-    benchmarks/results/iteration.json."""
 
 
 @dataclass
@@ -347,6 +360,10 @@ class Config:
         checks = [
             (e.eval_split in ("dev", "test", "train", "eval"), "env.eval_split must be dev|test (webshop: eval|test)"),
             (0 <= e.action_cutoff <= 100, "env.action_cutoff must be in [0, 100]"),
+            (p.autocast in ("none", "bfloat16", "float16"), "policy.autocast must be none|bfloat16|float16"),
+            (p.backend in ("hf", "vllm"), "policy.backend must be hf|vllm"),
+            (e.pool in ("process", "ray"), "env.pool must be process|ray"),
+            (0 < p.vllm_memory < 1, "policy.vllm_memory must be in (0, 1)"),
             (a.num_generations >= 1, "algo.num_generations must be >= 1"),
             (0 <= a.epsilon < 1 and a.epsilon_high >= 0, "algo.epsilon must be in [0,1) and epsilon_high >= 0"),
             (0 <= a.delta < 1, "algo.delta must be in [0, 1)"),
@@ -371,7 +388,6 @@ class Config:
             (t.micro_batch_tokens >= 1 and t.mini_batch_size >= 0, "train.micro_batch_tokens >= 1 and "
              "train.mini_batch_size >= 0"),
             (t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens must be >= 1"),
-            (p.compute_dtype in ("float32", "bfloat16"), "policy.compute_dtype must be float32|bfloat16"),
         ]
         for ok, message in checks:
             if not ok:

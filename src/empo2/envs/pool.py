@@ -323,3 +323,13 @@ def _kill_tree(procs: list[psutil.Process]) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(victims, timeout=5)
+
+
+def make_pool(kind: str, env_name: str, env_kwargs: dict | None, size: int):
+    """``env.pool``: ``process`` (:class:`EnvPool`, local worker processes) or ``ray`` (Ray actors, any node)."""
+    if kind == "ray":
+        from empo2.envs.ray_pool import RayEnvPool
+
+        return RayEnvPool(env_name, env_kwargs, size)
+    return EnvPool(env_name, env_kwargs, size)
+

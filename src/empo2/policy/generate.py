@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from empo2.policy import prefix as px
+from empo2.policy.seeded import SeededSampler
 
 
 @dataclass
@@ -39,13 +40,15 @@ def generate_batch(
     generator_seed: int | None = None,
     top_k: int = 0,
     prefix_sharing: bool | None = None,
+    row_seeds: list[int] | None = None,
 ) -> list[Generation]:
     """Generate one completion per prompt (token-id lists), all in one batched call.
 
     Only the sampling settings given here apply: the model's own generation defaults (a repetition penalty, top-k,
     n-gram blocking — Qwen2.5-Instruct ships some) are overridden, so the sampled distribution is the tempered
     policy whose log-probs the update uses. ``prefix_sharing`` overrides the model's compute options
-    (:func:`empo2.policy.prefix.attach_options`).
+    (:func:`empo2.policy.prefix.attach_options`). ``row_seeds`` (one per prompt) samples each row from its own random
+    stream (:mod:`empo2.policy.seeded`), so a row's tokens do not depend on the rest of the batch.
     """
     if not prompts:
         return []
@@ -58,10 +61,10 @@ def generate_batch(
         groups = px.plan_layout(prompts, options.min_shared_tokens) if share else None
         if groups:
             new_tokens, token_logp = _decode_shared(model, tokenizer, prompts, groups, max_new_tokens,
-                                                    temperature if do_sample else 0.0, top_p, top_k)
+                                                    temperature if do_sample else 0.0, top_p, top_k, row_seeds)
         else:
             new_tokens, token_logp = _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample,
-                                                      temperature, top_p, top_k)
+                                                      temperature, top_p, top_k, row_seeds)
     results = []
     eos = tokenizer.eos_token_id
     for row in range(len(prompts)):
@@ -73,7 +76,7 @@ def generate_batch(
     return results
 
 
-def _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample, temperature, top_p, top_k):
+def _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample, temperature, top_p, top_k, row_seeds=None):
     """Today's path: one left-padded ``model.generate``. Returns ``(tokens [B, N], logp [B, N])``."""
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id
@@ -86,6 +89,11 @@ def _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample, tempe
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k) if do_sample \
         else dict(do_sample=False)
     neutral = dict(repetition_penalty=1.0, no_repeat_ngram_size=0, min_new_tokens=0)
+    if do_sample and row_seeds is not None:
+        from transformers import LogitsProcessorList
+
+        sampler = SeededSampler(row_seeds, temperature, top_p, top_k)
+        sampling = dict(do_sample=False, logits_processor=LogitsProcessorList([sampler]))
     out = model.generate(
         input_ids=input_ids.to(device),
         attention_mask=attention.to(device),
@@ -104,8 +112,9 @@ def _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample, tempe
     return new_tokens, token_logp
 
 
-def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperature, top_p, top_k):
-    """Decode on top of the groups' shared heads; ``temperature == 0`` means greedy.
+def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperature, top_p, top_k, row_seeds=None):
+    """Decode on top of the groups' shared heads; ``temperature == 0`` means greedy; ``row_seeds`` samples each row
+    from its own stream (:class:`empo2.policy.seeded.SeededSampler`, the same draws as the padded path).
 
     Returns ``(tokens [B, N], logp [B, N])``; rows that finished keep receiving the pad token (as in ``generate``).
     """
@@ -115,13 +124,14 @@ def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperatur
     mask = torch.cat([head_mask, mask], dim=1)  # [B, H + S]
     next_pos = torch.tensor([len(p) for p in prompts], device=device)  # [B]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    seeded = SeededSampler(row_seeds, temperature, top_p, top_k) if row_seeds is not None and temperature > 0 else None
     tokens, logps = [], []
     for _ in range(max_new_tokens):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
                     **px.cache_kwargs(cache))
         cache = px.output_cache(out)
         logits = out.logits[:, -1, :].float()  # [B, V] raw logits
-        tok = _pick(logits, temperature, top_p, top_k)  # [B]
+        tok = seeded(ids, logits).argmax(dim=-1) if seeded else _pick(logits, temperature, top_p, top_k)  # [B]
         tok = torch.where(done, torch.full_like(tok, tokenizer.pad_token_id), tok)
         tokens.append(tok)
         logps.append(torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1))

@@ -8,6 +8,7 @@ a safetensors copy with tokenizer and chat template to ``$EMPO2_HOME/models/smol
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -60,6 +61,31 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     except KeyError:
         raise ModelLoadError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16") from None
+
+
+def check_precision(dtype: str, device: str, lora: bool, autocast: str) -> None:
+    """Refuse a precision setup that loses updates; raises :class:`ModelLoadError` (exit code 2).
+
+    Full fine-tuning stores the trained weights and AdamW state in ``dtype``: in bfloat16 (8 mantissa bits) an update
+    smaller than ~1/256 of a weight rounds away, so at lr 1e-6 nothing is learned. LoRA is safe (PEFT keeps adapter
+    weights in float32 over a low-precision base).
+    """
+    dev = resolve_device(device)
+    if autocast not in ("none", "bfloat16", "float16"):
+        raise ModelLoadError(f"unknown policy.autocast {autocast!r}; use none, bfloat16 or float16")
+    if not lora and resolve_dtype(dtype, dev) != torch.float32:
+        raise ModelLoadError(
+            f"full fine-tuning with {resolve_dtype(dtype, dev)} weights (policy.dtype={dtype}) rounds small updates "
+            "to zero; use policy.dtype=float32 with policy.autocast=bfloat16 (float32 master weights and optimizer "
+            "state, bfloat16 compute), or policy.lora=true")
+
+
+def autocast_context(device: torch.device | str, autocast: str):
+    """``torch.autocast`` to the compute dtype ``autocast`` (``none``: a no-op context)."""
+    if autocast == "none":
+        return contextlib.nullcontext()
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[autocast]
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
 def bundled_gguf(name: str) -> Path:

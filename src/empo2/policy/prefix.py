@@ -29,7 +29,8 @@ class ComputeOptions:
     prefix_sharing: bool = True
     """Compute a shared token head once per group of rows (generation and training log-probs)."""
     compute_dtype: str = "float32"
-    """``float32`` or ``bfloat16`` (autocast around forward passes; weights and optimizer state stay float32)."""
+    """``float32``, ``bfloat16`` or ``float16`` (autocast around forward passes; weights and optimizer state keep
+    their own dtype). Set from ``policy.autocast``."""
     logprob_chunk_tokens: int = 1024
     """Response positions whose vocabulary logits are materialised at once when computing log-probs."""
     min_shared_tokens: int = 16
@@ -42,16 +43,16 @@ _ATTR = "_empo2_compute_options"
 
 def attach_options(model: torch.nn.Module, options: ComputeOptions) -> None:
     """Make ``options`` the compute options of ``model`` (read by generation and log-prob code)."""
-    if options.compute_dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"compute_dtype must be float32 or bfloat16, not {options.compute_dtype!r}")
+    if options.compute_dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, not {options.compute_dtype!r}")
     object.__setattr__(model, _ATTR, options)
 
 
 def configure_model(model: torch.nn.Module, cfg) -> None:
-    """Attach the compute options of a run's config (``policy.prefix_sharing``, ``policy.compute_dtype``,
+    """Attach the compute options of a run's config (``policy.prefix_sharing``, ``policy.autocast``,
     ``train.logprob_chunk_tokens``) to its model."""
-    attach_options(model, ComputeOptions(prefix_sharing=cfg.policy.prefix_sharing,
-                                         compute_dtype=cfg.policy.compute_dtype,
+    compute = {"none": "float32"}.get(cfg.policy.autocast, cfg.policy.autocast)
+    attach_options(model, ComputeOptions(prefix_sharing=cfg.policy.prefix_sharing, compute_dtype=compute,
                                          logprob_chunk_tokens=cfg.train.logprob_chunk_tokens))
 
 
@@ -60,11 +61,11 @@ def options_of(model: torch.nn.Module) -> ComputeOptions:
 
 
 def autocast(model: torch.nn.Module, options: ComputeOptions):
-    """bfloat16 autocast for forward passes when asked for (a no-op context otherwise)."""
-    if options.compute_dtype != "bfloat16":
+    """Low-precision autocast for forward passes when asked for (a no-op context otherwise)."""
+    if options.compute_dtype == "float32":
         return contextlib.nullcontext()
     device = next(model.parameters()).device.type
-    return torch.autocast(device, dtype=torch.bfloat16)
+    return torch.autocast(device, dtype=getattr(torch, options.compute_dtype))
 
 
 # ----------------------------------------------------------------------------------------------- grouping

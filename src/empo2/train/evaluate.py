@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from empo2.train.distributed import gather_episodes
 from empo2.train.rollout import Episode, RolloutContext, run_episodes
 
 
@@ -24,16 +25,21 @@ def evaluate(
     batch_size: int,
     with_memory: bool = False,
     reflect: bool = False,
+    dist=None,
 ) -> dict[str, Any]:
-    """Play the first ``variations_per_task`` variations of ``split`` for every task, ``batch_size`` at a time."""
+    """Play the first ``variations_per_task`` variations of ``split`` for every task, ``batch_size`` at a time.
+
+    With a data-parallel ``dist`` (:class:`empo2.train.distributed.Dist`) each rank plays its share of every chunk
+    of ``batch_size × ranks`` episodes and the result covers all of them.
+    """
     episodes = play_split(ctx, tasks, split, variations_per_task, episodes_per_task, temperature, batch_size,
-                          with_memory, reflect)
+                          with_memory, reflect, dist)
     return summarise(episodes, tasks, split, temperature, with_memory)
 
 
 def play_split(ctx: RolloutContext, tasks: list[str], split: str, variations_per_task: int,
                episodes_per_task: int | None, temperature: float, batch_size: int, with_memory: bool = False,
-               reflect: bool = False) -> list[Episode]:
+               reflect: bool = False, dist=None) -> list[Episode]:
     """The episodes of :func:`evaluate` (one per task variation, in task order)."""
     specs = []
     for task in tasks:
@@ -41,10 +47,15 @@ def play_split(ctx: RolloutContext, tasks: list[str], split: str, variations_per
         if episodes_per_task is not None:
             variations = variations[:episodes_per_task]
         specs += [(task, v, len(specs) + k, "on_tips" if with_memory else "on") for k, v in enumerate(variations)]
+    ranks = dist.world_size if dist is not None else 1
     episodes = []
-    for start in range(0, len(specs), batch_size):
-        eps, _ = run_episodes(ctx, specs[start:start + batch_size], temperature=temperature, reflect=reflect)
+    for start in range(0, len(specs), batch_size * ranks):  # every rank runs as many batches (memory sync)
+        chunk = specs[start:start + batch_size * ranks]
+        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=temperature,
+                              reflect=reflect)
         episodes += eps
+    if ranks > 1:
+        episodes = gather_episodes(dist, episodes)
     return episodes
 
 

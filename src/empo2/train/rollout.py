@@ -16,6 +16,7 @@ from empo2.agent.prompts import PromptParts, parse_action, render_prompt_ids
 from empo2.agent.reflection import parse_tip, reflection_messages
 from empo2.envs.pool import WorkerError
 from empo2.policy.generate import Generation, generate_batch
+from empo2.policy.seeded import row_seed
 
 MEMORY_MODES = ("on_tips", "off_tips")
 
@@ -50,6 +51,8 @@ class Episode:
     variation: int
     group: int
     mode: str
+    member: int = 0
+    """Index of this rollout within its group: (group, member) orders a batch's episodes across ranks."""
     task_description: str = ""
     steps: list[Step] = field(default_factory=list)
     score: float = 0.0
@@ -116,6 +119,13 @@ class RolloutContext:
     memory_cfg: Any
     step_counter: int = 0
     """Environment steps taken so far (all episodes); tips record it as their creation/use time. Checkpointed."""
+    sampling_seed: int | None = None
+    """When set, each rollout samples from its own stream seeded by (this, group, member, turn)."""
+    backend: Any = None
+    """A :class:`empo2.policy.backend.RolloutBackend` (e.g. vLLM); ``None`` = generate with ``model`` (HF)."""
+    memory_sync: Any = None
+    """Data-parallel hook ``(uses, adds, step) -> (uses, adds, step)``: every rank's memory operations in global
+    order (see :mod:`empo2.train.distributed`); ``None`` = apply this process's operations directly."""
 
 
 ActionSource = Callable[[RolloutContext, list[int], list[Episode], list[list[int]]], list[Generation]]
@@ -127,8 +137,8 @@ def model_actions(temperature: float, greedy: bool = False) -> ActionSource:
 
     def act(ctx: RolloutContext, active: list[int], episodes: list[Episode], prompts: list[list[int]]) -> list[Generation]:
         pcfg = ctx.policy_cfg
-        return generate_batch(ctx.model, ctx.tokenizer, prompts, pcfg.max_completion_length, temperature=temperature,
-                              top_p=pcfg.top_p, top_k=pcfg.top_k, greedy=greedy)
+        return _generate(ctx, prompts, pcfg.max_completion_length, temperature=temperature, top_p=pcfg.top_p,
+                         top_k=pcfg.top_k, greedy=greedy, row_seeds=_row_seeds(ctx, episodes))
 
     return act
 
@@ -153,7 +163,11 @@ def run_episodes(
     actions = actions or model_actions(temperature, greedy)
     stats = {"gen_time": 0.0, "env_time": 0.0, "memory_time": 0.0, "gen_tokens": 0, "prompt_tokens": 0,
              "long_prompts": 0}
-    episodes = [Episode(task=t, variation=v, group=g, mode=m) for t, v, g, m in specs]
+    members: dict[int, int] = {}
+    episodes = []
+    for t, v, g, m in specs:
+        members[g] = members.get(g, -1) + 1
+        episodes.append(Episode(task=t, variation=v, group=g, mode=m, member=members[g]))
     with _timed(stats, "env_time"):
         parts = _reset(ctx, episodes)
     while active := [i for i, ep in enumerate(episodes) if not ep.done]:
@@ -282,20 +296,47 @@ def call_worker(pool, ep: Episode, i: int, method: str, *args: Any) -> Any:
         return None
 
 
+def _generate(ctx: RolloutContext, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[Generation]:
+    if ctx.backend is not None:
+        return ctx.backend.generate(prompts, max_new_tokens, **kwargs)
+    return generate_batch(ctx.model, ctx.tokenizer, prompts, max_new_tokens, **kwargs)
+
+
+def _row_seeds(ctx: RolloutContext, episodes: list[Episode], turn: int | None = None) -> list[int] | None:
+    if ctx.sampling_seed is None:
+        return None
+    return [row_seed(ctx.sampling_seed, ep.group, ep.member, len(ep.steps) if turn is None else turn)
+            for ep in episodes]
+
+
 def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: bool | None) -> None:
     """Each finished episode writes one tip (batched generation) and updates the utility of the tips it used."""
+    uses, adds = memory_ops(ctx, episodes, reflect)
+    step = ctx.step_counter
+    if ctx.memory_sync is not None:  # data parallel: every rank applies all ranks' operations, in global order
+        uses, adds, step = ctx.memory_sync(uses, adds, step)
+        ctx.step_counter = step
+    mine = {(ep.group, ep.member): ep for ep in episodes}
+    for (key, op), result in zip(adds, apply_memory_ops(ctx.memory, uses, adds, step)):
+        if key in mine and result.id is not None:
+            mine[key].tip_written = op["tip_text"]
+        elif key in mine:
+            mine[key].tip_rejected = result.reason
+
+
+def memory_ops(ctx: RolloutContext, episodes: list[Episode], reflect: bool | None) -> tuple[list, list]:
+    """The memory operations of finished episodes, as ``((group, member), op)`` pairs in episode order.
+
+    ``uses``: the tips each episode was shown and its score; ``adds``: one reflection per writing episode (generated
+    here, batched) with its key and tip embeddings.
+    """
     mcfg = ctx.memory_cfg
-    for ep in episodes:
-        if ep.failed:  # a crashed environment says nothing about the tips the episode saw
-            continue
-        used = sorted({tid for s in ep.steps for tid in s.tip_ids})
-        if used:
-            ctx.memory.record_use(used, ctx.step_counter)
-            ctx.memory.update_utility(used, ep.score)
+    uses = [((ep.group, ep.member), (used, ep.score)) for ep in episodes
+            if not ep.failed and (used := sorted({tid for s in ep.steps for tid in s.tip_ids}))]
     writers = [ep for ep in episodes if not ep.failed and ep.steps and (
         reflect if reflect is not None else (ep.mode in MEMORY_MODES or mcfg.reflect_in_on_mode))]
     if not writers:
-        return
+        return uses, []
     tips = write_tips(ctx, writers)
     # A tip's key is the state it is about: the state of the episode's last action, where it ended or went wrong.
     # (Keying every tip by the episode's first state made all keys of a task identical, so retrieval could not rank.)
@@ -304,16 +345,24 @@ def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: b
     for s, emb in zip(missing, ctx.embedder.encode([s.state_text for s in missing])):
         s.state_embedding = emb
     tip_embs = ctx.embedder.encode([t or " " for t in tips])
-    for ep, tip, key, temb in zip(writers, tips, last, tip_embs):
-        result = ctx.memory.add(
-            namespace_of(ep.task, ep.variation, mcfg.namespace), tip, key.state_embedding, key_text=key.state_text,
-            score=ep.score, step=ctx.step_counter,
-            context_texts=[ep.task_description] + [s.observation for s in ep.steps[-3:]], tip_embedding=temb,
-        )
-        if result.id is not None:
-            ep.tip_written = tip
-        else:
-            ep.tip_rejected = result.reason
+    return uses, [((ep.group, ep.member), {
+        "namespace": namespace_of(ep.task, ep.variation, mcfg.namespace), "tip_text": tip,
+        "key_embedding": key.state_embedding, "key_text": key.state_text, "score": ep.score,
+        "context_texts": [ep.task_description] + [s.observation for s in ep.steps[-3:]], "tip_embedding": temb,
+    }) for ep, tip, key, temb in zip(writers, tips, last, tip_embs)]
+
+
+def apply_memory_ops(memory, uses: list, adds: list, step: int) -> list:
+    """Apply operations in order: every use (count, recency, utility) first, then every reflection.
+
+    Returns the :class:`AddResult` of each reflection.
+    """
+    for _, (used, score) in uses:
+        memory.record_use(used, step)
+        memory.update_utility(used, score)
+    return [memory.add(op["namespace"], op["tip_text"], op["key_embedding"], key_text=op["key_text"],
+                       score=op["score"], step=step, context_texts=op["context_texts"],
+                       tip_embedding=op["tip_embedding"]) for _, op in adds]
 
 
 def write_tips(ctx: RolloutContext, episodes: list[Episode]) -> list[str]:
@@ -325,8 +374,8 @@ def write_tips(ctx: RolloutContext, episodes: list[Episode]) -> list[str]:
                                        max_words=ctx.memory_cfg.max_tip_words)
         ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    gens = generate_batch(ctx.model, ctx.tokenizer, prompts, pcfg.reflection_max_tokens,
-                          temperature=pcfg.reflection_temperature, top_p=pcfg.top_p, top_k=pcfg.top_k)
+    gens = _generate(ctx, prompts, pcfg.reflection_max_tokens, temperature=pcfg.reflection_temperature,
+                     top_p=pcfg.top_p, top_k=pcfg.top_k, row_seeds=_row_seeds(ctx, episodes, turn=-1))
     return [parse_tip(g.text) for g in gens]
 
 
@@ -341,14 +390,3 @@ def episode_record(ep: Episode, tokenizer, max_steps: int = 50) -> dict[str, Any
             "tips": s.tips,
         } for s in ep.steps[:max_steps]],
     }
-
-
-def novelty_rewards(novelty, embedder, episodes: list[Episode]) -> None:
-    """Fill ``Step.intrinsic`` with the novelty reward of the state each step reached, within its task's namespace
-    (1/(n+1) for a state visited n times before this batch; see :mod:`empo2.memory.novelty`)."""
-    steps = [(ep.task, s) for ep in episodes for s in ep.steps]
-    if not steps:
-        return
-    rewards = novelty.reward(embedder.encode([state_text(s.observation) for _, s in steps]), [t for t, _ in steps])
-    for (_, s), r in zip(steps, np.asarray(rewards, dtype=np.float64)):
-        s.intrinsic = float(r)

@@ -1,0 +1,71 @@
+"""Rollout backends: what turns a batch of prompt-id lists into sampled token ids and behaviour log-probs.
+
+``policy.backend: hf`` (default, the reference) generates with the training model itself, so it never holds stale
+weights. ``policy.backend: vllm`` (``pip install 'empo2[vllm]'``, a CUDA GPU) keeps a separate vLLM engine with
+prefix caching; the trainer calls :meth:`RolloutBackend.sync_weights` after every update so rollouts always come
+from the current policy.
+
+The contract (tests/test_backend.py runs it against every available backend):
+
+- ``generate(prompts, max_new_tokens, temperature, top_p, greedy, row_seeds)`` returns one
+  :class:`~empo2.policy.generate.Generation` per prompt, in order: ids up to and including the first EOS (at most
+  ``max_new_tokens``), one behaviour log-prob per id (log-softmax of the untempered logits), the decoded text.
+- equal ``row_seeds`` give equal samples; greedy is deterministic.
+- after ``sync_weights(model)`` samples come from ``model``'s current weights.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from empo2.policy.generate import Generation, generate_batch
+
+BACKENDS = ("hf", "vllm")
+
+
+class BackendError(RuntimeError):
+    """A rollout backend that cannot be used here (e.g. vLLM not installed); the CLI exits with code 2."""
+
+
+class RolloutBackend(Protocol):
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 greedy: bool = False, row_seeds: list[int] | None = None) -> list[Generation]: ...
+
+    def sync_weights(self, model) -> None: ...
+
+
+class HFBackend:
+    """Generation with the training model (Hugging Face ``generate``); weights are shared, so syncing is free."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0, top_p: float = 1.0,
+                 greedy: bool = False, row_seeds: list[int] | None = None) -> list[Generation]:
+        return generate_batch(self.model, self.tokenizer, prompts, max_new_tokens, temperature=temperature,
+                              top_p=top_p, greedy=greedy, row_seeds=row_seeds)
+
+    def sync_weights(self, model) -> None:
+        self.model = model
+
+
+def check_backend(name: str) -> None:
+    """Fail early (before a run writes anything) when backend ``name`` cannot run here."""
+    if name == "vllm":
+        from empo2.policy.vllm_backend import _import_vllm
+
+        _import_vllm()
+    elif name != "hf":
+        raise BackendError(f"unknown policy.backend {name!r}; use {' or '.join(BACKENDS)}")
+
+
+def make_backend(name: str, model, tokenizer, model_path: str | None = None, lora_rank: int = 16,
+                 memory_fraction: float = 0.4, seed: int = 0) -> RolloutBackend:
+    """Build backend ``name`` (``hf`` or ``vllm``) for ``model``; vLLM is imported only here, and only if asked."""
+    if name == "hf":
+        return HFBackend(model, tokenizer)
+    if name == "vllm":
+        from empo2.policy.vllm_backend import VLLMBackend
+
+        return VLLMBackend(model_path, tokenizer, lora_rank=lora_rank, memory_fraction=memory_fraction, seed=seed)
+    raise BackendError(f"unknown policy.backend {name!r}; use {' or '.join(BACKENDS)}")

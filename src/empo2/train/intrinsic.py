@@ -1,0 +1,37 @@
+"""The novelty (intrinsic) reward of a batch of episodes, computed over the whole batch even when it is split over
+data-parallel ranks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from empo2.train.rollout import Episode, state_text
+
+
+def novelty_rewards(novelty, embedder, episodes: list[Episode], gather=None) -> None:
+    """Fill ``Step.intrinsic`` with the novelty reward of the state each step reached, within its task's namespace
+    (1/(n+1) for a state visited n times before this batch; see :mod:`empo2.memory.novelty`).
+
+    ``gather(per_episode_values, fn)`` (data parallel) runs ``fn`` on every rank's episodes in global order and returns
+    this rank's results, so the visit counts see the whole batch and stay identical on every rank.
+    """
+    texts = [state_text(s.observation) for ep in episodes for s in ep.steps]
+    embs = np.asarray(embedder.encode(texts)) if texts else np.zeros((0, embedder.dim), dtype=np.float32)
+    bounds = np.cumsum([0] + [len(ep.steps) for ep in episodes])
+    per_episode = [(ep.task, embs[a:b]) for ep, a, b in zip(episodes, bounds[:-1], bounds[1:])]  # [steps_i, dim]
+    fn = _novelty_fn(novelty)
+    for ep, rewards in zip(episodes, gather(per_episode, fn) if gather is not None else fn(per_episode)):
+        for s, r in zip(ep.steps, rewards):
+            s.intrinsic = float(r)
+
+
+def _novelty_fn(novelty):
+    def fn(per_episode: list[tuple[str, np.ndarray]]) -> list[np.ndarray]:
+        sizes = [len(e) for _, e in per_episode]
+        if not sum(sizes):
+            return [np.zeros(0) for _ in per_episode]
+        tasks = [task for task, e in per_episode for _ in range(len(e))]
+        flat = np.asarray(novelty.reward(np.concatenate([e for _, e in per_episode if len(e)]), tasks), np.float64)
+        bounds = np.cumsum([0] + sizes)
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    return fn

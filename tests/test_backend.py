@@ -1,0 +1,122 @@
+"""The rollout-backend contract (empo2.policy.backend), run against every backend that can run here.
+
+``hf`` runs everywhere (SmolLM2-135M on CPU). ``vllm`` runs only where vllm imports and a CUDA GPU exists
+(scripts/gpu_check.sh); elsewhere its cases are SKIPPED, which is not a pass: the vLLM backend is then untested.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+
+from empo2.policy.backend import BackendError, HFBackend, check_backend, make_backend
+from empo2.policy.logprobs import response_logprobs
+
+
+def _vllm_gpu() -> bool:
+    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
+
+
+BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    not _vllm_gpu(), reason="vLLM backend needs vllm + a CUDA GPU; skipped = NOT tested"))]
+LOGP_TOL = {"hf": 1e-3, "vllm": 0.1}  # vLLM computes in bfloat16
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def setup(request, smollm):
+    """(name, backend, training model, tokenizer), one engine per module; the model is a private copy (a test that
+    changes it restores it)."""
+    model, tok = smollm
+    if request.param == "hf":
+        own = copy.deepcopy(model)
+        return "hf", HFBackend(own, tok), own, tok
+    from empo2.policy.loader import load_model, resolve_model_path
+
+    own, tok = load_model("smollm2-135m", device="cuda", dtype="float32")
+    backend = make_backend("vllm", own, tok, resolve_model_path("smollm2-135m"), memory_fraction=0.3)
+    backend.sync_weights(own)
+    return "vllm", backend, own, tok
+
+
+def _prompts(tok) -> list[list[int]]:
+    chats = ["Name one animal.", "You are in a kitchen. What do you do next? Answer with one action."]
+    out = []
+    for text in chats:
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def _teacher_forced(model, tok, prompts, gens) -> list[list[float]]:
+    with torch.no_grad():
+        logp, mask = response_logprobs(model, prompts, [g.ids for g in gens], tok.pad_token_id)
+    return [logp[i, : len(g.ids)].float().cpu().tolist() for i, g in enumerate(gens)]
+
+
+def test_generations_have_the_contract_shape(setup):
+    name, backend, model, tok = setup
+    prompts = _prompts(tok)
+    gens = backend.generate(prompts, 12, temperature=1.0, row_seeds=[1, 2])
+    assert len(gens) == len(prompts)
+    for g in gens:
+        assert 1 <= len(g.ids) <= 12 and len(g.logprobs) == len(g.ids)
+        assert tok.eos_token_id not in g.ids[:-1]  # stops at the first EOS
+        assert all(lp <= 1e-4 and lp > -1e4 for lp in g.logprobs)
+        assert g.text == tok.decode(g.ids, skip_special_tokens=True)
+
+
+def test_behaviour_logprobs_are_the_models(setup):
+    """The log-probs that come with a sample equal the training model's teacher-forced ones (temperature 1)."""
+    name, backend, model, tok = setup
+    prompts = _prompts(tok)
+    gens = backend.generate(prompts, 10, temperature=1.0, row_seeds=[3, 4])
+    for g, ref in zip(gens, _teacher_forced(model, tok, prompts, gens)):
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref)) < LOGP_TOL[name]
+
+
+def test_seeded_rows_do_not_depend_on_the_batch(setup):
+    name, backend, model, tok = setup
+    a, b = _prompts(tok)
+    pair = backend.generate([a, b], 10, temperature=1.0, row_seeds=[7, 8])
+    alone = backend.generate([b], 10, temperature=1.0, row_seeds=[8])
+    again = backend.generate([a, b], 10, temperature=1.0, row_seeds=[7, 8])
+    assert alone[0].ids == pair[1].ids and [g.ids for g in again] == [g.ids for g in pair]
+    assert backend.generate([a], 10, greedy=True)[0].ids == backend.generate([a, b], 10, greedy=True)[0].ids
+
+
+def test_samples_follow_an_update_after_sync(setup):
+    """Stale-weights guard: change the weights, sync, and both greedy and seeded samples must change and match the
+    changed model's log-probs."""
+    name, backend, model, tok = setup
+    prompts = _prompts(tok)
+    seeds = list(range(100, 100 + 8))
+    before_greedy = backend.generate(prompts, 8, greedy=True)
+    before = backend.generate(prompts * 4, 8, temperature=1.0, row_seeds=seeds)
+    with torch.no_grad():
+        model.model.norm.weight.neg_()  # every logit flips sign: a very different policy
+    try:
+        backend.sync_weights(model)
+        after_greedy = backend.generate(prompts, 8, greedy=True)
+        after = backend.generate(prompts * 4, 8, temperature=1.0, row_seeds=seeds)
+        assert all(x.ids != y.ids for x, y in zip(before_greedy, after_greedy))
+        assert sum(x.ids != y.ids for x, y in zip(before, after)) >= 6
+        for g, ref in zip(after_greedy, _teacher_forced(model, tok, prompts, after_greedy)):
+            assert max(abs(a - b) for a, b in zip(g.logprobs, ref)) < LOGP_TOL[name]
+    finally:
+        with torch.no_grad():
+            model.model.norm.weight.neg_()
+        backend.sync_weights(model)
+    assert backend.generate(prompts, 8, greedy=True)[0].ids == before_greedy[0].ids  # and back again
+
+
+def test_vllm_backend_without_vllm_is_one_clear_error():
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    with pytest.raises(BackendError, match=r"pip install 'empo2\[vllm\]'"):
+        check_backend("vllm")
+    with pytest.raises(BackendError, match="unknown policy.backend"):
+        check_backend("tgi")
