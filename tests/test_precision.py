@@ -17,7 +17,7 @@ from empo2.cli import main
 FAST = ["--config", "configs/scienceworld_cpu.yaml", "--algo", "grpo", "env.tasks=[find-animal]", "env.max_steps=2",
         "env.eval_variations=1", "algo.num_generations=2", "policy.few_shot=0", "policy.max_completion_length=8",
         "train.progress=false", "train.tensorboard=false", "algo.intrinsic_weight=1.0", "algo.delta=0.0",
-        "train.iterations=1", "train.learning_rate=1.0e-6", "policy.lora=false"]
+        "train.iterations=2", "train.learning_rate=1.0e-6", "policy.lora=false"]
 
 
 def test_bf16_weights_would_lose_lr_1e6_updates():
@@ -42,11 +42,12 @@ def test_bf16_compute_at_lr_1e6_changes_fp32_weights(tmp_path, tiny_model):
     run = tmp_path / "amp"
     assert main(["train", *FAST, f"policy.model={tiny_model}", "policy.dtype=float32", "policy.autocast=bfloat16",
                  f"train.output_dir={run}"]) == 0
-    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["loss"]["optimizer_steps"] == 1 and row["loss"]["kept_tokens"] > 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    # iteration 0 may carry no signal (every state is new to the novelty reward); the run must step at least once
+    assert sum(r["loss"].get("optimizer_steps", 0) for r in rows) >= 1
     before = load_file(f"{tiny_model}/model.safetensors")
-    after = load_file(str(run / "checkpoints" / "iter_000000" / "model" / "model.safetensors"))
+    after = load_file(str(run / "checkpoints" / "iter_000001" / "model" / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in after.values())  # master weights stay float32
     moved = [(after[k] - before[k]).abs().max().item() for k in before if k in after]
-    # Adam's first step moves every weight with a non-zero gradient by ~lr: far below bf16 resolution, kept in fp32
-    assert 5e-7 < max(moved) < 2e-6
+    # an Adam step moves a weight with a non-zero gradient by ~lr: far below bf16 resolution, kept in fp32
+    assert 5e-7 < max(moved) < 3e-6

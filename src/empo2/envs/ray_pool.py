@@ -160,6 +160,8 @@ class RayEnvPool:
         java = info.get("java_pid")
         if java and info.get("node") == _node_ip():  # a JVM outlives a killed actor; reachable only locally
             try:
-                psutil.Process(java).kill()
+                proc = psutil.Process(java)
+                proc.kill()
+                psutil.wait_procs([proc], timeout=5)  # SIGKILL is asynchronous: return once it is gone
             except psutil.NoSuchProcess:
                 pass
