@@ -99,8 +99,8 @@ def cmd_train(args) -> int:
 
     from empo2.config import Config
     from empo2.memory.schema import check_file
-    from empo2.train.runlock import clear_run_folder
     from empo2.train.distributed import env_rank
+    from empo2.train.runlock import clear_run_folder
     from empo2.train.trainer import Trainer
 
     main_rank = env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
@@ -123,7 +123,8 @@ def cmd_train(args) -> int:
             raise _config_error(f"{run_dir} already holds a run; resume it with --resume {run_dir}, "
                                 "or pass --overwrite / another train.output_dir")
     check_run_inputs(cfg)
-    _own_run_folder(args, run_dir)
+    if main_rank:  # the ranks of one data-parallel run are one owner: rank 0 holds the folder's lock
+        _own_run_folder(args, run_dir)
     if args.resume:  # a damaged live memory is refused (exit 2, file untouched) before anything loads it
         check_file(run_dir / "memory.sqlite")
     is_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()
