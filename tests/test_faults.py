@@ -121,7 +121,9 @@ def test_live_run_owns_its_folder_and_survives_a_killed_jvm(tmp_path, tiny_model
     """While a trainer runs: a second trainer on its folder exits 2 naming the owner (nothing else written),
     ``memory stats`` reads without the lock, and kill -9 of one JVM costs that episode only."""
     run = tmp_path / "run"
-    proc = start_train(run, tiny_model, "train.iterations=2")
+    # three iterations: the JVM is killed just after iteration 0's checkpoint, so iteration 1's rollout or, if that
+    # was already over, iteration 2's meets the dead worker (a fast, quiet machine finishes a tiny rollout in ~1 s)
+    proc = start_train(run, tiny_model, "train.iterations=3")
     seen: set[int] = set()
     try:
         wait_for("the run to start rolling out", lambda: (run / "config.yaml").is_file(), proc)
@@ -138,13 +140,13 @@ def test_live_run_owns_its_folder_and_survives_a_killed_jvm(tmp_path, tiny_model
         victims = javas(proc.pid)
         seen |= {p.pid for p in victims}
         assert len(victims) == 2
-        victims[0].kill()  # one JVM dies during iteration 1
+        victims[0].kill()  # one JVM dies during iteration 1 (or before iteration 2's rollout)
         rc, err = finish(proc, seen)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert rc == 0, err[-3000:]
-    assert iterations(run) == [0, 1]  # the run went on; nothing repeated
+    assert iterations(run) == [0, 1, 2]  # the run went on; nothing repeated
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["train"]["failed_episodes"] for r in rows) >= 1
     assert not [p for p in seen if pid_alive(p)]  # no JVM left
