@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -98,8 +99,17 @@ def test_two_ranks_killed_then_resumed(tmp_path, tiny_model):
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:] if proc.poll() else "slow"
         time.sleep(0.2)
     time.sleep(1.0)  # now inside iteration 1
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher, both ranks and their JVMs, as a crash would
+    # the launcher, both ranks and their JVMs, as a crash would: torchrun starts its workers in sessions of their
+    # own, so the process group alone would leave rank 0 running (and holding the run folder's lock)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    os.killpg(proc.pid, signal.SIGKILL)
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     proc.wait()
+    psutil.wait_procs(tree, timeout=60)
     tips_before = {t[0] for t in _tips(run / "memory.sqlite")}
     assert tips_before
 
