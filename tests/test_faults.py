@@ -50,7 +50,10 @@ def empo2(*args, env: dict | None = None, timeout: float = 300) -> subprocess.Co
 def start_train(run: Path, model: str, *overrides: str) -> subprocess.Popen:
     args = [sys.executable, "-m", "empo2.cli", "train", "--config", "configs/scienceworld_cpu.yaml",
             f"train.output_dir={run}", f"policy.model={model}", *FAST, *overrides]
-    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    # SIGINT back to its default in the child: a runner that starts tests in the background leaves it ignored, and
+    # Python then never turns Ctrl-C into KeyboardInterrupt
+    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for(what: str, ready, proc: subprocess.Popen, timeout: float = 400) -> None:
