@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from empo2.config import Config, ConfigError
@@ -63,3 +65,24 @@ def test_unknown_key_lists_valid_keys():
 def test_missing_file():
     with pytest.raises(ConfigError, match="config file not found"):
         Config.load("/nonexistent/config.yaml")
+
+
+def test_every_config_field_is_documented():
+    """Each field in config_sections.py is followed by its attribute docstring (the reference users read)."""
+    import ast
+    import dataclasses
+
+    import empo2.config_sections as sections
+
+    tree = ast.parse(Path(sections.__file__).read_text())
+    documented = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        body = cls.body
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and \
+                    isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                documented.add(f"{cls.name}.{node.target.id}")
+    fields = {f"{type(section).__name__}.{f.name}" for name in Config.SECTIONS
+              for section in [getattr(Config(), name)] for f in dataclasses.fields(section)}
+    assert len(fields) > 80
+    assert fields - documented == set()

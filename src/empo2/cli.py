@@ -10,9 +10,9 @@ import contextlib
 import json
 import logging
 import os
-import random
 import sys
 from pathlib import Path
+
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from empo2.config import ConfigError
@@ -26,65 +26,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     return (ConfigError, EnvError, ModelLoadError, MemoryStoreError, EmbedderError, RunLockError, RunWriteError,
             BackendError)
-
-
-# --------------------------------------------------------------------------------------------------------- play
-def cmd_play(args) -> int:
-    """One episode through the same rollout code as training, with a gold, random or model policy."""
-    from rich.console import Console
-    from rich.markup import escape
-
-    from empo2.config import Config, PolicyConfig
-    from empo2.envs.factory import make_env_kwargs, resolve_tasks
-    from empo2.envs.pool import EnvPool
-    from empo2.policy.generate import Generation
-    from empo2.train.rollout import RolloutContext, run_episodes
-
-    console = Console(stderr=True, soft_wrap=True)
-    overrides = [f"env.name={args.env}", f"env.seed={args.seed}"]
-    overrides += [f"env.max_steps={args.max_steps}"] if args.max_steps else []
-    overrides += [f"env.webshop_data={args.webshop_data}"] if args.webshop_data else []
-    cfg = Config.load(None, overrides + ([f"env.tasks=[{args.task}]"] if args.task else []))
-    task = resolve_tasks(cfg.env)[0]
-    model = tokenizer = None
-    if args.policy == "model":  # load the model before starting the simulator: a bad name fails fast
-        from empo2.policy.loader import load_model
-
-        model, tokenizer = load_model(args.model, device=args.device)
-    pcfg = PolicyConfig(history_window=args.history_window, max_completion_length=args.max_new_tokens,
-                        max_prompt_length=2048)
-    rng = random.Random(args.seed)
-
-    def scripted(ctx, workers, episodes, prompts):  # gold or random: ask the environment, not the model
-        worker, done = workers[0], len(episodes[0].steps)
-        if args.policy == "gold":
-            gold = ctx.pool.call(worker, "gold_actions")
-            action = gold[done] if done < len(gold) else "look around"
-        else:
-            action = rng.choice(ctx.pool.call(worker, "valid_actions"))
-        return [Generation(ids=[], logprobs=[], text=action)]
-
-    def show(ep) -> None:
-        step = ep.steps[-1]
-        if len(ep.steps) == 1:
-            console.rule(f"{args.env} · {task} · variation {args.variation} · policy {args.policy}")
-            console.print(f"[bold]Task:[/bold] {escape(ep.task_description)}")
-        fixed = f"  [dim](model wrote: {escape(repr(step.raw_action))})[/dim]" if step.action != step.raw_action else ""
-        console.print(f"[bold cyan]> {escape(step.action)}[/bold cyan]{fixed}")
-        console.print(f"{escape(step.observation.strip()[:600])}  [dim](reward {step.reward:+g}, score {ep.score:g})"
-                      "[/dim]")
-
-    with EnvPool(cfg.env.name, make_env_kwargs(cfg.env), 1) as pool:
-        ctx = RolloutContext(model, tokenizer, pool, None, None, cfg.env.name, pcfg, cfg.memory)
-        episodes, _ = run_episodes(ctx, [(task, args.variation, 0, "on")], temperature=args.temperature,
-                                   greedy=args.temperature == 0, reflect=False,
-                                   actions=None if args.policy == "model" else scripted, on_step=show)
-    ep = episodes[0]
-    if ep.failed:
-        raise _config_error(f"the episode failed: {ep.error}")
-    print(json.dumps({"task": task, "variation": args.variation, "score": ep.score, "success": ep.success,
-                      "steps": len(ep.steps)}))
-    return 0
 
 
 def _config_error(message: str):
@@ -191,7 +132,13 @@ class _progress:
     def __enter__(self):
         if not self.enabled:
             return None
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=self.console, transient=True)
@@ -214,8 +161,8 @@ def _policy_context(args, with_memory_path: Path | None):
     from empo2.config import Config
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
+    from empo2.memory import open_tip_memory
     from empo2.memory.embedder import get_embedder
-    from empo2.memory.store import TipMemory
     from empo2.policy.loader import load_model
     from empo2.train import checkpoint as ckpt
     from empo2.train.rollout import RolloutContext
@@ -230,6 +177,7 @@ def _policy_context(args, with_memory_path: Path | None):
         cfg.env.tasks = args.tasks.split(",")
     if args.max_steps:
         cfg.env.max_steps = args.max_steps
+    cfg.validate()  # an unknown environment or task from the flags exits here, before the model loads
     model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
     if args.run:
         last = ckpt.latest_checkpoint(Path(args.run))
@@ -246,8 +194,7 @@ def _policy_context(args, with_memory_path: Path | None):
     memory = None
     if with_memory_path is not None:
         with_memory_path.parent.mkdir(parents=True, exist_ok=True)  # only now: a bad run or model writes nothing
-        memory = TipMemory(with_memory_path, dim=embedder.dim, capacity=cfg.memory.capacity,
-                           eviction=cfg.memory.eviction, dedup_threshold=cfg.memory.dedup_threshold)
+        memory = open_tip_memory(with_memory_path, embedder.dim, cfg.memory)
     pool = EnvPool(cfg.env.name, make_env_kwargs(cfg.env), args.batch)
     ctx = RolloutContext(model, tokenizer, pool, embedder, memory, cfg.env.name, cfg.policy, cfg.memory)
     return cfg, ctx
@@ -321,13 +268,38 @@ def cmd_report(args) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------- main
+def cmd_play(args) -> int:
+    from empo2.play import play
+
+    return play(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="empo2", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_play_parser(sub)
+    _add_run_parsers(sub)
+    _add_eval_adapt_parsers(sub)
 
+    p = sub.add_parser("report", help="the paper's tables (ScienceWorld, WebShop, OOD) from run/compare/adapt folders")
+    p.add_argument("folders", nargs="+", metavar="RUN_OR_COMPARE_DIR")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=cmd_report)
+
+    try:
+        from empo2.memory.cli import add_memory_parser, run_memory_command
+
+        mp = add_memory_parser(sub)
+        mp.set_defaults(func=run_memory_command)
+    except ImportError:  # pragma: no cover - the memory package is part of the install
+        pass
+    return parser
+
+
+def _add_play_parser(sub) -> None:
     p = sub.add_parser("play", help="play one episode and print the transcript and a JSON result line")
-    p.add_argument("--env", default="scienceworld", choices=["scienceworld", "webshop"])
+    p.add_argument("--env", default="scienceworld", help="environment registry name (scienceworld, webshop, …)")
     p.add_argument("--task")
     p.add_argument("--variation", type=int, default=0)
     p.add_argument("--policy", default="gold", choices=["gold", "random", "model"])
@@ -341,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_play)
 
+
+def _add_run_parsers(sub) -> None:
     p = sub.add_parser("train", help="train with EMPO² or GRPO")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
     p.add_argument("--algo", help="algorithm registry name (empo2, grpo, …); same as algo.name=…")
@@ -358,12 +332,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every run")
     p.set_defaults(func=cmd_compare)
 
+
+def _add_eval_adapt_parsers(sub) -> None:
     for name, helptext in (("eval", "evaluate a run or a model on held-out variations"),
                            ("adapt", "OOD adaptation: trials with memory updates only")):
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--run", help="run folder (uses its last checkpoint and config)")
         p.add_argument("--model", default=None, help="a model name instead of a run")
-        p.add_argument("--env", choices=["scienceworld", "webshop"])
+        p.add_argument("--env", help="environment registry name (default: the run's)")
         p.add_argument("--tasks", help="comma-separated task or task-set names")
         p.add_argument("--split", default="dev" if name == "eval" else "test")
         p.add_argument("--variations", type=int, default=5)
@@ -384,20 +360,6 @@ def build_parser() -> argparse.ArgumentParser:
                                 "shown in the same variation's next trial")
             p.add_argument("--out", required=True)
             p.set_defaults(func=cmd_adapt)
-
-    p = sub.add_parser("report", help="the paper's tables (ScienceWorld, WebShop, OOD) from run/compare/adapt folders")
-    p.add_argument("folders", nargs="+", metavar="RUN_OR_COMPARE_DIR")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=cmd_report)
-
-    try:
-        from empo2.memory.cli import add_memory_parser, run_memory_command
-
-        mp = add_memory_parser(sub)
-        mp.set_defaults(func=run_memory_command)
-    except ImportError:  # pragma: no cover - the memory package is part of the install
-        pass
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,8 +110,8 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
             raise ConfigError(f"{key} is set by compare (--algos, --seeds, --out; eval_at_start is always on), "
                               "not by an override")
     plans = []
-    for algo in algos:
-        for seed in seeds:
+    for seed in seeds:  # seed-major: an interrupted comparison has every algorithm on its first seeds
+        for algo in algos:
             folder = Path(out) / "runs" / f"{algo}-seed{seed}"
             cfg = Config.load(config, [*overrides, *_own_overrides(algo, seed, folder)])
             if check is not None:

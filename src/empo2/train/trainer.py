@@ -18,29 +18,46 @@ from typing import Any
 import numpy as np
 import torch
 
-from empo2.algo.advantages import (AdvantageInput, AdvantageOptions, combine_returns, compute_advantages,
-                                   intrinsic_weight)
-from empo2.algo.losses import behaviour_logp_for_ratio, get_policy_loss
+from empo2.algo.advantages import (
+    AdvantageInput,
+    AdvantageOptions,
+    combine_returns,
+    compute_advantages,
+    intrinsic_weight,
+)
+from empo2.algo.losses import get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config, ConfigError
 from empo2.envs.factory import env_label, make_env_kwargs, resolve_tasks
 from empo2.envs.pool import FailureStreak, make_pool
+from empo2.memory import open_tip_memory
 from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
 from empo2.policy.backend import check_backend, make_backend
-from empo2.policy.loader import autocast_context, check_precision, load_model, resolve_model_path
-from empo2.policy.logprobs import response_logprobs, shared_micro_batches
+from empo2.policy.loader import (
+    autocast_context,
+    check_precision,
+    load_model,
+    resolve_model_path,
+)
 from empo2.policy.prefix import configure_model
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
 from empo2.train.evaluate import evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
-from empo2.train.metrics import MetricsLog, iteration_line, peak_rss_gb, plot_run, reset_peak_rss
+from empo2.train.metrics import (
+    MetricsLog,
+    iteration_line,
+    peak_rss_gb,
+    plot_run,
+    reset_peak_rss,
+)
 from empo2.train.rollout import Episode, RolloutContext, episode_record, run_episodes
-from empo2.train.rows import UpdateRow, update_rows
+from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler
+from empo2.train.update import PolicyUpdate
 
 log = logging.getLogger("empo2.train")
 
@@ -94,6 +111,7 @@ class Trainer:
         if resume:
             self._restore()
         self.dist.broadcast_params([p for p in self.model.parameters() if p.requires_grad])
+        self.update = PolicyUpdate(cfg, self.model, self.tokenizer, self.optimizer, self.loss_fn, self.dist)
         self.ctx = RolloutContext(self.model, self.tokenizer, self.pool, self.embedder, self.memory, cfg.env.name,
                                   cfg.policy, cfg.memory, step_counter=self.resumed_step_counter)
         if self.dist.enabled and self.memory is not None:
@@ -128,8 +146,7 @@ class Trainer:
             last = ckpt.latest_checkpoint(self.run_dir)
             if last is not None and (last / "memory.sqlite").is_file():
                 shutil.copyfile(last / "memory.sqlite", path)
-        memory = TipMemory(path, dim=self.embedder.dim, capacity=mc.capacity, eviction=mc.eviction,
-                           dedup_threshold=mc.dedup_threshold, max_tip_words=mc.max_tip_words)
+        memory = open_tip_memory(path, self.embedder.dim, mc)
         if self.dist.enabled and self.dist.is_main:  # the other ranks start their replicas from these bytes
             self.dist.broadcast_object(dp.database_bytes(memory))
         return memory
@@ -245,9 +262,19 @@ class Trainer:
             returns = combine_returns([ep.extrinsic_return for ep in ok], intrinsic, w)
             rstats, adv_metrics, loss_metrics = dp.merge_stats(self.dist, rstats, adv_metrics, loss_metrics)
 
+        self._warn_if_stuck(adv_metrics, episodes)
+        steps = sum(len(ep.steps) for ep in episodes)
+        self.env_steps += steps
+        record = self._record(it, modes, episodes, ok, returns, intrinsic, w, adv_metrics, loss_metrics, rstats)
+        record["time"].update(rollout=t_rollout, update=t_update)
+        record["tokens_per_s"]["update"] = loss_metrics.get("tokens", 0) / max(t_update, 1e-9)
+        return record
+
+    def _warn_if_stuck(self, adv_metrics: dict[str, Any], episodes: list[Episode]) -> None:
+        """Say when the run has no learning signal: zero advantage everywhere, or an agent that hardly acts."""
         self.zero_adv_streak = self.zero_adv_streak + 1 if adv_metrics["zero_adv_groups"] == adv_metrics["groups"] \
             else 0
-        if self.zero_adv_streak >= cfg.train.zero_adv_warn_iters:
+        if self.zero_adv_streak >= self.cfg.train.zero_adv_warn_iters:
             self._say(f"[warning] {self.zero_adv_streak} iterations in a row with zero advantage in every group: "
                       "no learning signal (all rollouts of each task scored the same). Consider more generations, "
                       "easier tasks, memory rollouts or the intrinsic reward.")
@@ -255,11 +282,11 @@ class Trainer:
         if accepted < 0.5:
             self._say(f"[warning] only {accepted:.0%} of this iteration's actions were accepted by the environment: "
                       "the agent hardly acts, so returns carry little signal (see env.action_cutoff).")
-        mem_size = self.memory.stats()["tips"] if self.memory is not None else 0
+
+    def _record(self, it, modes, episodes, ok, returns, intrinsic, w, adv_metrics, loss_metrics,
+                rstats) -> dict[str, Any]:
+        """The iteration's metrics record (one line of metrics.jsonl); the caller adds rollout/update times."""
         scores = [ep.score for ep in episodes]
-        tokens = rstats["gen_tokens"]
-        steps = sum(len(ep.steps) for ep in episodes)
-        self.env_steps += steps
         return {
             "iteration": it,
             "env_steps": self.env_steps,
@@ -268,124 +295,25 @@ class Trainer:
             "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
                       "success_rate": float(np.mean([ep.success for ep in episodes])),
                       "return_mean": float(np.mean(returns)) if len(ok) else 0.0,
-                      "intrinsic_mean": _mean(intrinsic), "accepted_rate": accepted,
+                      "intrinsic_mean": _mean(intrinsic),
+                      "accepted_rate": _mean([s.accepted for ep in episodes for s in ep.steps]),
                       "intrinsic_weight": w, "failed_episodes": len(episodes) - len(ok),
-                      "steps_mean": float(np.mean([len(ep.steps) for ep in episodes])), "env_steps": steps},
+                      "steps_mean": float(np.mean([len(ep.steps) for ep in episodes])),
+                      "env_steps": sum(len(ep.steps) for ep in episodes)},
             "advantage": adv_metrics,
             "loss": loss_metrics,
-            "memory": {"size": mem_size, "added": sum(1 for ep in episodes if ep.tip_written),
+            "memory": {"size": self.memory.stats()["tips"] if self.memory is not None else 0,
+                       "added": sum(1 for ep in episodes if ep.tip_written),
                        "rejected": sum(1 for ep in episodes if ep.tip_rejected),
                        "rejected_reasons": dict(Counter(ep.tip_rejected for ep in episodes if ep.tip_rejected)),
                        "tips_used_per_step": _mean([len(s.tip_ids) for ep in episodes for s in ep.steps])},
-            "time": {"rollout": t_rollout, "update": t_update, "memory": rstats["memory_time"],
-                     "generate": rstats["gen_time"], "env": rstats["env_time"]},
-            "tokens_per_s": {"generate": tokens / max(rstats["gen_time"], 1e-9),
-                             "update": loss_metrics.get("tokens", 0) / max(t_update, 1e-9)},
+            "time": {"memory": rstats["memory_time"], "generate": rstats["gen_time"], "env": rstats["env_time"]},
+            "tokens_per_s": {"generate": rstats["gen_tokens"] / max(rstats["gen_time"], 1e-9)},
             "long_prompts": rstats["long_prompts"], "memory_peak_rss_gb": peak_rss_gb(),
         }
 
-    # ----------------------------------------------------------------------------------------------- update
-    def update(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
-        """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
-        ``mini_batch_size`` rows (0 = all), one optimizer step per mini-batch, each normalised by its own tokens.
-        A mini-batch is processed in token-budgeted micro-batches whose gradients add up to the mini-batch's."""
-        cfg, model = self.cfg, self.model
-        rows = [r for r in rows if r.advantage != 0.0 or cfg.algo.beta > 0]  # else loss and gradient are exactly 0
-        if not self.dist.all_reduce([len(rows)])[0]:  # data parallel: no rank has rows, so no rank steps
-            return {"rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0}
-        if cfg.algo.off_policy_ratio == "tip_free":
-            self._tip_free_old_logp(rows)
-        model.train()
-        sums: Counter = Counter()
-        n_mb = steps = skipped = 0
-        size = dp.local_mini_size(self.dist, cfg.train.mini_batch_size, len(rows))
-        for _ in range(cfg.train.num_iterations):
-            order = list(range(len(rows)))
-            random.shuffle(order)
-            minis = [[rows[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
-            for m in range(dp.step_count(self.dist, len(minis))):  # every rank takes as many steps
-                mini = minis[m] if m < len(minis) else []  # a rank out of rows adds zero gradient
-                # the loss is normalised over the global mini-batch (all ranks' m-th mini-batches)
-                tokens, count = self.dist.all_reduce([sum(len(r.response) for r in mini), len(mini)])
-                ok = True
-                for batch in _token_batches(mini, cfg.train.micro_batch_tokens, cfg.policy.prefix_sharing):
-                    metrics, batch_ok = self._backward(batch, tokens, count)
-                    ok &= batch_ok
-                    sums.update(metrics)
-                    n_mb += 1
-                if self._step(inputs_ok=ok):
-                    steps += 1
-                else:
-                    skipped += 1
-                if progress:
-                    progress("update", m + 1, len(minis))
-        model.eval()
-        out = {k: v / max(n_mb, 1) for k, v in sums.items()}
-        processed = sum(len(r.train_prompt) + len(r.response) for r in rows) * cfg.train.num_iterations
-        out.update(rows=len(rows), response_tokens=sum(len(r.response) for r in rows), tokens=processed,
-                   optimizer_steps=steps, skipped_steps=skipped)
-        return out
-
     def _autocast(self):
         return autocast_context(next(self.model.parameters()).device, self.cfg.policy.autocast)
-
-    def _backward(self, batch: list[UpdateRow], mini_tokens: float, mini_rows: float) -> tuple[dict[str, float], bool]:
-        """Loss and backward of one micro-batch, weighted by its share of the mini-batch (its response tokens and
-        rows over all ranks)."""
-        cfg = self.cfg
-        prompts = [r.train_prompt for r in batch]
-        responses = [r.response for r in batch]
-        with self._autocast():
-            logp_new, mask = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
-        logp_old = _pad([r.logp_old for r in batch], logp_new.shape[1]).to(logp_new.device)
-        adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=logp_new.device)
-        logp_ref = None
-        if cfg.algo.beta > 0:
-            with torch.no_grad(), self._reference(), self._autocast():
-                logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
-        loss, metrics = self.loss_fn(
-            logp_new, logp_old, adv, mask, logp_ref=logp_ref, modes=[r.mode for r in batch],
-            epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, dual_clip=cfg.algo.dual_clip,
-            delta=cfg.algo.delta, mask_granularity=cfg.algo.mask_granularity, beta=cfg.algo.beta,
-            aggregation=cfg.algo.loss_type,
-        )
-        # The loss is a mean inside the micro-batch; weight it by its share so the micro-batches of a mini-batch add
-        # up to the mean over the mini-batch (token_mean: share of tokens; sequence_mean: share of rows).
-        share = mask.sum().item() / max(mini_tokens, 1) if cfg.algo.loss_type == "token_mean" \
-            else len(batch) / mini_rows
-        ok = metrics.get("skipped", 0.0) == 0.0
-        if ok:
-            (loss * share).backward()
-        return metrics, ok
-
-    def _step(self, inputs_ok: bool) -> bool:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        inputs_ok = self.dist.all_reduce_grads(params, inputs_ok)  # data parallel: sum over ranks; else a no-op
-        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
-        if not inputs_ok or not torch.isfinite(norm):
-            why = "non-finite loss inputs" if not inputs_ok else f"non-finite gradient norm ({float(norm)})"
-            log.warning("%s: optimizer step skipped, weights unchanged", why)
-            self.optimizer.zero_grad(set_to_none=True)
-            return False
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return True
-
-    def _reference(self):
-        """The reference policy is the model with its LoRA adapter disabled (no second copy of the weights)."""
-        if self.cfg.policy.lora:
-            return self.model.disable_adapter()
-        raise RuntimeError("algo.beta > 0 with full fine-tuning needs a reference copy; use policy.lora=true")
-
-    @torch.no_grad()
-    def _tip_free_old_logp(self, rows: list[UpdateRow]) -> None:
-        """Pre-release variant: recompute off_tips rows' old log-probs on the tip-free prompt before the update."""
-        for r in rows:
-            if r.mode == "off_tips":
-                with self._autocast():
-                    lp, _ = response_logprobs(self.model, [r.train_prompt], [r.response], self.tokenizer.pad_token_id)
-                r.logp_old = behaviour_logp_for_ratio("off_tips", torch.tensor(r.logp_old), lp[0],
-                                                      variant="tip_free").tolist()
 
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False) -> dict[str, Any]:
@@ -439,28 +367,3 @@ class Trainer:
 
 def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else 0.0
-
-
-def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
-    return out
-
-
-def _token_batches(rows: list[UpdateRow], budget: int, shared: bool = False) -> list[list[UpdateRow]]:
-    """Split rows into micro-batches whose padded size (rows × longest prompt+response) stays within ``budget``."""
-    if shared:  # rows sharing a prompt head go together, costed as computed (order in a mini-batch is free)
-        idx = shared_micro_batches([r.train_prompt for r in rows], [r.response for r in rows], budget)
-        return [[rows[i] for i in b] for b in idx]
-    batches, current, longest = [], [], 0
-    for r in rows:
-        length = len(r.train_prompt) + len(r.response)
-        if current and max(longest, length) * (len(current) + 1) > budget:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(r)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches

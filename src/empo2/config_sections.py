@@ -1,0 +1,251 @@
+"""The five sections of a run configuration (``env``, ``policy``, ``memory``, ``algo``, ``train``): every field
+with its default and a comment saying what it does. Loading, overrides and checks live in :mod:`empo2.config`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EnvConfig:
+    """Which environment, which tasks, and how episodes are run."""
+
+    name: str = "scienceworld"
+    """Environment registry name: ``scienceworld`` or ``webshop`` (or one registered with ``register_env``)."""
+    tasks: list[str] = field(default_factory=lambda: ["find-animal"])
+    """Task names or task-set names (``panel18``, ``biology1`` …) for ScienceWorld; ignored by WebShop."""
+    train_variations: int = 5
+    """Train on the first N train-split variations of each task (released code: 5)."""
+    eval_split: str = "dev"
+    """Split used for held-out evaluation: ``dev`` or ``test``."""
+    eval_variations: int = 20
+    """Evaluate on the first N variations of ``eval_split`` per task (released code: 20 test variations)."""
+    simplification: str = "easy"
+    """ScienceWorld simplification string (``easy`` = the released setup)."""
+    max_steps: int | None = None
+    """Episode step cap; ``None`` = per-task default (30; chemistry-mix 60; measure-melting-point-known-substance 120)."""
+    step_caps: dict[str, int] | None = None
+    """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
+    action_correction: bool = True
+    """Map free-form model output to a valid action (raw and corrected strings are both kept)."""
+    action_cutoff: float = 0.0
+    """Similarity (0–100) a rejected output needs to its closest valid action to be replaced by it; below it the
+    output is sent as is (and rejected). 0 = always map to the closest valid action, as the released code does: a
+    small model that is not corrected this way almost never acts."""
+    webshop_data: str | None = None
+    """Directory with the official WebShop small set; ``None`` = ``$EMPO2_WEBSHOP_DATA`` or the bundled fixture."""
+    webshop_human_goals: bool = False
+    """WebShop goals from the human instructions (``items_human_ins.json``; the WebShop/GiGPO evaluation setup)
+    instead of the synthetic ones (one per instructed product × option combination)."""
+    webshop_num_products: int | None = None
+    """Use only the first N catalog products (``None`` = all)."""
+    seed: int = 0
+    """Seed for environment-side randomness (WebShop prices/goals)."""
+    pool: str = "process"
+    """Where environment workers run: ``process`` (local subprocesses) or ``ray`` (Ray actors, on any node of the
+    cluster in ``$RAY_ADDRESS``, else a local Ray; ``pip install 'empo2[ray]'``)."""
+
+
+@dataclass
+class PolicyConfig:
+    """The language model, how it generates, and how it is adapted."""
+
+    model: str = "smollm2-135m"
+    """Model: ``smollm2-135m`` (offline bundled default), a Hugging Face hub id, or a local path."""
+    dtype: str = "auto"
+    """``auto`` (float32 on CPU, bfloat16 on GPU), ``float32``, ``bfloat16`` or ``float16``."""
+    device: str = "auto"
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
+    autocast: str = "none"
+    """Compute dtype for forward passes (``torch.autocast``): ``none``, ``bfloat16`` or ``float16``. Weights and
+    optimizer state stay in ``dtype``: ``dtype=float32`` + ``autocast=bfloat16`` is fp32 master weights with bf16
+    compute. Full fine-tuning refuses non-float32 ``dtype`` (small updates would round to zero). On CPUs without
+    native bfloat16 (no AVX512-BF16/AMX) bfloat16 is slower; see benchmarks/results/iteration.json."""
+    backend: str = "hf"
+    """Rollout generation: ``hf`` (the training model's ``generate``) or ``vllm`` (a colocated vLLM engine with
+    prefix caching, weights synced after every update; ``pip install 'empo2[vllm]'``, CUDA only)."""
+    vllm_memory: float = 0.4
+    """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest."""
+    seeded_sampling: bool = False
+    """Seed each rollout's sampling by (``train.seed``, iteration, group, member, turn) instead of one shared stream,
+    so its tokens do not depend on the other rollouts in its batch: a run on N data-parallel ranks then samples what
+    the one-rank run samples. Costs one vocabulary-sized noise draw per rollout and token."""
+    lora: bool = True
+    """Train a LoRA adapter (CPU default); ``False`` = full fine-tuning."""
+    lora_r: int = 16
+    """LoRA rank."""
+    lora_alpha: int = 32
+    """LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_r``)."""
+    lora_dropout: float = 0.0
+    """Dropout on the LoRA branch (0 keeps behaviour and training log-probs identical)."""
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Module names that get a LoRA adapter."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts (released code: 1.0)."""
+    eval_temperature: float = 0.4
+    """Sampling temperature for evaluation (released code: 0.4)."""
+    top_p: float = 1.0
+    """Nucleus-sampling mass (1.0 = off). Generation never applies the model's own generation defaults (repetition
+    penalty, top-k): only what is configured here."""
+    top_k: int = 0
+    """Top-k sampling (0 = off)."""
+    max_completion_length: int = 24
+    """Max new tokens per action."""
+    max_prompt_length: int = 1536
+    """Prompts longer than this drop their oldest history steps."""
+    reflection_max_tokens: int = 64
+    """Max new tokens for an end-of-episode tip."""
+    reflection_temperature: float = 1.0
+    """Sampling temperature of the end-of-episode reflection (released code: 1.0)."""
+    history_window: int = 4
+    """How many recent (action, observation) steps the prompt shows."""
+    few_shot: int = 1
+    """Number of gold demonstrations (from other variations) in the prompt."""
+    prefix_sharing: bool = True
+    """Compute the token head that several prompts share (system prompt, task, demonstration) once, in generation
+    and in the update; ``False`` = every row runs its whole prompt (the older, slower path; same results)."""
+
+
+@dataclass
+class MemoryConfig:
+    """The tip memory (non-parametric half of EMPO²)."""
+
+    top_k_tips: int = 10
+    """Tips retrieved per state (paper: 10)."""
+    similarity_threshold: float = 0.5
+    """Minimum cosine similarity of a retrieved tip's key to the current state (released code: 0.5)."""
+    capacity: int = 1000
+    """Tips kept per namespace."""
+    eviction: str = "utility"
+    """``utility`` (lowest first), ``lru`` or ``fifo``."""
+    namespace: str = "task"
+    """``task`` or ``task_variation``."""
+    dedup_threshold: float = 0.95
+    """A new tip this similar to an existing one in its namespace is rejected as a duplicate."""
+    max_tip_words: int = 100
+    """Tips longer than this many words are rejected (the reflection prompt asks for fewer)."""
+    rerank_score_weight: float = 0.0
+    """Weight of the (normalised) episode score in retrieval ranking; 0 = pure similarity."""
+    rerank_utility_weight: float = 0.0
+    """Weight of the (normalised) utility in retrieval ranking; 0 = pure similarity."""
+    reflect_in_on_mode: bool = True
+    """Also write a tip after ``on`` (memory-free) episodes, as the released code does."""
+    embedder: str = "all-minilm-l6-v2"
+    """Sentence embedder: the bundled offline MiniLM, or a sentence-transformers id/path."""
+    seed_from: str | None = None
+    """Copy this memory database into the run at start (e.g. a previous run's ``memory.sqlite``)."""
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective: advantages, the clipped loss, modes, and the intrinsic reward."""
+
+    name: str = "empo2"
+    """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
+    only, no memory) or ``gigpo`` (GRPO's loop with the ``gigpo`` estimator). The algorithm decides memory use, mode
+    probabilities, loss and (by default) estimator."""
+    num_generations: int = 8
+    """Rollouts per task (the GRPO group G)."""
+    advantage: str = "grpo"
+    """Advantage-estimator registry name, for algorithms that do not fix their own: ``grpo`` or ``gigpo``."""
+    gamma: float = 0.95
+    """GiGPO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (paper: 0.95)."""
+    step_advantage_weight: float = 1.0
+    """GiGPO: ω in A = A_episode + ω·A_step (paper: 1.0)."""
+    step_similarity: float | None = None
+    """GiGPO: ``None`` = anchor states grouped by exact match; a ratio in (0, 1] also groups states whose texts are
+    at least this similar (difflib ratio)."""
+    scale_rewards: bool = True
+    """Divide group-centred returns by the group std (ddof=0) + ``adv_eps``."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    epsilon: float = 0.2
+    """Lower clip range ε_low."""
+    epsilon_high: float = 0.3
+    """Upper clip range ε_high."""
+    dual_clip: float = 10.0
+    """Dual-clip constant c for negative advantages (0 disables)."""
+    delta: float = 0.01
+    """Low-probability mask: drop tokens with π_θ(a|tip-free prompt) < δ (0 disables)."""
+    mask_granularity: str = "token"
+    """``token`` (paper) or ``sequence`` (released code: drop a response if any old log-prob < log δ)."""
+    beta: float = 0.0
+    """KL-to-reference coefficient (k3 estimator)."""
+    loss_type: str = "token_mean"
+    """Loss aggregation: ``token_mean`` (sum over tokens / tokens of the mini-batch; TRL's ``dapo``/``bnpo``) or
+    ``sequence_mean`` (per-response mean, then mean over responses; TRL's ``grpo``)."""
+    off_policy_ratio: str = "paper"
+    """``paper``: π_θ(a|s)/π_old(a|s,tips); ``tip_free``: tip-free prompt in both (pre-release variant)."""
+    p_memory: float = 0.25
+    """Probability of a memory rollout (``on_tips`` + ``off_tips``); released: 0.25."""
+    p_off_policy: float = 0.17
+    """Probability of an ``off_tips`` rollout (part of ``p_memory``); ``on_tips`` gets ``p_memory - p_off_policy``.
+    Released defaults: on / on_tips / off_tips = 0.75 / 0.08 / 0.17."""
+    mode_granularity: str = "batch"
+    """Sample the mode once per ``batch`` or per ``group``."""
+    intrinsic_weight: float = 0.0
+    """Weight w of the episode's novelty reward in the return (0 = off)."""
+    intrinsic_aggregation: str = "mean"
+    """How an episode's per-step novelty rewards become its intrinsic return: ``mean`` (default: a longer episode
+    is not paid for its length) or ``sum``."""
+    intrinsic_schedule: str = "constant"
+    """``constant`` (w) or ``linear`` (from ``intrinsic_weight_start`` to ``intrinsic_weight_end``)."""
+    intrinsic_weight_start: float = 0.8
+    """Weight at the first iteration under the ``linear`` schedule."""
+    intrinsic_weight_end: float = 0.2
+    """Weight at the last iteration under the ``linear`` schedule."""
+    novelty_threshold: float = 0.9
+    """Cosine above which two observations (of one task) count as the same state for the novelty reward."""
+
+
+@dataclass
+class TrainConfig:
+    """The outer loop: iterations, optimisation, evaluation, checkpoints."""
+
+    iterations: int = 4
+    """Training iterations (each: sample tasks, roll out groups, update)."""
+    tasks_per_batch: int = 1
+    """Tasks per iteration (each rolled out ``num_generations`` times)."""
+    learning_rate: float = 1e-4
+    """AdamW learning rate (released full fine-tuning: 1e-6; LoRA wants more)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clip before each optimizer step."""
+    num_iterations: int = 1
+    """Passes (PPO epochs) over an iteration's rollouts (TRL's name; released code: 1)."""
+    mini_batch_size: int = 0
+    """Action steps (rows) per optimizer step, each mini-batch normalised by its own tokens; 0 = one optimizer step
+    over the whole iteration. verl takes one step per ``ppo_mini_batch_size``, ~20–30 per iteration."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up)."""
+    logprob_chunk_tokens: int = 1024
+    """Response tokens whose full-vocabulary logits exist at once when computing log-probs (bounds update memory)."""
+    eval_every: int = 0
+    """Evaluate every N iterations (0 = only at the end)."""
+    eval_at_start: bool = False
+    """Also evaluate the untrained policy before iteration 0 (``eval/start.json``), so a learning curve starts at
+    zero environment steps; ``empo2 compare`` turns it on."""
+    eval_episodes_per_task: int | None = None
+    """Cap on eval episodes per task (``None`` = ``env.eval_variations``)."""
+    save_every: int = 1
+    """Write a checkpoint every N iterations (and after the last)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (older ones are deleted)."""
+    output_dir: str = "runs/empo2"
+    """The run folder."""
+    seed: int = 0
+    """Seed of task, mode and sampling randomness (Python, numpy, torch)."""
+    zero_adv_warn_iters: int = 5
+    """Warn when this many consecutive iterations had zero advantage in every group."""
+    sample_trajectories: int = 4
+    """Episodes written to ``trajectories.jsonl`` per iteration."""
+    tensorboard: bool = True
+    """Write TensorBoard events to ``RUN/tb``."""
+    progress: bool = True
+    """Show a progress bar (only on a terminal)."""
+    max_consecutive_env_failures: int = 8
+    """Stop the run (exit 2) after this many training episodes in a row were lost to a crashed environment worker
+    (a dead JVM is restarted and its episode dropped from the update; a steady stream of crashes is not a run)."""

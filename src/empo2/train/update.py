@@ -1,0 +1,154 @@
+"""The policy update (SPEC §4): mini-batches of rollout rows, token-budgeted micro-batches, clipped policy-gradient
+loss, gradient clipping and one optimizer step per mini-batch — data parallel when ``dist`` spans several ranks."""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import Counter
+
+import torch
+
+from empo2.algo.losses import behaviour_logp_for_ratio
+from empo2.config import Config
+from empo2.policy.loader import autocast_context
+from empo2.policy.logprobs import response_logprobs, shared_micro_batches
+from empo2.train import distributed as dp
+from empo2.train.rows import UpdateRow
+
+log = logging.getLogger("empo2.train")
+
+
+class PolicyUpdate:
+    """Owns nothing: the trainer's model, tokenizer, optimizer, loss and ``dist``, applied to a list of rows."""
+
+    def __init__(self, cfg: Config, model, tokenizer, optimizer, loss_fn, dist):
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        self.optimizer, self.loss_fn, self.dist = optimizer, loss_fn, dist
+
+    def __call__(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
+        """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
+        ``mini_batch_size`` rows (0 = all), one optimizer step per mini-batch, each normalised by its own tokens.
+        A mini-batch is processed in token-budgeted micro-batches whose gradients add up to the mini-batch's."""
+        cfg, model = self.cfg, self.model
+        rows = [r for r in rows if r.advantage != 0.0 or cfg.algo.beta > 0]  # else loss and gradient are exactly 0
+        if not self.dist.all_reduce([len(rows)])[0]:  # data parallel: no rank has rows, so no rank steps
+            return {"rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0, "skipped_steps": 0}
+        if cfg.algo.off_policy_ratio == "tip_free":
+            self._tip_free_old_logp(rows)
+        model.train()
+        sums: Counter = Counter()
+        n_mb = steps = skipped = 0
+        size = dp.local_mini_size(self.dist, cfg.train.mini_batch_size, len(rows))
+        for _ in range(cfg.train.num_iterations):
+            order = list(range(len(rows)))
+            random.shuffle(order)
+            minis = [[rows[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
+            for m in range(dp.step_count(self.dist, len(minis))):  # every rank takes as many steps
+                mini = minis[m] if m < len(minis) else []  # a rank out of rows adds zero gradient
+                # the loss is normalised over the global mini-batch (all ranks' m-th mini-batches)
+                tokens, count = self.dist.all_reduce([sum(len(r.response) for r in mini), len(mini)])
+                ok = True
+                for batch in _token_batches(mini, cfg.train.micro_batch_tokens, cfg.policy.prefix_sharing):
+                    metrics, batch_ok = self._backward(batch, tokens, count)
+                    ok &= batch_ok
+                    sums.update(metrics)
+                    n_mb += 1
+                if self._step(inputs_ok=ok):
+                    steps += 1
+                else:
+                    skipped += 1
+                if progress:
+                    progress("update", m + 1, len(minis))
+        model.eval()
+        out = {k: v / max(n_mb, 1) for k, v in sums.items()}
+        processed = sum(len(r.train_prompt) + len(r.response) for r in rows) * cfg.train.num_iterations
+        out.update(rows=len(rows), response_tokens=sum(len(r.response) for r in rows), tokens=processed,
+                   optimizer_steps=steps, skipped_steps=skipped)
+        return out
+
+    def _autocast(self):
+        return autocast_context(next(self.model.parameters()).device, self.cfg.policy.autocast)
+
+    def _backward(self, batch: list[UpdateRow], mini_tokens: float, mini_rows: float) -> tuple[dict[str, float], bool]:
+        """Loss and backward of one micro-batch, weighted by its share of the mini-batch (its response tokens and
+        rows over all ranks)."""
+        cfg = self.cfg
+        prompts = [r.train_prompt for r in batch]
+        responses = [r.response for r in batch]
+        with self._autocast():
+            logp_new, mask = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
+        logp_old = _pad([r.logp_old for r in batch], logp_new.shape[1]).to(logp_new.device)
+        adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=logp_new.device)
+        logp_ref = None
+        if cfg.algo.beta > 0:
+            with torch.no_grad(), self._reference(), self._autocast():
+                logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
+        loss, metrics = self.loss_fn(
+            logp_new, logp_old, adv, mask, logp_ref=logp_ref, modes=[r.mode for r in batch],
+            epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, dual_clip=cfg.algo.dual_clip,
+            delta=cfg.algo.delta, mask_granularity=cfg.algo.mask_granularity, beta=cfg.algo.beta,
+            aggregation=cfg.algo.loss_type,
+        )
+        # The loss is a mean inside the micro-batch; weight it by its share so the micro-batches of a mini-batch add
+        # up to the mean over the mini-batch (token_mean: share of tokens; sequence_mean: share of rows).
+        share = mask.sum().item() / max(mini_tokens, 1) if cfg.algo.loss_type == "token_mean" \
+            else len(batch) / mini_rows
+        ok = metrics.get("skipped", 0.0) == 0.0
+        if ok:
+            (loss * share).backward()
+        return metrics, ok
+
+    def _step(self, inputs_ok: bool) -> bool:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        inputs_ok = self.dist.all_reduce_grads(params, inputs_ok)  # data parallel: sum over ranks; else a no-op
+        norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.max_grad_norm)
+        if not inputs_ok or not torch.isfinite(norm):
+            why = "non-finite loss inputs" if not inputs_ok else f"non-finite gradient norm ({float(norm)})"
+            log.warning("%s: optimizer step skipped, weights unchanged", why)
+            self.optimizer.zero_grad(set_to_none=True)
+            return False
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return True
+
+    def _reference(self):
+        """The reference policy is the model with its LoRA adapter disabled (no second copy of the weights)."""
+        if self.cfg.policy.lora:
+            return self.model.disable_adapter()
+        raise RuntimeError("algo.beta > 0 with full fine-tuning needs a reference copy; use policy.lora=true")
+
+    @torch.no_grad()
+    def _tip_free_old_logp(self, rows: list[UpdateRow]) -> None:
+        """Pre-release variant: recompute off_tips rows' old log-probs on the tip-free prompt before the update."""
+        for r in rows:
+            if r.mode == "off_tips":
+                with self._autocast():
+                    lp, _ = response_logprobs(self.model, [r.train_prompt], [r.response], self.tokenizer.pad_token_id)
+                r.logp_old = behaviour_logp_for_ratio("off_tips", torch.tensor(r.logp_old), lp[0],
+                                                      variant="tip_free").tolist()
+
+
+def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=torch.float32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
+    return out
+
+
+def _token_batches(rows: list[UpdateRow], budget: int, shared: bool = False) -> list[list[UpdateRow]]:
+    """Split rows into micro-batches whose padded size (rows × longest prompt+response) stays within ``budget``."""
+    if shared:  # rows sharing a prompt head go together, costed as computed (order in a mini-batch is free)
+        idx = shared_micro_batches([r.train_prompt for r in rows], [r.response for r in rows], budget)
+        return [[rows[i] for i in b] for b in idx]
+    batches, current, longest = [], [], 0
+    for r in rows:
+        length = len(r.train_prompt) + len(r.response)
+        if current and max(longest, length) * (len(current) + 1) > budget:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(r)
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
