@@ -18,13 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from empo2.algo.advantages import (
-    AdvantageInput,
-    AdvantageOptions,
-    combine_returns,
-    compute_advantages,
-    intrinsic_weight,
-)
+from empo2.algo.advantages import (AdvantageInput, AdvantageOptions, combine_returns, compute_advantages,
+                                   intrinsic_weight)
 from empo2.algo.losses import get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config, ConfigError
@@ -35,25 +30,14 @@ from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
 from empo2.policy.backend import check_backend, make_backend
-from empo2.policy.loader import (
-    autocast_context,
-    check_precision,
-    load_model,
-    resolve_model_path,
-)
+from empo2.policy.loader import autocast_context, check_precision, load_model, resolve_model_path
 from empo2.policy.prefix import configure_model
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
 from empo2.train.evaluate import evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
-from empo2.train.metrics import (
-    MetricsLog,
-    iteration_line,
-    peak_rss_gb,
-    plot_run,
-    reset_peak_rss,
-)
+from empo2.train.metrics import MetricsLog, iteration_line, peak_rss_gb, plot_run, reset_peak_rss
 from empo2.train.rollout import Episode, RolloutContext, episode_record, run_episodes
 from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler
@@ -263,8 +247,7 @@ class Trainer:
             rstats, adv_metrics, loss_metrics = dp.merge_stats(self.dist, rstats, adv_metrics, loss_metrics)
 
         self._warn_if_stuck(adv_metrics, episodes)
-        steps = sum(len(ep.steps) for ep in episodes)
-        self.env_steps += steps
+        self.env_steps += sum(len(ep.steps) for ep in episodes)
         record = self._record(it, modes, episodes, ok, returns, intrinsic, w, adv_metrics, loss_metrics, rstats)
         record["time"].update(rollout=t_rollout, update=t_update)
         record["tokens_per_s"]["update"] = loss_metrics.get("tokens", 0) / max(t_update, 1e-9)
