@@ -11,9 +11,10 @@ in chunks). Arms alternate order; rows of the table are medians.
 
 1. Rollout env-steps/s at each ``--rollout-generations`` G (one task, G episodes of ``--max-steps`` steps, no memory).
 2. Update tokens/s: the same rows (the last shared rollout's steps, advantages ±1) through ``Trainer.update``.
-3. A whole EMPO² iteration (modes forced to ``on_tips``) today vs shared, with the trainer's per-iteration peak RSS.
-4. EMPO² ``on_tips`` iteration vs GRPO iteration (both shared), and the reflection's share of the EMPO² iteration.
-5. First-mini-batch |ratio − 1| (median, p99) with ``policy.autocast`` none (float32) and bfloat16: behaviour
+3. Peak RSS and tokens/s of the update per ``train.micro_batch_tokens`` (``--budgets``).
+4. A whole EMPO² iteration (modes forced to ``on_tips``) today vs shared, with the trainer's per-iteration peak RSS.
+5. EMPO² ``on_tips`` iteration vs GRPO iteration (both shared), and the reflection's share of the EMPO² iteration.
+6. First-mini-batch |ratio − 1| (median, p99) with ``policy.autocast`` none (float32) and bfloat16: behaviour
    log-probs from a rollout, training log-probs of the same rows in ``train()`` mode, same numerics.
 
 The machine is shared with other agents: absolute times are noisy, the ratios less so; ``uptime`` is recorded.
@@ -109,6 +110,27 @@ def bench_update(trainer, episodes, args, log) -> dict:
                 f"peak RSS {runs[arm][-1]['peak_rss_gb']:.2f} GB")
     a, b = (median([r["tokens_per_s"] for r in runs[k]]) for k in ("today", "shared"))
     return {"today_tokens_per_s": a, "shared_tokens_per_s": b, "speedup": b / a, "runs": runs}
+
+
+def bench_budgets(trainer, episodes, budgets: list[int], log) -> dict:
+    """Update peak RSS and tokens/s per ``train.micro_batch_tokens`` (shared path, float32). Smallest budget first:
+    memory the allocator keeps after a bigger budget would otherwise count towards the next one's peak."""
+    from empo2.train.metrics import peak_rss_gb, reset_peak_rss
+
+    set_arm(trainer, True)
+    saved, out = trainer.cfg.train.micro_batch_tokens, {}
+    for budget in sorted(budgets):
+        trainer.cfg.train.micro_batch_tokens = budget
+        reset_peak_rss()
+        t = time.perf_counter()
+        m = trainer.update(signed_rows(episodes))
+        dt = time.perf_counter() - t
+        out[str(budget)] = {"seconds": dt, "tokens": m["tokens"], "tokens_per_s": m["tokens"] / dt,
+                            "peak_rss_gb": peak_rss_gb()}
+        log(f"[budget] micro_batch_tokens {budget:5d}: {m['tokens']} tokens in {dt:6.1f}s "
+            f"({m['tokens'] / dt:.1f}/s), peak RSS {out[str(budget)]['peak_rss_gb']:.2f} GB")
+    trainer.cfg.train.micro_batch_tokens = saved
+    return out
 
 
 class ReflectTimer:
@@ -208,6 +230,9 @@ def table(res: dict) -> str:
     u = res["update"]
     lines += ["", f"Update tokens/s                                                {u['today_tokens_per_s']:6.1f}  "
                   f"{u['shared_tokens_per_s']:6.1f}  {u['speedup']:6.2f}x  target >= 2x {ok(u['speedup'] >= 2)}"]
+    if res.get("budgets"):
+        lines += ["", "Update by train.micro_batch_tokens    tokens/s  peak RSS GB"]
+        lines += [f"  {b:>34s}  {r['tokens_per_s']:8.1f}  {r['peak_rss_gb']:6.2f}" for b, r in res["budgets"].items()]
     if "bfloat16_tokens_per_s" in u:
         lines.append(f"  shared + bfloat16 autocast: {u['bfloat16_tokens_per_s']:.1f} tokens/s")
     it = res["iterations"]
@@ -239,6 +264,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="rounds of each rollout/update arm pair")
     ap.add_argument("--iterations", type=int, default=1, help="timed iterations per arm (after one warm-up)")
     ap.add_argument("--micro-batch-tokens", type=int, default=2048)
+    ap.add_argument("--budgets", type=int, nargs="*", default=[1024, 2048, 4096],
+                    help="micro_batch_tokens values for the peak-RSS sweep of the update (none: skip it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-iterations", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default); on a machine "
@@ -264,6 +291,8 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     try:
         res["rollout"], episodes = bench_rollout(empo2, args, log)
+        save()
+        res["budgets"] = bench_budgets(empo2, episodes, args.budgets, log)
         save()
         res["update"] = bench_update(empo2, episodes, args, log)
         save()

@@ -80,10 +80,12 @@ def check_precision(dtype: str, device: str, lora: bool, autocast: str) -> None:
             "state, bfloat16 compute), or policy.lora=true")
 
 
-def autocast_context(device: torch.device | str, autocast: str):
-    """``torch.autocast`` to the compute dtype ``autocast`` (``none``: a no-op context)."""
+def autocast_context(where: torch.nn.Module | torch.device | str, autocast: str):
+    """``torch.autocast`` to the compute dtype ``autocast`` (``none``: a no-op context) on a device, or on the
+    device of a model's parameters."""
     if autocast == "none":
         return contextlib.nullcontext()
+    device = next(where.parameters()).device if isinstance(where, torch.nn.Module) else where
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[autocast]
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 

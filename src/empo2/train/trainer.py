@@ -213,7 +213,7 @@ class Trainer:
         reset_peak_rss()
         t0 = time.perf_counter()
         cb = (lambda done, total: progress(f"iter {it}: rollouts", done, total)) if progress else None
-        with self._autocast():
+        with autocast_context(self.model, self.cfg.policy.autocast):
             episodes, rstats = run_episodes(self.ctx, specs, temperature=cfg.policy.temperature, reflect=None
                                             if self.use_memory else False, progress=cb)
         t_rollout = time.perf_counter() - t0
@@ -295,15 +295,12 @@ class Trainer:
             "long_prompts": rstats["long_prompts"], "memory_peak_rss_gb": peak_rss_gb(),
         }
 
-    def _autocast(self):
-        return autocast_context(next(self.model.parameters()).device, self.cfg.policy.autocast)
-
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False) -> dict[str, Any]:
         cfg = self.cfg
         self.ctx.sampling_seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling \
             else None
-        with self._autocast():
+        with autocast_context(self.model, self.cfg.policy.autocast):
             result = evaluate(self.ctx, self.task_names, cfg.env.eval_split, cfg.env.eval_variations,
                               cfg.train.eval_episodes_per_task, cfg.policy.eval_temperature, self.pool_size,
                               with_memory=with_memory, dist=self.dist)

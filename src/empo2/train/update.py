@@ -67,22 +67,19 @@ class PolicyUpdate:
                    optimizer_steps=steps, skipped_steps=skipped)
         return out
 
-    def _autocast(self):
-        return autocast_context(next(self.model.parameters()).device, self.cfg.policy.autocast)
-
     def _backward(self, batch: list[UpdateRow], mini_tokens: float, mini_rows: float) -> tuple[dict[str, float], bool]:
         """Loss and backward of one micro-batch, weighted by its share of the mini-batch (its response tokens and
         rows over all ranks)."""
         cfg = self.cfg
         prompts = [r.train_prompt for r in batch]
         responses = [r.response for r in batch]
-        with self._autocast():
+        with autocast_context(self.model, self.cfg.policy.autocast):
             logp_new, mask = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
         logp_old = _pad([r.logp_old for r in batch], logp_new.shape[1]).to(logp_new.device)
         adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=logp_new.device)
         logp_ref = None
         if cfg.algo.beta > 0:
-            with torch.no_grad(), self._reference(), self._autocast():
+            with torch.no_grad(), self._reference(), autocast_context(self.model, self.cfg.policy.autocast):
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
         loss, metrics = self.loss_fn(
             logp_new, logp_old, adv, mask, logp_ref=logp_ref, modes=[r.mode for r in batch],
@@ -123,7 +120,7 @@ class PolicyUpdate:
         """Pre-release variant: recompute off_tips rows' old log-probs on the tip-free prompt before the update."""
         for r in rows:
             if r.mode == "off_tips":
-                with self._autocast():
+                with autocast_context(self.model, self.cfg.policy.autocast):
                     lp, _ = response_logprobs(self.model, [r.train_prompt], [r.response], self.tokenizer.pad_token_id)
                 r.logp_old = behaviour_logp_for_ratio("off_tips", torch.tensor(r.logp_old), lp[0],
                                                       variant="tip_free").tolist()
