@@ -10,7 +10,7 @@ rollouts at temperature 1.0, same seed for every arm). "today" = ``policy.prefix
 in chunks). Arms alternate order; rows of the table are medians.
 
 1. Rollout env-steps/s at each ``--rollout-generations`` G (one task, G episodes of ``--max-steps`` steps, no memory).
-2. Update tokens/s: the same rows (the last shared rollout's steps, advantages ±1) through ``Trainer.update``.
+2. Update tokens/s: the same rows (the last shared rollout's steps, advantages ±1) through the trainer's ``PolicyUpdate``.
 3. Peak RSS and tokens/s of the update per ``train.micro_batch_tokens`` (``--budgets``).
 4. A whole EMPO² iteration (modes forced to ``on_tips``) today vs shared, with the trainer's per-iteration peak RSS.
 5. EMPO² ``on_tips`` iteration vs GRPO iteration (both shared), and the reflection's share of the EMPO² iteration.

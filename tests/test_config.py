@@ -86,3 +86,16 @@ def test_every_config_field_is_documented():
               for section in [getattr(Config(), name)] for f in dataclasses.fields(section)}
     assert len(fields) > 80
     assert fields - documented == set()
+
+
+def test_eval_flags_are_typed_and_checked_before_the_model_loads(tmp_path, capsys):
+    """``--tasks "a, b"`` is split and stripped like a config override; a bad name exits 2 naming it, and a good one
+    gets as far as the model (here a missing one), so the flags were accepted."""
+    from empo2.cli import main
+
+    assert main(["eval", "--model", "no-such-model", "--tasks", "find-animal, nosuch", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown ScienceWorld task 'nosuch'" in err and "no-such-model" not in err
+    assert main(["eval", "--model", "no-such-model", "--tasks", "find-animal, find-living-thing",
+                 "--max-steps", "3", "--out", str(tmp_path)]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err

@@ -132,13 +132,7 @@ class _progress:
     def __enter__(self):
         if not self.enabled:
             return None
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-        )
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=self.console, transient=True)
@@ -171,12 +165,9 @@ def _policy_context(args, with_memory_path: Path | None):
         cfg = Config.load(Path(args.run) / "config.yaml")
     else:
         cfg = Config.load(None, [f"policy.model={args.model}"])
-    if args.env:
-        cfg.env.name = args.env
-    if args.tasks:
-        cfg.env.tasks = args.tasks.split(",")
-    if args.max_steps:
-        cfg.env.max_steps = args.max_steps
+    for key, value in (("env.name", args.env), ("env.tasks", args.tasks), ("env.max_steps", args.max_steps)):
+        if value:
+            cfg.set(key, value)  # typed like a config override: "a, b" → [a, b]
     cfg.validate()  # an unknown environment or task from the flags exits here, before the model loads
     model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
     if args.run:

@@ -268,7 +268,8 @@ class Trainer:
 
     def _record(self, it, modes, episodes, ok, returns, intrinsic, w, adv_metrics, loss_metrics,
                 rstats) -> dict[str, Any]:
-        """The iteration's metrics record (one line of metrics.jsonl); the caller adds rollout/update times."""
+        """The iteration's metrics record (one line of metrics.jsonl); the caller adds the rollout and update times
+        and the update's tokens/s."""
         scores = [ep.score for ep in episodes]
         return {
             "iteration": it,
