@@ -51,6 +51,7 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     assert (out / "curves.png").stat().st_size > 0
     summary = json.loads((out / "summary.json").read_text())
     md = (out / "summary.md").read_text()
+    said = []  # each run's last console line: its final eval against its start eval
     for r in summary["runs"]:
         run = out / "runs" / r["name"]
         final = json.loads((run / "eval" / "final.json").read_text())["summary"]
@@ -66,10 +67,13 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
         assert [p[0] for p in r["curve"]] == [0, rows[0]["env_steps"], rows[1]["env_steps"]]
         assert [p[1] for p in r["curve"]] == [start["score_mean"], rows[0]["eval"]["score_mean"],
                                               final["score_mean"]]
+        said.append(f"score {final['score_mean']:.1f} ({final['score_mean'] - start['score_mean']:+.1f} over the "
+                    f"start eval's {start['score_mean']:.1f})")
     for algo in ALGOS:
         finals = [r["final"]["score_mean"] for r in summary["runs"] if r["algo"] == algo]
         assert summary["algorithms"][algo]["score_mean"] == pytest.approx(statistics.fmean(finals), abs=1e-12)
-    capfd.readouterr()
+    printed = capfd.readouterr().out
+    assert all(line in printed for line in said), (said, printed[-2000:])
 
     # cut one run short (its last checkpoint and final eval gone), keep the others: the same command again
     cut = out / "runs" / "empo2-seed1"

@@ -195,7 +195,13 @@ class Trainer:
                 self.save(it)
             self._say(iteration_line(record))
         final = self.evaluate(tag="final")
-        self._say(f"final eval (no memory, {cfg.env.eval_split}): score {final['summary']['score_mean']:.1f}, "
+        score = final["summary"]["score_mean"]
+        start_file = self.run_dir / "eval" / "start.json"
+        versus = ""
+        if start_file.is_file():  # the learning this run shows, said in the last line a user reads
+            before = json.loads(start_file.read_text())["summary"]["score_mean"]
+            versus = f" ({score - before:+.1f} over the start eval's {before:.1f})"
+        self._say(f"final eval (no memory, {cfg.env.eval_split}): score {score:.1f}{versus}, "
                   f"success {final['summary']['success_rate']:.2f}")
         if self.dist.is_main:
             plot_run(self.run_dir)
