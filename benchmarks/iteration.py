@@ -263,8 +263,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=3, help="env.max_steps (the issue: 6)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds of each rollout/update arm pair")
     ap.add_argument("--iterations", type=int, default=1, help="timed iterations per arm (after one warm-up)")
-    ap.add_argument("--micro-batch-tokens", type=int, default=2048)
-    ap.add_argument("--budgets", type=int, nargs="*", default=[1024, 2048, 4096],
+    ap.add_argument("--micro-batch-tokens", type=int, default=1024)
+    ap.add_argument("--budgets", type=int, nargs="*", default=[256, 512, 1024],
                     help="micro_batch_tokens values for the peak-RSS sweep of the update (none: skip it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-iterations", action="store_true")
