@@ -99,3 +99,17 @@ def test_eval_flags_are_typed_and_checked_before_the_model_loads(tmp_path, capsy
     assert main(["eval", "--model", "no-such-model", "--tasks", "find-animal, find-living-thing",
                  "--max-steps", "3", "--out", str(tmp_path)]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_overrides_may_follow_flags():
+    """``train --config X a=1 --overwrite b=2`` keeps both overrides in order; a stray word is still an error."""
+    from empo2.cli import parse_cli
+
+    args = parse_cli(["train", "--config", "c.yaml", "train.iterations=2", "--overwrite", "train.output_dir=/tmp/x"])
+    assert args.overwrite and args.overrides == ["train.iterations=2", "train.output_dir=/tmp/x"]
+    args = parse_cli(["compare", "--config", "c.yaml", "--out", "o", "train.seed=3", "--algos", "grpo", "a.b=1"])
+    assert args.overrides == ["train.seed=3", "a.b=1"] and args.algos == "grpo"
+    with pytest.raises(SystemExit):
+        parse_cli(["train", "--config", "c.yaml", "a.b=1", "--overwrite", "stray"])
+    with pytest.raises(SystemExit):
+        parse_cli(["eval", "--model", "m", "--out", "o", "x=1"])  # eval takes no overrides

@@ -353,8 +353,19 @@ def _add_eval_adapt_parsers(sub) -> None:
             p.set_defaults(func=cmd_adapt)
 
 
+def parse_cli(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; ``key=value`` overrides may come before, between or after the flags."""
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and all("=" in a and not a.startswith("-") for a in rest):
+        args.overrides = [*args.overrides, *rest]  # argparse stops a positional list at the first flag
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_cli(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not args.verbose and args.command != "memory":  # library chatter (weight-loading bars, deprecation notices) hides the run's own output
