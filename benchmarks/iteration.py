@@ -135,7 +135,7 @@ def bench_budgets(trainer, episodes, budgets: list[int], log) -> dict:
 
 def bench_bf16_update(trainer, episodes, log) -> dict:
     """Update tokens/s, float32 vs bfloat16 autocast, on the first episode's rows only: without native bf16 matmul
-    (no AVX512-BF16/AMX) autocast on this CPU is many times slower, and the whole set took over 15 min."""
+    (no AVX512-BF16/AMX) autocast on this CPU is ~18x slower: the whole G = 8 set took ~14 min."""
     out = {}
     for dtype in ("float32", "bfloat16"):
         set_arm(trainer, True, dtype)
