@@ -221,8 +221,9 @@ class TrainConfig:
     over the whole iteration. verl takes one step per ``ppo_mini_batch_size``, ~20–30 per iteration."""
     micro_batch_tokens: int = 1024
     """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up).
-    Peak RSS grows ~4 MB per token of budget for SmolLM2-135M + LoRA; on 2 CPU cores 1024 was also the fastest
-    (``benchmarks/iteration.py``: 356 vs 259 tokens/s at 4096, peak RSS 3.95 vs 12.2 GB)."""
+    Peak RSS grows ~4 MB per token of budget for SmolLM2-135M + LoRA: 1024 peaked at ~4 GB, 4096 at ~12 GB. Speed
+    depends on how many rows share a prompt head in a micro-batch: 1024 was 1.4x faster on one 20-row mini-batch
+    (``benchmarks/iteration.py``) but 1.34x slower on the learning preset's shuffled 16-row mini-batches."""
     logprob_chunk_tokens: int = 1024
     """Response tokens whose full-vocabulary logits exist at once when computing log-probs (bounds update memory)."""
     eval_every: int = 0
