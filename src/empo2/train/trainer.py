@@ -253,8 +253,9 @@ class Trainer:
             rstats, adv_metrics, loss_metrics = dp.merge_stats(self.dist, rstats, adv_metrics, loss_metrics)
 
         self._warn_if_stuck(adv_metrics, episodes)
-        self.env_steps += sum(len(ep.steps) for ep in episodes)
         record = self._record(it, modes, episodes, ok, returns, intrinsic, w, adv_metrics, loss_metrics, rstats)
+        self.env_steps += record["train"]["env_steps"]  # this iteration's steps, counted once in the record
+        record["env_steps"] = self.env_steps
         record["time"].update(rollout=t_rollout, update=t_update)
         record["tokens_per_s"]["update"] = loss_metrics.get("tokens", 0) / max(t_update, 1e-9)
         return record
@@ -279,7 +280,7 @@ class Trainer:
         scores = [ep.score for ep in episodes]
         return {
             "iteration": it,
-            "env_steps": self.env_steps,
+            "env_steps": None,  # the running total, filled in by the caller
             "modes": modes,
             "mode_counts": dict(Counter(modes)),
             "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
