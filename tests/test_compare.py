@@ -99,7 +99,8 @@ def test_user_errors_write_nothing(tmp_path, capsys):
     cases = [(["--algos", "grpo,ppo"], "algo.name"), (["--seeds", "0"], "--seeds"), (["--seeds", "x"], "--seeds"),
              (["--seeds", "1,1"], "--seeds"), (["--algos", ","], "--algos"), (["algo.name=grpo"], "set by compare"),
              (["seed=3"], "ambiguous"), (["train.seed=3"], "set by compare"), (["policy.model=nope"], "unknown model"),
-             (["train.iterations=-1"], "train.iterations")]
+             (["train.iterations=-1"], "train.iterations"), (["--algos", "gigpo+grpo"], "always uses"),
+             (["--algos", "empo2+nope"], "algo.advantage")]
     for extra, message in cases:
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip()
@@ -118,6 +119,19 @@ def test_run_folder_with_other_settings_is_refused(tmp_path, capsys):
                  "--out", str(out)]) == 2
     assert "train.iterations: 9 → 4" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+
+
+def test_algorithm_with_another_estimator_is_its_own_run(tmp_path):
+    """``empo2+gigpo``: EMPO² with GiGPO's advantage, in its own folder, labelled so by the report."""
+    from empo2.train.compare import plan_runs
+    from empo2.train.report import method_label
+
+    plans = plan_runs("configs/webshop_cpu.yaml", ["empo2", "empo2+gigpo", "gigpo"], [1], tmp_path, [])
+    assert [p.folder.name for p in plans] == ["empo2-seed1", "empo2+gigpo-seed1", "gigpo-seed1"]
+    assert [(p.cfg.algo.name, p.cfg.algo.advantage) for p in plans] == [
+        ("empo2", "grpo"), ("empo2", "gigpo"), ("gigpo", "grpo")]
+    assert [method_label(p.cfg) for p in plans] == ["empo2", "empo2+gigpo", "gigpo"]
+    assert not tmp_path.joinpath("runs").exists()
 
 
 def test_parse_seeds():

@@ -1,7 +1,8 @@
 """``empo2 compare``: several algorithms × seeds on one config with the same budget, then one summary.
 
 Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2 train`` (same code path, with
-``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides). Runs go one after another,
+``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also sets
+``algo.advantage=gigpo``). Runs go one after another,
 each in its own ``empo2 train`` subprocess: a crash in one run cannot take the others down, and the model, the
 environment workers (ScienceWorld JVMs) and the CUDA context are freed when the run ends instead of piling up in one
 long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``).
@@ -72,7 +73,7 @@ def say(text: str) -> None:
 # ---------------------------------------------------------------------------------------------------- planning
 def parse_algos(text: str) -> list[str]:
     """``grpo,empo2`` → ``["grpo", "empo2"]``; names are checked later by the config's own validation."""
-    algos = [a.strip() for a in text.split(",") if a.strip()]
+    algos = [a.replace(" ", "") for a in text.split(",") if a.strip()]
     if not algos:
         raise ConfigError("--algos needs at least one algorithm name, e.g. --algos grpo,empo2")
     if len(set(algos)) != len(algos):
@@ -114,6 +115,7 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
         for algo in algos:
             folder = Path(out) / "runs" / f"{algo}-seed{seed}"
             cfg = Config.load(config, [*overrides, *_own_overrides(algo, seed, folder)])
+            _check_estimator_used(algo, cfg)
             if check is not None:
                 check(cfg)
             plan = RunPlan(algo, seed, folder, cfg)
@@ -123,7 +125,19 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
 
 
 def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
-    return [f"algo.name={algo}", f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]
+    name, _, estimator = algo.partition("+")  # "empo2+gigpo": EMPO² with GiGPO's advantage estimator
+    chosen = [f"algo.name={name}"] + ([f"algo.advantage={estimator}"] if estimator else [])
+    return [*chosen, f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]
+
+
+def _check_estimator_used(algo: str, cfg: Config) -> None:
+    """``gigpo+grpo`` would be labelled one thing and run another (gigpo fixes its own estimator): refuse it."""
+    from empo2.algo.registry import ALGORITHMS
+
+    name, _, estimator = algo.partition("+")
+    if estimator and ALGORITHMS[name].estimator(cfg.algo) != estimator:
+        raise ConfigError(f"--algos {algo}: algorithm {name!r} always uses the "
+                          f"{ALGORITHMS[name].estimator(cfg.algo)!r} advantage; drop '+{estimator}'")
 
 
 def _check_same_settings(plan: RunPlan) -> None:
