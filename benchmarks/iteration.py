@@ -7,9 +7,12 @@
 Real ``Trainer`` s from ``configs/scienceworld_cpu.yaml`` (SmolLM2-135M + LoRA, ScienceWorld find-animal, sampled
 rollouts at temperature 1.0, same seed for every arm). "today" = ``policy.prefix_sharing=false`` (left-padded
 ``model.generate`` and padded log-prob rows), "shared" = the default (prompt heads computed once, responses' logits
-in chunks). Arms alternate order; rows of the table are medians.
+in chunks, and a rollout's heads reused from one step to the next). Arms alternate order; rows of the table are
+medians.
 
-1. Rollout env-steps/s at each ``--rollout-generations`` G (one task, G episodes of ``--max-steps`` steps, no memory).
+1. Rollout env-steps/s at each ``--rollout-generations`` G (one task, G episodes of ``--max-steps`` steps, no memory),
+   with a third arm "no_reuse" (``policy.reuse_heads=false``: heads shared within a step only).
+   ``--rollout-only`` stops after this part.
 2. Update tokens/s: the same rows (the last shared rollout's steps, advantages ±1) through the trainer's ``PolicyUpdate``.
 3. Peak RSS and tokens/s of the update per ``train.micro_batch_tokens`` (``--budgets``).
 4. A whole EMPO² iteration (modes forced to ``on_tips``) today vs shared, with the trainer's per-iteration peak RSS.
@@ -32,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "iteration.json"
+ROLLOUT_RESULTS = RESULTS.with_name("iteration_rollout.json")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from rollout import loadavg, median  # noqa: E402  (the other benchmark's helpers)
 
@@ -40,13 +44,14 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def set_arm(trainer, share: bool, dtype: str = "float32") -> None:
+def set_arm(trainer, share: bool, dtype: str = "float32", reuse: bool = True) -> None:
     """Switch a trainer between today's path and the shared one (config and the model's compute options)."""
     from empo2.policy.prefix import ComputeOptions, attach_options
 
     trainer.cfg.policy.prefix_sharing = share
+    trainer.cfg.policy.reuse_heads = reuse
     trainer.cfg.policy.autocast = "none" if dtype == "float32" else dtype
-    attach_options(trainer.model, ComputeOptions(prefix_sharing=share, compute_dtype=dtype,
+    attach_options(trainer.model, ComputeOptions(prefix_sharing=share, compute_dtype=dtype, reuse_heads=reuse,
                                                  logprob_chunk_tokens=trainer.cfg.train.logprob_chunk_tokens))
 
 
@@ -65,10 +70,10 @@ def bench_rollout(trainer, args, log) -> tuple[dict, list]:
 
     out, last = {}, None
     for g in args.rollout_generations:
-        runs = {"today": [], "shared": []}
+        runs = {"today": [], "no_reuse": [], "shared": []}
         for rnd in range(args.rounds):
-            for arm in (("today", "shared") if rnd % 2 == 0 else ("shared", "today")):
-                set_arm(trainer, arm == "shared")
+            for arm in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
+                set_arm(trainer, arm != "today", reuse=arm == "shared")
                 import torch
 
                 torch.manual_seed(args.seed + rnd)
@@ -81,8 +86,9 @@ def bench_rollout(trainer, args, log) -> tuple[dict, list]:
                 log(f"[rollout] G={g} round {rnd} {arm:6s} {steps} steps in {dt:6.1f}s (gen {st['gen_time']:.1f}s)")
                 if arm == "shared":
                     last = eps
-        a, b = (median([r["steps_per_s"] for r in runs[k]]) for k in ("today", "shared"))
-        out[f"G{g}"] = {"today_steps_per_s": a, "shared_steps_per_s": b, "speedup": b / a, "runs": runs}
+        a, c, b = (median([r["steps_per_s"] for r in runs[k]]) for k in ("today", "no_reuse", "shared"))
+        out[f"G{g}"] = {"today_steps_per_s": a, "no_reuse_steps_per_s": c, "shared_steps_per_s": b, "speedup": b / a,
+                        "reuse_gain": b / c, "runs": runs}
     return out, last
 
 
@@ -235,12 +241,20 @@ def bench_iterations(empo2, grpo, args, log) -> dict:
                                                                                             "grpo_shared"))}
 
 
+def rollout_table(rollout: dict) -> list[str]:
+    ok = lambda cond: "PASS" if cond else "MISS"  # noqa: E731
+    lines = ["Rollout env-steps/s (find-animal, sampled, no memory)   today  no_reuse  shared  speedup  reuse gain"
+             "  target >= 3x"]
+    for g, r in rollout.items():
+        lines.append(f"  {g:50s} {r['today_steps_per_s']:6.3f}  {r['no_reuse_steps_per_s']:8.3f}  "
+                     f"{r['shared_steps_per_s']:6.3f}  {r['speedup']:6.2f}x  {r['reuse_gain']:9.2f}x  "
+                     f"{ok(r['speedup'] >= 3)}")
+    return lines
+
+
 def table(res: dict) -> str:
     ok = lambda cond: "PASS" if cond else "MISS"  # noqa: E731
-    lines = ["Rollout env-steps/s (find-animal, sampled, no memory)          today   shared  speedup  target >= 3x"]
-    for g, r in res["rollout"].items():
-        lines.append(f"  {g:58s} {r['today_steps_per_s']:6.3f}  {r['shared_steps_per_s']:6.3f}  {r['speedup']:6.2f}x "
-                     f" {ok(r['speedup'] >= 3)}")
+    lines = rollout_table(res["rollout"])
     u = res["update"]
     lines += ["", f"Update tokens/s                                                {u['today_tokens_per_s']:6.1f}  "
                   f"{u['shared_tokens_per_s']:6.1f}  {u['speedup']:6.2f}x  target >= 2x {ok(u['speedup'] >= 2)}"]
@@ -283,10 +297,13 @@ def main() -> None:
                     help="micro_batch_tokens values for the peak-RSS sweep of the update (none: skip it)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-iterations", action="store_true")
+    ap.add_argument("--rollout-only", action="store_true", help="only part 1 (the rollout arms)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default); on a machine "
                     "loaded by other jobs 1 thread avoids stalls at every parallel region")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--out", type=Path, default=None,
+                    help=f"default {RESULTS.name}; with --rollout-only {ROLLOUT_RESULTS.name} (in {RESULTS.parent})")
     args = ap.parse_args()
+    args.out = args.out or (ROLLOUT_RESULTS if args.rollout_only else RESULTS)
     if args.threads:
         import torch
 
@@ -307,6 +324,9 @@ def main() -> None:
     try:
         res["rollout"], episodes = bench_rollout(empo2, args, log)
         save()
+        if args.rollout_only:
+            print("\n" + "\n".join(rollout_table(res["rollout"])))
+            return
         res["budgets"] = bench_budgets(empo2, episodes, args.budgets, log)
         save()
         res["update"] = bench_update(empo2, episodes, args, log)
@@ -321,8 +341,8 @@ def main() -> None:
         empo2.close()
         if grpo is not None:
             grpo.close()
-    res["uptime_end"], res["loadavg_end"], res["wall_s"] = uptime(), loadavg(), time.perf_counter() - t0
-    save()
+        res["uptime_end"], res["loadavg_end"], res["wall_s"] = uptime(), loadavg(), time.perf_counter() - t0
+        save()
     if "iterations" in res:
         print("\n" + table(res))
     print(f"\nwrote {args.out}")

@@ -6,6 +6,7 @@ SmolLM2 for greedy generation on ScienceWorld-like prompts.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -122,6 +123,42 @@ def test_shared_greedy_generation_equals_plain_tiny():
         np.testing.assert_allclose(s.logprobs, lp[i, : len(s.ids)].detach().numpy(), atol=1e-5)
 
 
+def test_reused_heads_generate_the_same_and_skip_known_tokens():
+    """Inside ``reuse_heads`` a generation call runs only what follows the previous call's heads (the next steps of
+    the same episodes), and greedy tokens and behaviour log-probs equal a fresh computation."""
+    model = tiny_lm(5)
+    px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
+    g = torch.Generator().manual_seed(5)
+    rand = lambda n: torch.randint(3, 256, (n,), generator=g).tolist()  # noqa: E731
+    head, other = rand(40), rand(30)
+    step0 = [head + rand(5) for _ in range(3)] + [other + rand(4), other + rand(6)]
+    step1 = [p + rand(7) for p in step0[:3]] + [step0[3] + rand(3)]  # episodes go on; the last one has ended
+    step2 = [step1[0] + rand(2)]  # a lone row: its own head, mostly known from the last call
+    fed = []
+    model.model.embed_tokens.register_forward_hook(lambda _m, inputs, _o: fed.append(int(inputs[0].numel())))
+
+    def play(reuse: bool):
+        fed.clear()
+        with px.reuse_heads(model) if reuse else contextlib.nullcontext():
+            calls = [generate_batch(model, Tok(), prompts, 6, greedy=True) for prompts in (step0, step1, step2)]
+            assert px.reusing_heads(model) == reuse
+        return calls, sum(fed)
+
+    fresh, fresh_tokens = play(False)
+    reused, reused_tokens = play(True)
+    for a, b in zip(fresh, reused):
+        assert [x.ids for x in a] == [y.ids for y in b]
+        for x, y in zip(a, b):
+            np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+    # step 1 skips both heads (40 + 30 tokens); step 2 (a lone row, its own head) the 40 of its group head
+    assert fresh_tokens - reused_tokens == 40 + 30 + 40, (fresh_tokens, reused_tokens)
+    assert not px.reusing_heads(model)  # the memo ends with the block
+    with px.reuse_heads(model):
+        with torch.enable_grad():  # training forwards never read the memo
+            out, _ = response_logprobs(model, step1, [[5, 6]] * len(step1), PAD)
+        assert out.requires_grad
+
+
 def test_shared_micro_batches_cover_rows_within_budget():
     from empo2.policy.logprobs import shared_micro_batches
 
@@ -204,3 +241,41 @@ def test_shared_greedy_generation_equals_plain_smollm(smollm):
     assert [s.ids for s in shared] == [p.ids for p in plain]
     for s, p in zip(shared, plain):
         np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)
+
+
+def test_gradient_checkpointing_update_equals_stored_activations():
+    """``train.gradient_checkpointing``: the update takes the same step as with stored activations (and its layers
+    really run again in backward), although it gives up prefix sharing."""
+    from empo2.algo.losses import get_policy_loss
+    from empo2.config import Config
+    from empo2.policy.loader import enable_gradient_checkpointing
+    from empo2.train.distributed import Dist
+    from empo2.train.rows import UpdateRow
+    from empo2.train.update import PolicyUpdate
+
+    prompts, responses = shared_rows(3)
+    rows = [UpdateRow(p, r, [-5.5] * len(r), (-1.0) ** i, "on") for i, (p, r) in enumerate(zip(prompts, responses))]
+    before, after, layer_calls = None, {}, {}
+    for checkpointing in (False, True):
+        model = tiny_lm(3)
+        px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
+        if checkpointing:
+            enable_gradient_checkpointing(model, "tiny")
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        cfg = Config.load("configs/scienceworld_cpu.yaml", ["algo.name=grpo", "train.micro_batch_tokens=120",
+                                                             f"train.gradient_checkpointing={checkpointing}"])
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        calls = []
+        # the attention inside a layer also runs when backward replays the layer
+        model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        metrics = PolicyUpdate(cfg, model, Tok(), optimizer, get_policy_loss("grpo"), Dist())(rows)
+        assert metrics["optimizer_steps"] == 1
+        after[checkpointing] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        layer_calls[checkpointing] = len(calls)
+    micro_batches = 3  # 120-token budget, padded layout
+    assert layer_calls[True] == 2 * micro_batches and layer_calls[False] > micro_batches  # + the shared heads
+    moved = max(float((after[False][n] - before[n]).abs().max()) for n in before)
+    assert moved > 1e-3  # the step is not trivially zero
+    for n in before:
+        # float32 rounding of weights near 1 (ulp 1.2e-7); a wrong gradient would differ by ~the step (> 1e-3)
+        torch.testing.assert_close(after[True][n], after[False][n], atol=1e-6, rtol=0, msg=n)

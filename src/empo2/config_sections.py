@@ -106,6 +106,10 @@ class PolicyConfig:
     prefix_sharing: bool = True
     """Compute the token head that several prompts share (system prompt, task, demonstration) once, in generation
     and in the update; ``False`` = every row runs its whole prompt (the older, slower path; same results)."""
+    reuse_heads: bool = True
+    """With prefix sharing, a rollout's generation calls keep the previous step's head KV and compute only what
+    follows its longest common prefix (the heads repeat across the steps of an episode). Same results up to float
+    rounding of a prefill split in two."""
 
 
 @dataclass
@@ -226,6 +230,10 @@ class TrainConfig:
     (``benchmarks/iteration.py``) but 1.34x slower on the learning preset's shuffled 16-row mini-batches."""
     logprob_chunk_tokens: int = 1024
     """Response tokens whose full-vocabulary logits exist at once when computing log-probs (bounds update memory)."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer in backward instead of storing its activations (large models on GPUs: less
+    memory, about one more forward of compute). The update then runs without prefix sharing: a shared head's KV
+    cache would be appended to again when a layer is replayed."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
     eval_at_start: bool = False

