@@ -74,6 +74,7 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
         assert summary["algorithms"][algo]["score_mean"] == pytest.approx(statistics.fmean(finals), abs=1e-12)
     printed = capfd.readouterr().out
     assert all(line in printed for line in said), (said, printed[-2000:])
+    assert printed.count("env=webshop-fixture tasks=webshop model=") == 4  # each run's banner names its data
 
     # cut one run short (its last checkpoint and final eval gone), keep the others: the same command again
     cut = out / "runs" / "empo2-seed1"

@@ -243,9 +243,10 @@ def test_shared_greedy_generation_equals_plain_smollm(smollm):
         np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)
 
 
-def test_gradient_checkpointing_update_equals_stored_activations():
+@pytest.mark.parametrize("lora", [False, True])
+def test_gradient_checkpointing_update_equals_stored_activations(lora):
     """``train.gradient_checkpointing``: the update takes the same step as with stored activations (and its layers
-    really run again in backward), although it gives up prefix sharing."""
+    really run again in backward), although it gives up prefix sharing; with LoRA as the trainer wraps it."""
     from empo2.algo.losses import get_policy_loss
     from empo2.config import Config
     from empo2.policy.loader import enable_gradient_checkpointing
@@ -261,13 +262,18 @@ def test_gradient_checkpointing_update_equals_stored_activations():
         px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
         if checkpointing:
             enable_gradient_checkpointing(model, "tiny")
+        if lora:  # after checkpointing, as Trainer._adapt does; B starts at 0, so the step moves it
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         cfg = Config.load("configs/scienceworld_cpu.yaml", ["algo.name=grpo", "train.micro_batch_tokens=120",
                                                              f"train.gradient_checkpointing={checkpointing}"])
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
         calls = []
         # the attention inside a layer also runs when backward replays the layer
-        model.model.layers[0].self_attn.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        attention = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn"))
+        attention.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
         metrics = PolicyUpdate(cfg, model, Tok(), optimizer, get_policy_loss("grpo"), Dist())(rows)
         assert metrics["optimizer_steps"] == 1
         after[checkpointing] = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -39,8 +39,10 @@ def cmd_train(args) -> int:
     from rich.console import Console
 
     from empo2.config import Config
+    from empo2.envs.factory import env_label
     from empo2.memory.schema import check_file
     from empo2.train.distributed import env_rank
+    from empo2.train.report import method_label
     from empo2.train.runlock import clear_run_folder
     from empo2.train.trainer import Trainer
 
@@ -71,7 +73,7 @@ def cmd_train(args) -> int:
     is_run = (run_dir / "metrics.jsonl").exists() or (run_dir / "config.yaml").exists()
     if args.overwrite and not args.resume and is_run and main_rank:
         clear_run_folder(run_dir)  # a fresh run: no stale memory, checkpoints or metrics from the previous one
-    console.print(f"[bold]empo2 train[/bold] algo={cfg.algo.name} env={cfg.env.name} tasks={cfg.env.tasks} "
+    console.print(f"[bold]empo2 train[/bold] algo={method_label(cfg)} env={env_label(cfg)} tasks={_tasks_text(cfg)} "
                   f"model={cfg.policy.model} G={cfg.algo.num_generations} iterations={cfg.train.iterations} "
                   f"→ {run_dir}")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
@@ -102,6 +104,14 @@ def check_run_inputs(cfg) -> None:
     resolve_model_path(cfg.policy.model)
     if cfg.memory.seed_from and not Path(cfg.memory.seed_from).is_file():
         raise _config_error(f"memory.seed_from: no such file {cfg.memory.seed_from}")
+
+
+def _tasks_text(cfg) -> str:
+    """The tasks a run plays (a panel expanded; a long list cut), e.g. ``find-animal, find-living-thing``."""
+    from empo2.envs.factory import resolve_tasks
+
+    tasks = resolve_tasks(cfg.env)
+    return ", ".join(tasks) if len(tasks) <= 4 else f"{', '.join(tasks[:3])} … ({len(tasks)} tasks)"
 
 
 def _own_run_folder(args, run_dir: Path) -> None:
