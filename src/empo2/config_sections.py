@@ -232,8 +232,9 @@ class TrainConfig:
     """Response tokens whose full-vocabulary logits exist at once when computing log-probs (bounds update memory)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of storing its activations (large models on GPUs: less
-    memory, about one more forward of compute). The update then runs without prefix sharing: a shared head's KV
-    cache would be appended to again when a layer is replayed."""
+    memory, about one more forward of compute). The update then runs without prefix sharing: transformers drops the
+    KV cache inside a checkpointed layer, so rows would lose their shared head (and a kept cache would be appended to
+    twice when the layer is replayed)."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
     eval_at_start: bool = False

@@ -1,11 +1,10 @@
 """``empo2 compare``: several algorithms × seeds on one config with the same budget, then one summary.
 
 Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2 train`` (same code path, with
-``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also sets
-``algo.advantage=gigpo``). Runs go one after another,
-each in its own ``empo2 train`` subprocess: a crash in one run cannot take the others down, and the model, the
-environment workers (ScienceWorld JVMs) and the CUDA context are freed when the run ends instead of piling up in one
-long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``).
+``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also
+sets ``algo.advantage=gigpo``). Runs go one after another, each in its own ``empo2 train`` subprocess: a crash in
+one run cannot take the others down, and the model, the environment workers (ScienceWorld JVMs) and the CUDA context
+are freed when the run ends instead of piling up in one long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``).
 
 All algorithms share ``iterations × tasks_per_batch × num_generations`` training episodes, so the budget is equal
 by episodes; the environment steps those episodes took (``env_steps`` in ``metrics.jsonl``) are reported too.

@@ -25,7 +25,8 @@ class PolicyUpdate:
     def __init__(self, cfg: Config, model, tokenizer, optimizer, loss_fn, dist):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.optimizer, self.loss_fn, self.dist = optimizer, loss_fn, dist
-        # a checkpointed layer is replayed in backward, which would append to a shared head's KV cache twice
+        # a checkpointed layer runs without the shared head's KV cache (transformers drops it; replaying would append
+        # to it twice), so with gradient checkpointing every row runs its whole prompt
         self.shared = cfg.policy.prefix_sharing and not cfg.train.gradient_checkpointing
 
     def __call__(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
