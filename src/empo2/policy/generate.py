@@ -58,9 +58,8 @@ def generate_batch(
         torch.manual_seed(generator_seed)
     do_sample = not greedy and temperature > 0
     with px.autocast(model, options):
-        groups = px.plan_layout(prompts, options.min_shared_tokens) if share else None
-        if share and groups is None and px.reusing_heads(model) and all(len(p) > 1 for p in prompts):
-            groups = [([i], len(p) - 1) for i, p in enumerate(prompts)]  # no shared head, but last step's may help
+        groups = px.plan_layout(prompts, options.min_shared_tokens, own_heads=px.reusing_heads(model)) \
+            if share else None
         if groups:
             new_tokens, token_logp = _decode_shared(model, tokenizer, prompts, groups, max_new_tokens,
                                                     temperature if do_sample else 0.0, top_p, top_k, row_seeds)

@@ -132,14 +132,17 @@ def worth_sharing(groups: list[tuple[list[int], int]]) -> bool:
     return any(head > 0 for _, head in groups)
 
 
-def plan_layout(prompts: Sequence[Sequence[int]], min_shared: int = 16) -> list[tuple[list[int], int]] | None:
-    """Groups ready for :func:`head_cache`, or ``None`` when no head is shared (then the plain path is as good).
+def plan_layout(prompts: Sequence[Sequence[int]], min_shared: int = 16,
+                own_heads: bool = False) -> list[tuple[list[int], int]] | None:
+    """Groups ready for :func:`head_cache`, or ``None`` when no head is shared (then the plain path is as good) and
+    ``own_heads`` is off.
 
     A row that shares nothing gets its own head (its prompt but the last token, run alone): its tail is then one
-    token, so a single long unshared prompt does not pad every row's tail to its length.
+    token, so a single long unshared prompt does not pad every row's tail to its length. ``own_heads`` lays rows out
+    so even when nothing is shared (inside :func:`reuse_heads`, a row's own head may be known from the last step).
     """
     groups = plan_groups(prompts, min_shared)
-    if not worth_sharing(groups):
+    if not worth_sharing(groups) and not (own_heads and all(len(p) > 1 for p in prompts)):
         return None
     return [(rows, head if len(rows) > 1 else len(prompts[rows[0]]) - 1) for rows, head in groups]
 

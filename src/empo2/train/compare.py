@@ -4,7 +4,8 @@ Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2
 ``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also
 sets ``algo.advantage=gigpo``). Runs go one after another, each in its own ``empo2 train`` subprocess: a crash in
 one run cannot take the others down, and the model, the environment workers (ScienceWorld JVMs) and the CUDA context
-are freed when the run ends instead of piling up in one long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``).
+are freed when the run ends instead of piling up in one long-lived process. Re-running the same command skips
+finished runs and resumes unfinished ones (``--resume``).
 
 All algorithms share ``iterations × tasks_per_batch × num_generations`` training episodes, so the budget is equal
 by episodes; the environment steps those episodes took (``env_steps`` in ``metrics.jsonl``) are reported too.
@@ -123,8 +124,15 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
     return plans
 
 
+def _split(algo: str) -> tuple[str, str]:
+    """``"empo2+gigpo"`` → ``("empo2", "gigpo")`` (EMPO² with GiGPO's advantage estimator); ``"grpo"`` →
+    ``("grpo", "")``."""
+    name, _, estimator = algo.partition("+")
+    return name, estimator
+
+
 def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
-    name, _, estimator = algo.partition("+")  # "empo2+gigpo": EMPO² with GiGPO's advantage estimator
+    name, estimator = _split(algo)
     chosen = [f"algo.name={name}"] + ([f"algo.advantage={estimator}"] if estimator else [])
     return [*chosen, f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]
 
@@ -133,7 +141,7 @@ def _check_estimator_used(algo: str, cfg: Config) -> None:
     """``gigpo+grpo`` would be labelled one thing and run another (gigpo fixes its own estimator): refuse it."""
     from empo2.algo.registry import ALGORITHMS
 
-    name, _, estimator = algo.partition("+")
+    name, estimator = _split(algo)
     if estimator and ALGORITHMS[name].estimator(cfg.algo) != estimator:
         raise ConfigError(f"--algos {algo}: algorithm {name!r} always uses the "
                           f"{ALGORITHMS[name].estimator(cfg.algo)!r} advantage; drop '+{estimator}'")
