@@ -70,7 +70,15 @@ def javas(pid: int) -> list[psutil.Process]:
         kids = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [p for p in kids if _alive(p) and p.name() == "java"]
+    return [p for p in kids if _is_java(p)]
+
+
+def _is_java(p: psutil.Process) -> bool:
+    """A live JVM; a process that exits while it is looked at is not one (a race while a run shuts down)."""
+    try:
+        return _alive(p) and p.name() == "java"
+    except psutil.NoSuchProcess:
+        return False
 
 
 def _alive(p: psutil.Process) -> bool:

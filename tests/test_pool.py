@@ -31,6 +31,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def command_of(c: psutil.Process, name_only: bool = False) -> str:
+    """Its command line (or name), or "" for a process that has exited while being looked at."""
+    try:
+        return c.name() if name_only else " ".join(c.cmdline())
+    except psutil.NoSuchProcess:
+        return ""
+
+
 def test_four_workers_play_in_parallel(pool):
     pids = pool.java_pids()
     assert len(set(pids.values())) == 4 and all(alive(p) for p in pids.values())
@@ -90,7 +98,7 @@ def test_missing_java_fails_fast_without_leaks(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     def children() -> set[int]:  # multiprocessing's own resource tracker may appear and stay; it is not ours
         return {c.pid for c in psutil.Process().children(recursive=True)
-                if alive(c.pid) and "resource_tracker" not in " ".join(c.cmdline())}
+                if alive(c.pid) and "resource_tracker" not in command_of(c)}
 
     before = children()
     with pytest.raises(EnvError, match="openjdk-17-jre-headless"):
@@ -106,6 +114,6 @@ def test_close_ends_every_jvm(pool):
     pool.close()
     assert not any(alive(p) for p in started)
     ours = [c for c in psutil.Process().children(recursive=True) if alive(c.pid)]
-    assert not [c for c in ours if "java" in c.name()]
+    assert not [c for c in ours if "java" in command_of(c, name_only=True)]
     with pytest.raises(RuntimeError, match="closed"):
         pool.step({0: "look around"})
