@@ -11,7 +11,8 @@ in chunks, and a rollout's heads reused from one step to the next). Arms alterna
 medians.
 
 1. Rollout env-steps/s at each ``--rollout-generations`` G (one task, G episodes of ``--max-steps`` steps, no memory),
-   with a third arm "no_reuse" (``policy.reuse_heads=false``: heads shared within a step only).
+   with a third arm "no_reuse" (``policy.reuse_heads=false``: heads shared within a step only). One untimed rollout
+   comes first, so no arm pays for fetching the demonstration (earlier versions charged it to the first arm, "today").
    ``--rollout-only`` stops after this part.
 2. Update tokens/s: the same rows (the last shared rollout's steps, advantages ±1) through the trainer's ``PolicyUpdate``.
 3. Peak RSS and tokens/s of the update per ``train.micro_batch_tokens`` (``--budgets``).
@@ -69,6 +70,9 @@ def bench_rollout(trainer, args, log) -> tuple[dict, list]:
     from empo2.train.rollout import run_episodes
 
     out, last = {}, None
+    set_arm(trainer, True)  # untimed: fetches the demonstration and warms the allocator, for every arm alike
+    run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * max(args.rollout_generations), temperature=1.0,
+                 reflect=False)
     for g in args.rollout_generations:
         runs = {"today": [], "no_reuse": [], "shared": []}
         for rnd in range(args.rounds):
@@ -336,6 +340,7 @@ def main() -> None:
         save()
         if not args.skip_iterations:
             grpo = make_trainer(tmp, "grpo", args, [f"algo.num_generations={args.generations}", "algo.name=grpo"])
+            grpo.ctx.demonstrations = empo2.ctx.demonstrations  # fetched by the warm-up: no arm pays for it
             res["iterations"] = bench_iterations(empo2, grpo, args, log)
     finally:
         empo2.close()

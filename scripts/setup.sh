@@ -22,6 +22,17 @@ if ! command -v java >/dev/null 2>&1 || [ "$(java_major)" -lt 11 ]; then
   fi
 fi
 
+# --- jemalloc (optional): the `empo2` command runs on it when present; an update's peak memory is ~30% lower ------
+if ! ldconfig -p 2>/dev/null | grep -q libjemalloc; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing jemalloc (lower peak memory for training)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjemalloc2 >/dev/null) \
+      || say "jemalloc not installed; empo2 runs on the system allocator (more peak memory)"
+  else
+    say "jemalloc not found; empo2 runs on the system allocator (e.g. sudo apt-get install -y libjemalloc2)"
+  fi
+fi
+
 # --- virtual environment and packages (skipped when pyproject.toml is unchanged) -------------------------------
 stamp="$VENV/.empo2-setup-$( (cat pyproject.toml; echo "$TORCH_SPEC") | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then

@@ -39,6 +39,38 @@ def command_of(c: psutil.Process, name_only: bool = False) -> str:
         return ""
 
 
+def test_a_group_fetches_its_demonstration_once(pool):
+    """The G rollouts of a group (same task and variation) share one demonstration: one worker plays the gold
+    trajectories, the others get the text from the rollout context. (Workers used to write their own, and the
+    simulator's gold path can differ from one reset to the next, so a group's prompts could differ.)"""
+    from types import SimpleNamespace
+
+    from empo2.policy.generate import Generation
+    from empo2.train.rollout import RolloutContext, run_episodes
+
+    asked = []
+    real_call = pool.call
+
+    def counting_call(i, method, *args, **kwargs):
+        asked.append(method)
+        return real_call(i, method, *args, **kwargs)
+
+    pool.call = counting_call
+    try:
+        cfg = SimpleNamespace(few_shot=1, history_window=2, max_prompt_length=1024)
+        ctx = RolloutContext(None, None, pool, None, None, "scienceworld", cfg, None)
+        look = lambda ctx, active, eps, prompts: [Generation([], [], "look around") for _ in active]  # noqa: E731
+        episodes, _ = run_episodes(ctx, [(TASK, 3, 0, "on")] * 4, temperature=1.0, reflect=False, actions=look)
+        assert asked.count("demonstration") == 1
+        (key, demo), = ctx.demonstrations.items()
+        assert key == (TASK, 3, 1) and demo.startswith("Task:") and demo.count("\n> ") >= 2
+        assert all(not ep.failed and ep.steps for ep in episodes)
+        run_episodes(ctx, [(TASK, 3, 0, "on")] * 2, temperature=1.0, reflect=False, actions=look)
+        assert asked.count("demonstration") == 1  # the next rollout asks no worker again
+    finally:
+        pool.call = real_call
+
+
 def test_four_workers_play_in_parallel(pool):
     pids = pool.java_pids()
     assert len(set(pids.values())) == 4 and all(alive(p) for p in pids.values())

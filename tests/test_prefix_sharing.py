@@ -123,6 +123,32 @@ def test_shared_greedy_generation_equals_plain_tiny():
         np.testing.assert_allclose(s.logprobs, lp[i, : len(s.ids)].detach().numpy(), atol=1e-5)
 
 
+def test_cache_with_room_appends_in_place_and_holds_the_same_keys():
+    """``make_cache(room=n)`` (decoding) writes n appended tokens into spare capacity instead of re-copying the cache;
+    past its room it grows; at every step its keys and values equal a plain DynamicCache's, and a model forward over
+    it gives the same logits."""
+    model = tiny_lm(7)
+    g = torch.Generator().manual_seed(7)
+    layers = [(torch.randn(2, 2, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)) for _ in range(2)]
+    roomy, plain = px.make_cache(model, layers, room=3), px.make_cache(model, layers)
+    buffers = [layer._keys.data_ptr() for layer in roomy.layers]
+    for step in range(5):  # appends 1..3 fit, 4 and 5 grow the buffers
+        new = [(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)) for _ in range(2)]
+        for i, (k, v) in enumerate(new):
+            for cache in (roomy, plain):
+                cache.update(k, v, i)
+        same_buffers = [layer._keys.data_ptr() for layer in roomy.layers] == buffers
+        assert same_buffers == (step < 3), step
+        for a, b in zip(roomy.layers, plain.layers):
+            assert a.keys.shape[2] == b.keys.shape[2] == 6 + step
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    ids = torch.randint(3, 256, (2, 4), generator=g)
+    pos = torch.arange(10, 14).repeat(2, 1)
+    logits = [model(input_ids=ids, position_ids=pos, use_cache=True, **px.cache_kwargs(c)).logits
+              for c in (roomy, plain)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
+
+
 def test_reused_heads_generate_the_same_and_skip_known_tokens():
     """Inside ``reuse_heads`` a generation call runs only what follows the previous call's heads (the next steps of
     the same episodes), and greedy tokens and behaviour log-probs equal a fresh computation."""

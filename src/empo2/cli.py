@@ -38,6 +38,8 @@ def _config_error(message: str):
 def cmd_train(args) -> int:
     from rich.console import Console
 
+    from empo2 import allocator
+
     from empo2.config import Config
     from empo2.envs.factory import env_label
     from empo2.memory.schema import check_file
@@ -75,7 +77,7 @@ def cmd_train(args) -> int:
         clear_run_folder(run_dir)  # a fresh run: no stale memory, checkpoints or metrics from the previous one
     console.print(f"[bold]empo2 train[/bold] algo={method_label(cfg)} env={env_label(cfg)} tasks={_tasks_text(cfg)} "
                   f"model={cfg.policy.model} G={cfg.algo.num_generations} iterations={cfg.train.iterations} "
-                  f"→ {run_dir}")
+                  f"malloc={allocator.active()} → {run_dir}")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
     if not main_rank:
         try:
@@ -400,5 +402,13 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+def entry() -> None:
+    """The ``empo2`` console script: :func:`main` on jemalloc when the machine has it (:mod:`empo2.allocator`)."""
+    from empo2.allocator import reexec_with_jemalloc
+
+    reexec_with_jemalloc()
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

@@ -120,8 +120,8 @@ def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperatur
     Returns ``(tokens [B, N], logp [B, N])``; rows that finished keep receiving the pad token (as in ``generate``).
     """
     device = next(model.parameters()).device
-    cache, head_mask = px.head_cache(model, prompts, groups)  # head_mask [B, H]
     ids, mask, pos = px.tail_batch(prompts, groups, tokenizer.pad_token_id, device)  # [B, S] each
+    cache, head_mask = px.head_cache(model, prompts, groups, room=ids.shape[1] + max_new_tokens)  # head_mask [B, H]
     mask = torch.cat([head_mask, mask], dim=1)  # [B, H + S]
     next_pos = torch.tensor([len(p) for p in prompts], device=device)  # [B]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)

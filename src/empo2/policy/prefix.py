@@ -21,6 +21,7 @@ are attached to the model object, so ``generate_batch`` / ``response_logprobs`` 
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -148,11 +149,58 @@ def plan_layout(prompts: Sequence[Sequence[int]], min_shared: int = 16,
 
 
 # ----------------------------------------------------------------------------------------------- head cache
-def make_cache(model, layers: list[tuple[torch.Tensor, torch.Tensor]]):
-    """A transformers DynamicCache holding the given per-layer (keys, values) [B, kv_heads, T, head_dim]."""
+def make_cache(model, layers: list[tuple[torch.Tensor, torch.Tensor]], room: int = 0):
+    """A transformers DynamicCache holding the given per-layer (keys, values) [B, kv_heads, T, head_dim].
+
+    With ``room`` > 0 (decoding, no grad) each layer keeps space for that many more tokens, so a decoding step
+    writes its keys in place: a plain DynamicLayer concatenates, copying the whole cache at every step and layer,
+    which was a third of a decoding step's time on a 2-core CPU.
+    """
     from transformers import DynamicCache
 
-    return DynamicCache(ddp_cache_data=layers, config=getattr(model, "config", None))
+    config = getattr(model, "config", None)
+    if room <= 0 or _roomy_layer_class() is None:
+        return DynamicCache(ddp_cache_data=layers, config=config)
+    cache = DynamicCache(config=config)
+    cache.layers = [_roomy_layer_class()(k, v, room) for k, v in layers]
+    return cache
+
+
+@functools.cache
+def _roomy_layer_class():
+    """The class of :func:`make_cache`'s layers (built on first use: transformers is imported lazily here, and
+    versions before 4.56 have no cache layers, so they get ``None`` and a plain cache)."""
+    try:
+        from transformers.cache_utils import DynamicLayer
+    except ImportError:
+        return None
+
+    class RoomyLayer(DynamicLayer):
+        """A DynamicLayer whose keys and values are views into buffers with spare capacity; appends write in place
+        (the buffers double when full)."""
+
+        def __init__(self, keys: torch.Tensor, values: torch.Tensor, room: int):
+            super().__init__()
+            self.device, self.is_initialized, self.length = keys.device, True, 0
+            self._keys = keys.new_empty(keys.shape[:2] + (keys.shape[2] + room, keys.shape[3]))
+            self._values = values.new_empty(values.shape[:2] + (values.shape[2] + room, values.shape[3]))
+            self.update(keys, values)
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            end = self.length + key_states.shape[-2]
+            if end > self._keys.shape[-2]:  # out of room: double the buffers
+                size = max(end, 2 * self._keys.shape[-2])
+                self._keys, self._values = (
+                    torch.cat([buf[:, :, :self.length], buf.new_empty(buf.shape[:2] + (size - self.length,
+                                                                                      buf.shape[3]))], dim=-2)
+                    for buf in (self._keys, self._values))
+            self._keys[:, :, self.length:end] = key_states
+            self._values[:, :, self.length:end] = value_states
+            self.length = end
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+    return RoomyLayer
 
 
 def cache_kwargs(cache) -> dict:
@@ -175,11 +223,11 @@ def _layer_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(cache.key_cache[i], cache.value_cache[i]) for i in range(len(cache.key_cache))]  # transformers 4.x
 
 
-def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[int], int]]):
+def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[int], int]], room: int = 0):
     """Run each group's head once and lay it out for all rows: returns ``(cache, head_mask [B, H])``.
 
     Autograd flows through the copies, so with grad enabled the head's parameters get the sum of every row's
-    gradient, as if each row had run it.
+    gradient, as if each row had run it. ``room``: tokens the cache will grow by without copying (:func:`make_cache`).
     """
     device = next(model.parameters()).device
     b, width = len(prompts), max(head for _, head in groups)
@@ -208,7 +256,7 @@ def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[
             for r in rows:
                 row_k[r], row_v[r] = k, v
         layers.append((torch.cat(row_k), torch.cat(row_v)))  # [B, kv_heads, H, head_dim]
-    return make_cache(model, layers), head_mask
+    return make_cache(model, layers, room), head_mask
 
 
 def _head_kv(model, ids: list[int], memo: list | None, device) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -127,6 +127,9 @@ class RolloutContext:
     memory_sync: Any = None
     """Data-parallel hook ``(uses, adds, step) -> (uses, adds, step)``: every rank's memory operations in global
     order (see :mod:`empo2.train.distributed`); ``None`` = apply this process's operations directly."""
+    demonstrations: dict = field(default_factory=dict)
+    """(task, variation, shots) → demonstration text, fetched once for all workers (a ScienceWorld worker plays the
+    gold trajectories to write one: ~1.6 s each on this CPU, and the G rollouts of a group ask for the same one)."""
 
 
 ActionSource = Callable[[RolloutContext, list[int], list[Episode], list[list[int]]], list[Generation]]
@@ -220,13 +223,23 @@ def _reset(ctx: RolloutContext, episodes: list[Episode]) -> dict[int, PromptPart
             continue
         obs, info = res
         ep.task_description = info.get("task_description") or call_worker(ctx.pool, ep, i, "task_description")
-        demo = call_worker(ctx.pool, ep, i, "demonstration", ep.task, ep.variation, pcfg.few_shot) \
-            if pcfg.few_shot > 0 else ""
+        demo = _demonstration(ctx, ep, i)
         if ep.failed:
             continue
         parts[i] = PromptParts(env=ctx.env_name, task=ep.task_description, observation=obs, initial_observation=obs,
                                demonstration=demo, hints=hints_text(info))
     return parts
+
+
+def _demonstration(ctx: RolloutContext, ep: Episode, i: int) -> str:
+    shots = ctx.policy_cfg.few_shot
+    key = (ep.task, ep.variation, shots)
+    if shots > 0 and key not in ctx.demonstrations:
+        demo = call_worker(ctx.pool, ep, i, "demonstration", ep.task, ep.variation, shots)
+        if ep.failed:
+            return ""
+        ctx.demonstrations[key] = demo
+    return ctx.demonstrations.get(key, "")
 
 
 def _retrieve(ctx: RolloutContext, episodes: list[Episode], parts: dict[int, PromptParts], active: list[int]):
