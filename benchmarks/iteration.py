@@ -307,6 +307,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None,
                     help=f"default {RESULTS.name}; with --rollout-only {ROLLOUT_RESULTS.name} (in {RESULTS.parent})")
     args = ap.parse_args()
+    from empo2.allocator import active, reexec_with_jemalloc
+
+    reexec_with_jemalloc()  # as the `empo2` command does (peak RSS figures are what a user gets)
     args.out = args.out or (ROLLOUT_RESULTS if args.rollout_only else RESULTS)
     if args.threads:
         import torch
@@ -317,7 +320,7 @@ def main() -> None:
     t0 = time.perf_counter()
     res = {"benchmark": "iteration", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "uptime_start": uptime(), "loadavg_start": loadavg()}
+           "uptime_start": uptime(), "loadavg_start": loadavg(), "malloc": active()}
     tmp = Path(tempfile.mkdtemp(prefix="iteration_bench_"))
     g_max = max(args.rollout_generations + [args.generations])
     empo2 = make_trainer(tmp, "empo2", args, [f"algo.num_generations={g_max}", "algo.p_memory=1.0",

@@ -39,7 +39,6 @@ def cmd_train(args) -> int:
     from rich.console import Console
 
     from empo2 import allocator
-
     from empo2.config import Config
     from empo2.envs.factory import env_label
     from empo2.memory.schema import check_file

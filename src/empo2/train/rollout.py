@@ -213,7 +213,6 @@ def _timed(stats: dict[str, float], key: str):
 
 def _reset(ctx: RolloutContext, episodes: list[Episode]) -> dict[int, PromptParts]:
     """Reset every episode's worker; fetch its task description and demonstration. Failed resets end the episode."""
-    pcfg = ctx.policy_cfg
     parts: dict[int, PromptParts] = {}
     resets = ctx.pool.reset([(i, ep.task, ep.variation) for i, ep in enumerate(episodes)])
     for i, ep in enumerate(episodes):
@@ -232,6 +231,7 @@ def _reset(ctx: RolloutContext, episodes: list[Episode]) -> dict[int, PromptPart
 
 
 def _demonstration(ctx: RolloutContext, ep: Episode, i: int) -> str:
+    """The group's demonstration: asked of worker ``i`` the first time only (see ``RolloutContext.demonstrations``)."""
     shots = ctx.policy_cfg.few_shot
     key = (ep.task, ep.variation, shots)
     if shots > 0 and key not in ctx.demonstrations:
