@@ -1,10 +1,10 @@
 """Run the ``empo2`` command on jemalloc when the machine has it (``scripts/setup.sh`` installs ``libjemalloc2``).
 
 An update's forward/backward allocates and frees hundreds of activation tensors of many sizes. glibc's malloc keeps
-much of that freed memory in fragmented arenas: on the main job's micro-batches the process peaked at 5.2 GB on glibc
-and 3.6 GB on jemalloc, which was also 7–11% faster (``benchmarks/allocator.py``). The allocator has to be chosen
-before the process starts, so the command re-executes itself once with ``LD_PRELOAD`` set. ``EMPO2_ALLOCATOR=system``
-keeps glibc's malloc; a ``MALLOC_CONF`` of your own replaces :data:`MALLOC_CONF`.
+much of that freed memory in fragmented arenas: on the main job's micro-batches the process peaked at 5.2–5.3 GB on
+glibc and 3.2 GB on jemalloc (``benchmarks/allocator.py``, three runs; time 0.91–1.09× glibc's on shared rows). The
+allocator has to be chosen before the process starts, so the command re-executes itself once with ``LD_PRELOAD`` set.
+``EMPO2_ALLOCATOR=system`` keeps glibc's malloc; a ``MALLOC_CONF`` of your own replaces :data:`MALLOC_CONF`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import ctypes.util
 import os
 import sys
 
-MALLOC_CONF = "oversize_threshold:0,dirty_decay_ms:-1,muzzy_decay_ms:-1"
-"""Freed pages stay with the process for the next micro-batch: returning them (jemalloc's default, and at once for the
-large blocks that most activations are) made each big tensor fault its pages in again, up to 28% slower updates.
-The peak, which is what runs out, stays ~30% below glibc's."""
+MALLOC_CONF = "oversize_threshold:0,background_thread:true"
+"""Large blocks (most activations) share the normal arenas, whose freed pages a background thread returns after
+jemalloc's usual delay; by default they get an arena that returns them at once, so each big tensor faulted its pages in
+again. Keeping pages for good (``dirty_decay_ms:-1``) was faster on one update but let a whole training run grow to
+7.2 GB, as pages freed by one phase (rollout, update) did not fit the next."""
 
 
 def jemalloc_library() -> str | None:
