@@ -1,8 +1,8 @@
 """Run the ``empo2`` command on jemalloc when the machine has it (``scripts/setup.sh`` installs ``libjemalloc2``).
 
 An update's forward/backward allocates and frees hundreds of activation tensors of many sizes. glibc's malloc keeps
-much of that freed memory in fragmented arenas: on the main job's micro-batches the process peaked at 5.2–5.3 GB on
-glibc and 3.2 GB on jemalloc (``benchmarks/allocator.py``, three runs; time 0.91–1.09× glibc's on shared rows). The
+much of that freed memory in fragmented arenas: on the main job's micro-batches the process peaked at 5.2–5.4 GB on
+glibc and 3.2 GB on jemalloc (``benchmarks/allocator.py``, four runs; time 0.89–1.09× glibc's on shared rows). The
 allocator has to be chosen before the process starts, so the command re-executes itself once with ``LD_PRELOAD`` set.
 ``EMPO2_ALLOCATOR=system`` keeps glibc's malloc; a ``MALLOC_CONF`` of your own replaces :data:`MALLOC_CONF`.
 """
