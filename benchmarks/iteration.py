@@ -17,7 +17,9 @@ medians.
 2. Update tokens/s: the same rows (the last shared rollout's steps, advantages ±1) through the trainer's ``PolicyUpdate``.
 3. Peak RSS and tokens/s of the update per ``train.micro_batch_tokens`` (``--budgets``).
 4. A whole EMPO² iteration (modes forced to ``on_tips``) today vs shared, with the trainer's per-iteration peak RSS.
-5. EMPO² ``on_tips`` iteration vs GRPO iteration (both shared), and the reflection's share of the EMPO² iteration.
+5. EMPO² ``on_tips`` iteration vs GRPO iteration (both shared), and the reflection's share of the EMPO² iteration;
+   a fourth arm, "empo2_overlap", writes the tips while the update trains (``memory.overlap_reflection``; its
+   "reflection" column is the wait for them after the update). ``--iterations-only`` runs parts 4 and 5 alone.
 6. First-mini-batch |ratio − 1| (median, p99) with ``policy.autocast`` none (float32) and bfloat16: behaviour
    log-probs from a rollout, training log-probs of the same rows in ``train()`` mode, same numerics.
 
@@ -180,8 +182,9 @@ def run_iteration(trainer, it: int, timer: ReflectTimer, label: str, log) -> dic
     t = time.perf_counter()
     rec = trainer.iteration(it)
     whole = time.perf_counter() - t
+    reflection = timer.seconds if trainer.reflection is None else rec["time"]["memory"]  # overlap: the wait
     row = {"whole": whole, "rollout": rec["time"]["rollout"], "update": rec["time"]["update"],
-           "reflection": timer.seconds, "peak_rss_gb": rec["memory_peak_rss_gb"], "modes": rec["modes"],
+           "reflection": reflection, "peak_rss_gb": rec["memory_peak_rss_gb"], "modes": rec["modes"],
            "steps": rec["train"]["steps_mean"], "update_tokens": rec["loss"].get("tokens", 0)}
     log(f"[iter] {label:14s} it {it}: whole {whole:6.1f}s rollout {row['rollout']:6.1f}s (reflection "
         f"{row['reflection']:.1f}s) update {row['update']:6.1f}s peak RSS {row['peak_rss_gb']:.2f} GB")
@@ -224,23 +227,41 @@ def bench_ratio(trainer, episodes, args, log) -> dict:
     return out
 
 
+def set_overlap(trainer, on: bool) -> None:
+    """``memory.overlap_reflection`` on or off for a built trainer (what its constructor would have made)."""
+    from functools import partial
+
+    from empo2.policy.loader import autocast_context
+    from empo2.train.overlap import BackgroundReflection
+
+    if on and trainer.reflection is None:
+        trainer.reflection = BackgroundReflection(trainer.model, trainer.ctx.backend,
+                                                  partial(autocast_context, trainer.model, "none"))
+    elif not on and trainer.reflection is not None:
+        trainer.reflection.close()
+        trainer.reflection = None
+
+
 def bench_iterations(empo2, grpo, args, log) -> dict:
     timer = ReflectTimer()
     empo2.cfg.algo.num_generations = args.generations
-    rows = {"empo2_today": [], "empo2_shared": [], "grpo_shared": []}
+    rows = {"empo2_today": [], "empo2_shared": [], "empo2_overlap": [], "grpo_shared": []}
     set_arm(empo2, True)
     run_iteration(empo2, 0, timer, "warm-up empo2", log)  # writes the tips later iterations retrieve
     arms = list(rows)
     for i in range(args.iterations):
         for arm in (arms if i % 2 == 0 else arms[::-1]):
             trainer = grpo if arm.startswith("grpo") else empo2
-            set_arm(trainer, arm.endswith("shared"))
-            rows[arm].append(run_iteration(trainer, 1 + 3 * i + arms.index(arm), timer, arm, log))
+            set_arm(trainer, not arm.endswith("today"))
+            set_overlap(empo2, arm == "empo2_overlap")
+            rows[arm].append(run_iteration(trainer, 1 + len(arms) * i + arms.index(arm), timer, arm, log))
+    set_overlap(empo2, False)
     med = {arm: {k: median([r[k] for r in rs]) for k in ("whole", "rollout", "update", "reflection", "peak_rss_gb")}
            for arm, rs in rows.items()}
-    e, t, g = med["empo2_shared"], med["empo2_today"], med["grpo_shared"]
+    e, t, g, o = med["empo2_shared"], med["empo2_today"], med["grpo_shared"], med["empo2_overlap"]
     return {"runs": rows, "median": med, "shared_over_today": e["whole"] / t["whole"],
             "memory_over_grpo": e["whole"] / g["whole"], "reflection_share": e["reflection"] / e["whole"],
+            "overlap_over_blocking": o["whole"] / e["whole"], "overlap_memory_over_grpo": o["whole"] / g["whole"],
             "peak_rss_gb_max_shared": max(max(r["peak_rss_gb"] for r in rows[a]) for a in ("empo2_shared",
                                                                                             "grpo_shared"))}
 
@@ -258,19 +279,23 @@ def rollout_table(rollout: dict) -> list[str]:
 
 def table(res: dict) -> str:
     ok = lambda cond: "PASS" if cond else "MISS"  # noqa: E731
-    lines = rollout_table(res["rollout"])
-    u = res["update"]
-    lines += ["", f"Update tokens/s                                                {u['today_tokens_per_s']:6.1f}  "
-                  f"{u['shared_tokens_per_s']:6.1f}  {u['speedup']:6.2f}x  target >= 2x {ok(u['speedup'] >= 2)}"]
-    if res.get("budgets"):
-        lines += ["", "Update by train.micro_batch_tokens    tokens/s  peak RSS GB"]
-        lines += [f"  {b:>34s}  {r['tokens_per_s']:8.1f}  {r['peak_rss_gb']:6.2f}" for b, r in res["budgets"].items()]
-    if "bfloat16_tokens_per_s" in u:
-        lines.append(f"  one episode's rows, shared: float32 {u['float32_tokens_per_s']:.1f} tokens/s, bfloat16 autocast "
-                     f"{u['bfloat16_tokens_per_s']:.1f} tokens/s")
+    lines = []
+    if "rollout" in res:
+        lines += rollout_table(res["rollout"])
+        u = res["update"]
+        lines += ["", f"Update tokens/s                                                {u['today_tokens_per_s']:6.1f}  "
+                      f"{u['shared_tokens_per_s']:6.1f}  {u['speedup']:6.2f}x  target >= 2x {ok(u['speedup'] >= 2)}"]
+        if res.get("budgets"):
+            lines += ["", "Update by train.micro_batch_tokens    tokens/s  peak RSS GB"]
+            lines += [f"  {b:>34s}  {r['tokens_per_s']:8.1f}  {r['peak_rss_gb']:6.2f}"
+                      for b, r in res["budgets"].items()]
+        if "bfloat16_tokens_per_s" in u:
+            lines.append(f"  one episode's rows, shared: float32 {u['float32_tokens_per_s']:.1f} tokens/s, bfloat16 "
+                         f"autocast {u['bfloat16_tokens_per_s']:.1f} tokens/s")
+        lines.append("")
     it = res["iterations"]
     m = it["median"]
-    lines += ["", "Whole iterations (median s)       whole  rollout  reflection  update  peak RSS GB"]
+    lines += ["Whole iterations (median s)       whole  rollout  reflection  update  peak RSS GB"]
     for arm, r in m.items():
         lines.append(f"  {arm:30s} {r['whole']:6.1f}  {r['rollout']:6.1f}  {r['reflection']:9.1f}  {r['update']:6.1f}"
                      f"  {r['peak_rss_gb']:6.2f}")
@@ -279,12 +304,15 @@ def table(res: dict) -> str:
               f"  on_tips iteration / GRPO         {it['memory_over_grpo']:.2f}   target <= 1.10 "
               f"{ok(it['memory_over_grpo'] <= 1.10)}",
               f"  reflection share of EMPO² iter.  {100 * it['reflection_share']:.0f}%",
+              f"  overlap / blocking reflection    {it['overlap_over_blocking']:.2f}   (on_tips with overlap / GRPO "
+              f"{it['overlap_memory_over_grpo']:.2f})",
               f"  peak RSS (shared arms, max)      {it['peak_rss_gb_max_shared']:.2f} GB  target <= 3 GB "
-              f"{ok(it['peak_rss_gb_max_shared'] <= 3)}", "",
-              "First-mini-batch |ratio - 1|       median      p99"]
-    for dtype, r in res["ratio"].items():
-        lines.append(f"  {dtype:30s} {r['median']:.2e}  {r['p99']:.2e}  (generate {r['generate_s']:.1f}s, "
-                     f"log-probs {r['logprob_s']:.1f}s)")
+              f"{ok(it['peak_rss_gb_max_shared'] <= 3)}"]
+    if "ratio" in res:
+        lines += ["", "First-mini-batch |ratio - 1|       median      p99"]
+        for dtype, r in res["ratio"].items():
+            lines.append(f"  {dtype:30s} {r['median']:.2e}  {r['p99']:.2e}  (generate {r['generate_s']:.1f}s, "
+                         f"log-probs {r['logprob_s']:.1f}s)")
     lines += ["", f"load: {res['uptime_start']}  ->  {res['uptime_end']} (wall {res['wall_s']:.0f}s)"]
     return "\n".join(lines)
 
@@ -302,6 +330,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-iterations", action="store_true")
     ap.add_argument("--rollout-only", action="store_true", help="only part 1 (the rollout arms)")
+    ap.add_argument("--iterations-only", action="store_true", help="only parts 4 and 5 (whole iterations)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default); on a machine "
                     "loaded by other jobs 1 thread avoids stalls at every parallel region")
     ap.add_argument("--out", type=Path, default=None,
@@ -310,7 +339,8 @@ def main() -> None:
     from empo2.allocator import active, reexec_with_jemalloc
 
     reexec_with_jemalloc()  # as the `empo2` command does (peak RSS figures are what a user gets)
-    args.out = args.out or (ROLLOUT_RESULTS if args.rollout_only else RESULTS)
+    args.out = args.out or (ROLLOUT_RESULTS if args.rollout_only else
+                            RESULTS.with_name("iteration_whole.json") if args.iterations_only else RESULTS)
     if args.threads:
         import torch
 
@@ -329,18 +359,19 @@ def main() -> None:
     save = lambda: args.out.write_text(json.dumps(res, indent=2))  # noqa: E731  (partial results survive)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        res["rollout"], episodes = bench_rollout(empo2, args, log)
-        save()
-        if args.rollout_only:
-            print("\n" + "\n".join(rollout_table(res["rollout"])))
-            return
-        res["budgets"] = bench_budgets(empo2, episodes, args.budgets, log)
-        save()
-        res["update"] = bench_update(empo2, episodes, args, log)
-        save()
-        res["update"].update(bench_bf16_update(empo2, episodes, log))
-        res["ratio"] = bench_ratio(empo2, episodes, args, log)
-        save()
+        if not args.iterations_only:
+            res["rollout"], episodes = bench_rollout(empo2, args, log)
+            save()
+            if args.rollout_only:
+                print("\n" + "\n".join(rollout_table(res["rollout"])))
+                return
+            res["budgets"] = bench_budgets(empo2, episodes, args.budgets, log)
+            save()
+            res["update"] = bench_update(empo2, episodes, args, log)
+            save()
+            res["update"].update(bench_bf16_update(empo2, episodes, log))
+            res["ratio"] = bench_ratio(empo2, episodes, args, log)
+            save()
         if not args.skip_iterations:
             grpo = make_trainer(tmp, "grpo", args, [f"algo.num_generations={args.generations}", "algo.name=grpo"])
             grpo.ctx.demonstrations = empo2.ctx.demonstrations  # fetched by the warm-up: no arm pays for it

@@ -136,6 +136,10 @@ class MemoryConfig:
     """Weight of the (normalised) utility in retrieval ranking; 0 = pure similarity."""
     reflect_in_on_mode: bool = True
     """Also write a tip after ``on`` (memory-free) episodes, as the released code does."""
+    overlap_reflection: bool | None = None
+    """Generate an iteration's end-of-episode tips on a second thread while the update trains (same tips and memory
+    as writing them before the update). ``null`` = on where generation has its own weights (``policy.backend:
+    vllm``) or runs on a GPU; off on a CPU, where both halves compete for the same cores."""
     embedder: str = "all-minilm-l6-v2"
     """Sentence embedder: the bundled offline MiniLM, or a sentence-transformers id/path."""
     seed_from: str | None = None

@@ -156,12 +156,14 @@ def run_episodes(
     progress=None,
     actions: ActionSource | None = None,
     on_step: Callable[[Episode], None] | None = None,
+    write_memory: bool = True,
 ) -> tuple[list[Episode], dict[str, float]]:
     """Play ``specs`` = [(task, variation, group, mode)] to the end in parallel; pool size must be ≥ len(specs).
 
     Each step: retrieve tips (memory modes) → render prompts → generate (or ask ``actions``) → step the environments.
     At the end each episode reflects into memory when ``reflect`` (default: memory mode, or
-    ``memory.reflect_in_on_mode``). ``on_step(episode)`` is called after each step (``empo2 play`` prints with it).
+    ``memory.reflect_in_on_mode``), unless ``write_memory`` is false (the caller reflects later, see
+    :mod:`empo2.train.overlap`). ``on_step(episode)`` is called after each step (``empo2 play`` prints with it).
     Returns the episodes and timing/token stats.
     """
     actions = actions or model_actions(temperature, greedy)
@@ -176,7 +178,7 @@ def run_episodes(
         parts = _reset(ctx, episodes)
     with reuse_heads(ctx.model):  # weights are fixed during a rollout: last step's prompt heads stay valid
         _play(ctx, episodes, parts, actions, stats, progress, on_step)
-    if ctx.memory is not None:
+    if ctx.memory is not None and write_memory:
         with _timed(stats, "memory_time"):
             _reflect_and_update(ctx, episodes, reflect)
     return episodes, stats
@@ -332,7 +334,42 @@ def _row_seeds(ctx: RolloutContext, episodes: list[Episode], turn: int | None = 
 
 def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: bool | None) -> None:
     """Each finished episode writes one tip (batched generation) and updates the utility of the tips it used."""
-    uses, adds = memory_ops(ctx, episodes, reflect)
+    uses, writers = memory_plan(ctx, episodes, reflect)
+    write_memory_ops(ctx, episodes, memory_ops(ctx, uses, writers, write_tips(ctx, writers)))
+
+
+def memory_plan(ctx: RolloutContext, episodes: list[Episode], reflect: bool | None) -> tuple[list, list[Episode]]:
+    """What the finished ``episodes`` will do to memory: ``uses``, as ``((group, member), (tip ids, score))`` pairs
+    in episode order, and the episodes that write a tip (``reflect``; default: memory modes, or
+    ``memory.reflect_in_on_mode``)."""
+    uses = [((ep.group, ep.member), (used, ep.score)) for ep in episodes
+            if not ep.failed and (used := sorted({tid for s in ep.steps for tid in s.tip_ids}))]
+    writers = [ep for ep in episodes if not ep.failed and ep.steps and (
+        reflect if reflect is not None else (ep.mode in MEMORY_MODES or ctx.memory_cfg.reflect_in_on_mode))]
+    return uses, writers
+
+
+def memory_ops(ctx: RolloutContext, uses: list, writers: list[Episode], tips: list[str]) -> tuple[list, list]:
+    """``uses`` and one add operation per writer (its tip, key and embeddings), as ``((group, member), op)`` pairs."""
+    if not writers:
+        return uses, []
+    # A tip's key is the state it is about: the state of the episode's last action, where it ended or went wrong.
+    # (Keying every tip by the episode's first state made all keys of a task identical, so retrieval could not rank.)
+    last = [ep.steps[-1] for ep in writers]
+    missing = [s for s in last if s.state_embedding is None]
+    for s, emb in zip(missing, ctx.embedder.encode([s.state_text for s in missing])):
+        s.state_embedding = emb
+    tip_embs = ctx.embedder.encode([t or " " for t in tips])
+    return uses, [((ep.group, ep.member), {
+        "namespace": namespace_of(ep.task, ep.variation, ctx.memory_cfg.namespace), "tip_text": tip,
+        "key_embedding": key.state_embedding, "key_text": key.state_text, "score": ep.score,
+        "context_texts": [ep.task_description] + [s.observation for s in ep.steps[-3:]], "tip_embedding": temb,
+    }) for ep, tip, key, temb in zip(writers, tips, last, tip_embs)]
+
+
+def write_memory_ops(ctx: RolloutContext, episodes: list[Episode], ops: tuple[list, list]) -> None:
+    """Apply the operations (``memory_ops``) to memory and note on each episode the tip it wrote or had rejected."""
+    uses, adds = ops
     step = ctx.step_counter
     if ctx.memory_sync is not None:  # data parallel: every rank applies all ranks' operations, in global order
         uses, adds, step = ctx.memory_sync(uses, adds, step)
@@ -343,34 +380,6 @@ def _reflect_and_update(ctx: RolloutContext, episodes: list[Episode], reflect: b
             mine[key].tip_written = op["tip_text"]
         elif key in mine:
             mine[key].tip_rejected = result.reason
-
-
-def memory_ops(ctx: RolloutContext, episodes: list[Episode], reflect: bool | None) -> tuple[list, list]:
-    """The memory operations of finished episodes, as ``((group, member), op)`` pairs in episode order.
-
-    ``uses``: the tips each episode was shown and its score; ``adds``: one reflection per writing episode (generated
-    here, batched) with its key and tip embeddings.
-    """
-    mcfg = ctx.memory_cfg
-    uses = [((ep.group, ep.member), (used, ep.score)) for ep in episodes
-            if not ep.failed and (used := sorted({tid for s in ep.steps for tid in s.tip_ids}))]
-    writers = [ep for ep in episodes if not ep.failed and ep.steps and (
-        reflect if reflect is not None else (ep.mode in MEMORY_MODES or mcfg.reflect_in_on_mode))]
-    if not writers:
-        return uses, []
-    tips = write_tips(ctx, writers)
-    # A tip's key is the state it is about: the state of the episode's last action, where it ended or went wrong.
-    # (Keying every tip by the episode's first state made all keys of a task identical, so retrieval could not rank.)
-    last = [ep.steps[-1] for ep in writers]
-    missing = [s for s in last if s.state_embedding is None]
-    for s, emb in zip(missing, ctx.embedder.encode([s.state_text for s in missing])):
-        s.state_embedding = emb
-    tip_embs = ctx.embedder.encode([t or " " for t in tips])
-    return uses, [((ep.group, ep.member), {
-        "namespace": namespace_of(ep.task, ep.variation, mcfg.namespace), "tip_text": tip,
-        "key_embedding": key.state_embedding, "key_text": key.state_text, "score": ep.score,
-        "context_texts": [ep.task_description] + [s.observation for s in ep.steps[-3:]], "tip_embedding": temb,
-    }) for ep, tip, key, temb in zip(writers, tips, last, tip_embs)]
 
 
 def apply_memory_ops(memory, uses: list, adds: list, step: int) -> list:
@@ -386,18 +395,35 @@ def apply_memory_ops(memory, uses: list, adds: list, step: int) -> list:
                        tip_embedding=op["tip_embedding"]) for _, op in adds]
 
 
-def write_tips(ctx: RolloutContext, episodes: list[Episode]) -> list[str]:
-    """One reflection per episode, in one batched generation (``policy.reflection_temperature``)."""
-    pcfg = ctx.policy_cfg
+def reflection_prompts(ctx: RolloutContext, episodes: list[Episode]) -> list[list[int]]:
+    """The token ids of each episode's reflection prompt."""
     prompts = []
     for ep in episodes:
         messages = reflection_messages(ep.task_description, [(s.action, s.observation) for s in ep.steps], ep.score,
                                        max_words=ctx.memory_cfg.max_tip_words)
         ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    gens = _generate(ctx, prompts, pcfg.reflection_max_tokens, temperature=pcfg.reflection_temperature,
-                     top_p=pcfg.top_p, top_k=pcfg.top_k, row_seeds=_row_seeds(ctx, episodes, turn=-1))
-    return [parse_tip(g.text) for g in gens]
+    return prompts
+
+
+def reflection_job(ctx: RolloutContext, episodes: list[Episode]) -> Callable[..., list[str]]:
+    """Everything a reflection needs from ``ctx`` now (prompts, per-row seeds), as a call that generates the tips
+    with the given ``generate`` (``_generate``'s signature, minus ``ctx``)."""
+    if not episodes:
+        return lambda generate: []
+    pcfg, prompts, seeds = ctx.policy_cfg, reflection_prompts(ctx, episodes), _row_seeds(ctx, episodes, turn=-1)
+
+    def run(generate) -> list[str]:
+        gens = generate(prompts, pcfg.reflection_max_tokens, temperature=pcfg.reflection_temperature,
+                        top_p=pcfg.top_p, top_k=pcfg.top_k, row_seeds=seeds)
+        return [parse_tip(g.text) for g in gens]
+
+    return run
+
+
+def write_tips(ctx: RolloutContext, episodes: list[Episode]) -> list[str]:
+    """One reflection per episode, in one batched generation (``policy.reflection_temperature``)."""
+    return reflection_job(ctx, episodes)(lambda *args, **kwargs: _generate(ctx, *args, **kwargs))
 
 
 def episode_record(ep: Episode, tokenizer, max_steps: int = 50) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import shutil
 import time
 import zlib
 from collections import Counter
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from empo2.train import distributed as dp
 from empo2.train.evaluate import evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
 from empo2.train.metrics import MetricsLog, iteration_line, peak_rss_gb, plot_run, reset_peak_rss
+from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.rollout import Episode, RolloutContext, episode_record, run_episodes
 from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler
@@ -106,6 +108,10 @@ class Trainer:
                                             resolve_model_path(cfg.policy.model),
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed)
             self.ctx.backend.sync_weights(self.model)
+        self.reflection = None
+        if self.use_memory and overlap_wanted(cfg.memory.overlap_reflection, self.model, self.ctx.backend):
+            self.reflection = BackgroundReflection(self.model, self.ctx.backend,
+                                                   partial(autocast_context, self.model, cfg.policy.autocast))
 
     # ----------------------------------------------------------------------------------------------- setup
     def _adapt(self, model):
@@ -224,7 +230,10 @@ class Trainer:
         cb = (lambda done, total: progress(f"iter {it}: rollouts", done, total)) if progress else None
         with autocast_context(self.model, self.cfg.policy.autocast):
             episodes, rstats = run_episodes(self.ctx, specs, temperature=cfg.policy.temperature, reflect=None
-                                            if self.use_memory else False, progress=cb)
+                                            if self.use_memory else False, progress=cb,
+                                            write_memory=self.reflection is None)
+        # overlap_reflection: this iteration's tips are written on another thread while the update trains
+        pending = self.reflection.start(self.ctx, episodes) if self.reflection is not None else None
         t_rollout = time.perf_counter() - t0
         if self.env_failures.update([ep.error if ep.failed else None for ep in episodes], self.run_dir):
             self._say(f"[warning] {sum(ep.failed for ep in episodes)} episode(s) lost to a crashed environment "
@@ -244,9 +253,15 @@ class Trainer:
         t0 = time.perf_counter()
         rows = update_rows(ok, adv)
         loss_metrics = self.update(rows, progress) if self.algorithm.updates_weights else {}
-        if self.ctx.backend is not None and loss_metrics.get("optimizer_steps"):
-            self.ctx.backend.sync_weights(self.model)  # the next rollouts sample from the updated policy
         t_update = time.perf_counter() - t0
+        if pending is not None:  # the memory is written before the iteration ends, as on the blocking path
+            t0 = time.perf_counter()
+            self.reflection.finish(self.ctx, episodes, pending)
+            rstats["memory_time"] += time.perf_counter() - t0
+        if self.ctx.backend is not None and loss_metrics.get("optimizer_steps"):
+            t0 = time.perf_counter()
+            self.ctx.backend.sync_weights(self.model)  # the next rollouts sample from the updated policy
+            t_update += time.perf_counter() - t0
         self._write_samples(it, episodes)
         if self.dist.enabled:  # rank 0 reports the whole batch: every rank's episodes, stats and losses
             episodes = dp.gather_episodes(self.dist, episodes)
@@ -348,6 +363,8 @@ class Trainer:
             print(text)
 
     def close(self) -> None:
+        if self.reflection is not None:
+            self.reflection.close()
         self.pool.close()
         if self.metrics is not None:
             self.metrics.close()
