@@ -201,6 +201,49 @@ def test_shared_micro_batches_cover_rows_within_budget():
                 cost = sum(h for _, h in groups) + len(b) * max(tails[k] + len(responses[b[k]]) for k in range(len(b)))
             assert cost <= budget or len(b) == 1
     assert len(shared_micro_batches(prompts, responses, 10_000, min_shared=8)) == 1
+    # a step's heads are held for all its micro-batches: they count against every micro-batch's budget, once
+    held = sum(h for _, h in px.plan_groups(prompts, 8))
+    for budget in (1, held + 60, held + 400):
+        batches = shared_micro_batches(prompts, responses, budget, min_shared=8, step_heads=True)
+        assert sorted(i for b in batches for i in b) == list(range(len(prompts)))
+        heads = px.StepHeads([list(prompts[rows[0]][:h]) for rows, h in px.plan_groups(prompts, 8) if h])
+        for b in batches:
+            layout = heads.layout([prompts[i] for i in b], 8) or [([k], 0) for k in range(len(b))]  # None: padded
+            own = sum(h for rows, h in layout if heads.head_of(prompts[b[rows[0]]]) is None)
+            width = max(len(prompts[b[i]]) - h + len(responses[b[i]]) for rows, h in layout for i in rows)
+            assert held + own + len(b) * width <= budget or len(b) == 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_heads_once_per_step_give_each_micro_batch_the_same_log_probs_and_the_step_the_same_gradient(seed, monkeypatch):
+    """An optimizer step's micro-batches inside ``heads_once_per_step``: each shared head runs forward once, and
+    backward once with the gradient all micro-batches left on it; values and the summed gradient are the plain
+    (unshared, padded, one batch) ones."""
+    from empo2.policy.logprobs import shared_micro_batches
+
+    model = tiny_lm(seed)
+    prompts, responses = shared_rows(seed, heads=(40, 25), per_head=5, tail=(1, 20))
+    plain, mask = response_logprobs(model, prompts, responses, PAD, prefix_sharing=False)
+    (plain * mask).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+
+    px.attach_options(model, px.ComputeOptions(prefix_sharing=True, min_shared_tokens=8))
+    runs = []
+    original = px._head_kv
+    monkeypatch.setattr(px, "_head_kv", lambda *a: runs.append(len(a[1])) or original(*a))
+    batches = shared_micro_batches(prompts, responses, 80, min_shared=8, step_heads=True)
+    assert len(batches) >= 4  # the heads are shared across micro-batches, not only within one
+    with px.heads_once_per_step(model, prompts, min_shared=8) as heads:
+        assert sorted(len(h) for h in heads.heads) == [25, 40]
+        for batch in batches:
+            lp, m = response_logprobs(model, [prompts[i] for i in batch], [responses[i] for i in batch], PAD)
+            torch.testing.assert_close(lp, plain[batch][:, : lp.shape[1]].detach(), atol=1e-5, rtol=0)
+            if m.any():  # a micro-batch of empty responses has no graph
+                (lp * m).sum().backward()
+    assert sorted(r for r in runs if r in (25, 40)) == [25, 40]  # each shared head ran once for the whole step
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-5 * float(want[n].abs().max()), rtol=0, msg=n)
 
 
 def test_bfloat16_autocast_ratio_stays_near_one():

@@ -65,7 +65,9 @@ def response_logprobs(
 
     options = px.options_of(model)
     share = options.prefix_sharing if prefix_sharing is None else prefix_sharing
-    groups = px.plan_layout(prompt_ids, options.min_shared_tokens) if share else None
+    step = px.step_heads(model)
+    groups = None if not share else step.layout(prompt_ids, options.min_shared_tokens) if step is not None \
+        else px.plan_layout(prompt_ids, options.min_shared_tokens)
     resp = torch.full((b, r_len), pad_token_id, dtype=torch.long)  # [B, R]
     mask = torch.zeros((b, r_len), dtype=torch.bool)  # [B, R]
     for i, r in enumerate(response_ids):
@@ -192,33 +194,40 @@ def shared_micro_batches(
     response_ids: Sequence[Sequence[int]],
     max_tokens: int,
     min_shared: int = 16,
+    step_heads: bool = False,
 ) -> list[list[int]]:
     """Micro-batches (lists of row indices) for prefix-shared log-probs, each costing at most ``max_tokens``.
 
     Rows are grouped by common token head (:func:`empo2.policy.prefix.plan_groups`) and filled group by group. The
     cost of a micro-batch is what it computes: each group head once (a row left alone runs its own head),
     plus rows × the longest tail + response. A single row over the budget gets a micro-batch of its own.
+    ``step_heads``: the rows are one optimizer step's, run inside :func:`empo2.policy.prefix.heads_once_per_step`.
+    The group heads are then computed once and held for the whole step, so they count once against every
+    micro-batch's budget (the activations held at any time stay within ``max_tokens``).
     """
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
     heads = {}
     order = []
-    for gid, (rows, head) in enumerate(px.plan_groups(prompt_ids, min_shared)):
+    groups = px.plan_groups(prompt_ids, min_shared)
+    for gid, (rows, head) in enumerate(groups):
         for r in rows:
             heads[r] = (gid, head)
             order.append(r)
+    held = sum(head for _, head in groups) if step_heads else 0
 
     def cost(batch: list[int]) -> int:
         members: dict[int, int] = {}
         for r in batch:
             members[heads[r][0]] = members.get(heads[r][0], 0) + 1
-        if max(members.values()) == 1:  # nothing shared: the padded layout
-            return len(batch) * max(len(prompt_ids[r]) + len(response_ids[r]) for r in batch)
+        shared = lambda r: heads[r][1] > 0 and (step_heads or members[heads[r][0]] > 1)  # noqa: E731
+        if not any(shared(r) for r in batch):  # nothing shared: the padded layout
+            return held + len(batch) * max(len(prompt_ids[r]) + len(response_ids[r]) for r in batch)
         # Shared layout (plan_layout): each group's head once; a lone row's own head is its prompt but one token.
-        own = {r: heads[r][1] if members[heads[r][0]] > 1 else len(prompt_ids[r]) - 1 for r in batch}
-        computed = {heads[r][0]: own[r] for r in batch}
+        own = {r: heads[r][1] if shared(r) else len(prompt_ids[r]) - 1 for r in batch}
+        computed = {heads[r][0]: own[r] for r in batch if not (step_heads and shared(r))}
         width = max(len(prompt_ids[r]) - own[r] + len(response_ids[r]) for r in batch)
-        return sum(computed.values()) + len(batch) * width
+        return held + sum(computed.values()) + len(batch) * width
 
     batches: list[list[int]] = []
     for r in order:

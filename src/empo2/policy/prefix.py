@@ -46,6 +46,7 @@ class ComputeOptions:
 DEFAULT_OPTIONS = ComputeOptions()
 _ATTR = "_empo2_compute_options"
 _HEADS = "_empo2_head_memo"
+_STEP_HEADS = "_empo2_step_heads"
 
 
 def attach_options(model: torch.nn.Module, options: ComputeOptions) -> None:
@@ -82,6 +83,83 @@ def reuse_heads(model: torch.nn.Module):
 
 def reusing_heads(model: torch.nn.Module) -> bool:
     return getattr(model, _HEADS, None) is not None
+
+
+class StepHeads:
+    """The shared heads of one optimizer step's rows (:func:`heads_once_per_step`): token ids, and once run, their
+    KV twice: as computed (with the graph back to the weights) and as leaf copies the micro-batches attend to."""
+
+    def __init__(self, heads: list[list[int]]):
+        self.heads = heads
+        self._kv: dict[int, tuple[list, list]] = {}
+
+    def head_of(self, prompt: Sequence[int]) -> int | None:
+        """Index of the longest stored head that starts ``prompt`` and leaves it a tail, or None."""
+        found = None
+        for i, head in enumerate(self.heads):
+            if len(head) < len(prompt) and list(prompt[: len(head)]) == head and (
+                    found is None or len(head) > len(self.heads[found])):
+                found = i
+        return found
+
+    def layout(self, prompts: Sequence[Sequence[int]], min_shared: int) -> list[tuple[list[int], int]] | None:
+        """:func:`plan_layout` for a micro-batch, with rows grouped by the step's heads."""
+        index = [self.head_of(p) for p in prompts]
+        if all(i is None for i in index):
+            return plan_layout(prompts, min_shared)
+        groups: dict = {}
+        for r, i in enumerate(index):
+            groups.setdefault(("step", i) if i is not None else ("own", r), []).append(r)
+        return [(rows, len(self.heads[key[1]]) if key[0] == "step" else len(prompts[rows[0]]) - 1)
+                for key, rows in groups.items()]
+
+    def kv(self, model, ids: list[int], device) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Leaf copies of head ``ids``'s KV (computed on first use), or None if ``ids`` is not a step head."""
+        if ids not in self.heads:
+            return None
+        i = self.heads.index(ids)
+        if i not in self._kv:
+            computed = _head_kv(model, ids, None, device)
+            self._kv[i] = (computed, [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in computed])
+        return self._kv[i][1]
+
+    def backward(self) -> None:
+        """Run each used head's backward once, with the gradient the micro-batches left on its leaf copies."""
+        outputs, grads = [], []
+        for computed, leaves in self._kv.values():
+            for pair, leaf_pair in zip(computed, leaves):
+                for out, leaf in zip(pair, leaf_pair):
+                    if leaf.grad is not None and out.requires_grad:  # e.g. keys of frozen layers below LoRA
+                        outputs.append(out)
+                        grads.append(leaf.grad)
+        self._kv.clear()
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+
+@contextlib.contextmanager
+def heads_once_per_step(model: torch.nn.Module, prompts: Sequence[Sequence[int]], min_shared: int = 16):
+    """Within this block (the micro-batches of one optimizer step), each head that rows of ``prompts`` share runs
+    forward once, at its first use. The micro-batches' backward passes stop at leaf copies of its KV and add up their
+    gradients there; leaving the block runs the head's backward once with the sum. The gradient is the same as
+    running the head in every micro-batch (the gradient of a sum is the sum of the gradients), for one head forward
+    and backward per step instead of one per micro-batch. Yields the :class:`StepHeads` (None when nothing is shared)."""
+    heads = [list(prompts[rows[0]][:head]) for rows, head in plan_groups(prompts, min_shared) if head > 0]
+    if not heads:
+        yield None
+        return
+    store = StepHeads(heads)
+    object.__setattr__(model, _STEP_HEADS, store)
+    try:
+        yield store
+    finally:
+        object.__delattr__(model, _STEP_HEADS)
+    store.backward()  # not reached when a micro-batch raised
+
+
+def step_heads(model: torch.nn.Module) -> StepHeads | None:
+    """The heads of the optimizer step in progress, when grad is on inside :func:`heads_once_per_step`."""
+    return getattr(model, _STEP_HEADS, None) if torch.is_grad_enabled() else None
 
 
 def options_of(model: torch.nn.Module) -> ComputeOptions:
@@ -233,13 +311,14 @@ def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[
     b, width = len(prompts), max(head for _, head in groups)
     head_mask = torch.zeros((b, width), dtype=torch.long, device=device)  # [B, H]
     memo = getattr(model, _HEADS, None) if not torch.is_grad_enabled() else None
+    step = step_heads(model)
     computed = []
     per_group = []
     for rows, head in groups:
         if head == 0:
             continue
         ids = list(prompts[rows[0]][:head])
-        kv = _head_kv(model, ids, memo, device)
+        kv = (step.kv(model, ids, device) if step is not None else None) or _head_kv(model, ids, memo, device)
         computed.append((ids, kv))
         per_group.append((rows, head, kv))
         head_mask[rows, width - head:] = 1

@@ -6,11 +6,13 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
+from contextlib import nullcontext
 
 import torch
 
 from empo2.algo.losses import behaviour_logp_for_ratio
 from empo2.config import Config
+from empo2.policy import prefix as px
 from empo2.policy.loader import autocast_context
 from empo2.policy.logprobs import response_logprobs, shared_micro_batches
 from empo2.train import distributed as dp
@@ -52,11 +54,16 @@ class PolicyUpdate:
                 # the loss is normalised over the global mini-batch (all ranks' m-th mini-batches)
                 tokens, count = self.dist.all_reduce([sum(len(r.response) for r in mini), len(mini)])
                 ok = True
-                for batch in _token_batches(mini, cfg.train.micro_batch_tokens, self.shared):
-                    metrics, batch_ok = self._backward(batch, tokens, count)
-                    ok &= batch_ok
-                    sums.update(metrics)
-                    n_mb += 1
+                # each shared prompt head runs once per step (forward and backward), not once per micro-batch
+                min_shared = px.options_of(model).min_shared_tokens
+                heads = px.heads_once_per_step(model, [r.train_prompt for r in mini], min_shared) if self.shared \
+                    else nullcontext()
+                with heads:
+                    for batch in _token_batches(mini, cfg.train.micro_batch_tokens, self.shared, min_shared):
+                        metrics, batch_ok = self._backward(batch, tokens, count)
+                        ok &= batch_ok
+                        sums.update(metrics)
+                        n_mb += 1
                 if self._step(inputs_ok=ok):
                     steps += 1
                 else:
@@ -137,10 +144,12 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def _token_batches(rows: list[UpdateRow], budget: int, shared: bool = False) -> list[list[UpdateRow]]:
+def _token_batches(rows: list[UpdateRow], budget: int, shared: bool = False,
+                   min_shared: int = 16) -> list[list[UpdateRow]]:
     """Split rows into micro-batches whose padded size (rows × longest prompt+response) stays within ``budget``."""
     if shared:  # rows sharing a prompt head go together, costed as computed (order in a mini-batch is free)
-        idx = shared_micro_batches([r.train_prompt for r in rows], [r.response for r in rows], budget)
+        idx = shared_micro_batches([r.train_prompt for r in rows], [r.response for r in rows], budget, min_shared,
+                                   step_heads=True)
         return [[rows[i] for i in b] for b in idx]
     batches, current, longest = [], [], 0
     for r in rows:
