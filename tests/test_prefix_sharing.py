@@ -343,7 +343,12 @@ def test_gradient_checkpointing_update_equals_stored_activations(lora):
         # the attention inside a layer also runs when backward replays the layer
         attention = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn"))
         attention.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
-        metrics = PolicyUpdate(cfg, model, Tok(), optimizer, get_policy_loss("grpo"), Dist())(rows)
+        update = PolicyUpdate(cfg, model, Tok(), optimizer, get_policy_loss("grpo"), Dist())
+        assert update.shared is not checkpointing
+        cfg.policy.prefix_sharing = False  # read at every use: a switched config switches the update
+        assert update.shared is False
+        cfg.policy.prefix_sharing = True
+        metrics = update(rows)
         assert metrics["optimizer_steps"] == 1
         after[checkpointing] = {n: p.detach().clone() for n, p in model.named_parameters()}
         layer_calls[checkpointing] = len(calls)

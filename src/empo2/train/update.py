@@ -27,9 +27,13 @@ class PolicyUpdate:
     def __init__(self, cfg: Config, model, tokenizer, optimizer, loss_fn, dist):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.optimizer, self.loss_fn, self.dist = optimizer, loss_fn, dist
-        # a checkpointed layer runs without the shared head's KV cache (transformers drops it; replaying would append
-        # to it twice), so with gradient checkpointing every row runs its whole prompt
-        self.shared = cfg.policy.prefix_sharing and not cfg.train.gradient_checkpointing
+
+    @property
+    def shared(self) -> bool:
+        """Prefix sharing in the update, read from the config at every use (the benchmarks switch it on a built
+        trainer). A checkpointed layer runs without the shared head's KV cache (transformers drops it; replaying
+        would append to it twice), so with gradient checkpointing every row runs its whole prompt."""
+        return self.cfg.policy.prefix_sharing and not self.cfg.train.gradient_checkpointing
 
     def __call__(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
         """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
