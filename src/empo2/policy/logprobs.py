@@ -203,7 +203,8 @@ def shared_micro_batches(
     plus rows × the longest tail + response. A single row over the budget gets a micro-batch of its own.
     ``step_heads``: the rows are one optimizer step's, run inside :func:`empo2.policy.prefix.heads_once_per_step`.
     The group heads are then computed once and held for the whole step, so they count once against every
-    micro-batch's budget (the activations held at any time stay within ``max_tokens``).
+    micro-batch's budget: the activations held at any time stay within ``max_tokens``, or within the heads plus one
+    row when those alone exceed it.
     """
     if max_tokens < 1:
         raise ValueError("max_tokens must be >= 1")
