@@ -122,7 +122,7 @@ def test_a_run_with_overlap_ends_with_the_blocking_runs_memory(tmp_path, tiny_mo
         run = tmp_path / overlap
         assert main(["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}",
                      f"memory.overlap_reflection={overlap}", *fast]) == 0
-        last = sorted((run / "checkpoints").glob("iter_*"))[-1]
+        last = max((run / "checkpoints").glob("iter_*"))
         with TipMemory(last / "memory.sqlite") as memory:  # the checkpoint holds the iteration's tips
             stats = {k: v for k, v in memory.stats().items() if k != "path"}  # uses, utilities, rejections
             states[overlap] = _memory_state(memory) + [json.dumps(stats, sort_keys=True)]

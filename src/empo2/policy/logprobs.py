@@ -221,7 +221,7 @@ def shared_micro_batches(
         members: dict[int, int] = {}
         for r in batch:
             members[heads[r][0]] = members.get(heads[r][0], 0) + 1
-        shared = lambda r: heads[r][1] > 0 and (step_heads or members[heads[r][0]] > 1)  # noqa: E731
+        shared = lambda r: heads[r][1] > 0 and (step_heads or members[heads[r][0]] > 1)
         if not any(shared(r) for r in batch):  # nothing shared: the padded layout
             return held + len(batch) * max(len(prompt_ids[r]) + len(response_ids[r]) for r in batch)
         # Shared layout (plan_layout): each group's head once; a lone row's own head is its prompt but one token.
