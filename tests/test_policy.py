@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +39,17 @@ def test_bad_model_names(name, message):
 def test_folder_without_config(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         resolve_model_path(str(tmp_path))
+
+
+def test_empty_empo2_home_means_the_default_cache(tmp_path, monkeypatch):
+    from empo2.policy.loader import empo2_home
+
+    monkeypatch.setenv("EMPO2_HOME", str(tmp_path))
+    assert empo2_home() == tmp_path
+    monkeypatch.setenv("EMPO2_HOME", "")  # `EMPO2_HOME= cmd`: not the current folder
+    assert empo2_home() == Path.home() / ".cache" / "empo2"
+    monkeypatch.delenv("EMPO2_HOME")
+    assert empo2_home() == Path.home() / ".cache" / "empo2"
 
 
 def test_missing_wheel_message(tmp_path):

@@ -45,7 +45,9 @@ class ModelLoadError(RuntimeError):
 
 
 def empo2_home() -> Path:
-    return Path(os.environ.get("EMPO2_HOME", Path.home() / ".cache" / "empo2"))
+    """``$EMPO2_HOME``, or ``~/.cache/empo2`` when it is unset or empty (an empty one used to mean the current folder,
+    so a model cache landed in whatever folder a command ran from)."""
+    return Path(os.environ.get("EMPO2_HOME") or Path.home() / ".cache" / "empo2")
 
 
 def resolve_device(device: str = "auto") -> torch.device:
