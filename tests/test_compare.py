@@ -15,7 +15,7 @@ import pytest
 
 from empo2.cli import main
 from empo2.config import Config
-from empo2.train.compare import aggregate, parse_seeds, summary_markdown
+from empo2.experiments.compare import aggregate, parse_seeds, summary_markdown
 
 TINY = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "train.iterations=2",
         "train.eval_every=1", "policy.few_shot=0", "policy.max_completion_length=6", "policy.history_window=1",
@@ -124,8 +124,8 @@ def test_run_folder_with_other_settings_is_refused(tmp_path, capsys):
 
 def test_algorithm_with_another_estimator_is_its_own_run(tmp_path):
     """``empo2+gigpo``: EMPO² with GiGPO's advantage, in its own folder, labelled so by the report."""
-    from empo2.train.compare import plan_runs
-    from empo2.train.report import method_label
+    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.report import method_label
 
     plans = plan_runs("configs/webshop_cpu.yaml", ["empo2", "empo2+gigpo", "gigpo"], [1], tmp_path, [])
     assert [p.folder.name for p in plans] == ["empo2-seed1", "empo2+gigpo-seed1", "gigpo-seed1"]
@@ -138,8 +138,8 @@ def test_algorithm_with_another_estimator_is_its_own_run(tmp_path):
 def test_gigpo_variants_are_labelled_by_their_normalisation(tmp_path, capsys):
     """``gigpo`` runs the reference's mean-only normalisation, ``gigpo-std`` the std one; compare's folders, the
     configs the runs get and report's labels agree, also when the config file asks for the other variant."""
-    from empo2.train.compare import plan_runs
-    from empo2.train.report import method_label
+    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.report import method_label
 
     algos = ["gigpo", "gigpo-std", "empo2+gigpo", "empo2+gigpo-std", "grpo"]
     config = tmp_path / "std.yaml"  # a config file that asks for the std variant

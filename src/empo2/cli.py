@@ -51,7 +51,7 @@ def cmd_train(args) -> int:
     from empo2.memory.schema import check_file
     from empo2.progress import ProgressBar
     from empo2.train.distributed import env_rank
-    from empo2.train.report import method_label
+    from empo2.experiments.report import method_label
     from empo2.train.runlock import check_new_run_folder, start_run_folder
     from empo2.train.trainer import Trainer
 
@@ -143,7 +143,7 @@ def _own_run_folder(args, run_dir: Path) -> None:
 # ------------------------------------------------------------------------------------------------------ compare
 def cmd_compare(args) -> int:
     """Algorithms × seeds on one config, each an ``empo2 train`` run folder, then summary.md/json and curves.png."""
-    from empo2.train.compare import run_compare
+    from empo2.experiments.compare import run_compare
     from empo2.train.runlock import RunLock
 
     args.exit_stack.enter_context(RunLock(Path(args.out)))  # a second compare on this folder is refused, naming it
@@ -221,7 +221,7 @@ def cmd_eval(args) -> int:
 def cmd_adapt(args) -> int:
     """Out-of-distribution adaptation (SPEC §6): trials with memory updates only, no parameter updates."""
     from empo2.envs.factory import resolve_tasks
-    from empo2.train import adapt
+    from empo2.experiments import adapt
     from empo2.train.runlock import LOCK_NAME
 
     args.env, args.tasks = adapt.resolve_tasks(args.preset, args.tasks, args.max_tasks, args.env)
@@ -253,7 +253,7 @@ def cmd_adapt(args) -> int:
 
 def cmd_report(args) -> int:
     """The paper's comparison tables from run, compare and adaptation folders."""
-    from empo2.train.report import write_report
+    from empo2.experiments.report import write_report
 
     write_report(args.folders, Path(args.out))
     print((Path(args.out) / "report.md").read_text())

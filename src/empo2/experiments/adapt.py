@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,7 +24,8 @@ import torch
 from empo2.config import ConfigError
 from empo2.envs.factory import env_label
 from empo2.train.evaluate import play_split, summarise
-from empo2.train.report import method_label
+from empo2.experiments.report import method_label
+from empo2.memory.reflexion import REFLEXION_BUFFER, ReflexionBuffer
 from empo2.train.rollout import Episode, RolloutContext, write_tips
 
 PRESETS: dict[str, tuple[str, str]] = {
@@ -38,8 +37,6 @@ PRESETS: dict[str, tuple[str, str]] = {
 ``TASK_SETS``."""
 PRESET_TRIALS = 10
 BASELINES = ("memory", "reflexion")
-REFLEXION_BUFFER = 3
-"""Reflections kept per (task, variation) (Reflexion's episodic memory of the last attempts)."""
 
 
 def resolve_tasks(preset: str | None, tasks: str | None, max_tasks: int | None, env: str | None
@@ -71,45 +68,6 @@ def parameter_checksum(model) -> str:
         digest.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
         digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
-
-
-@dataclass
-class Reflection:
-    id: int
-    text: str
-
-
-class ReflexionBuffer:
-    """Reflexion's episodic memory, shaped like the tip memory's retrieval side so the rollout can show it.
-
-    ``retrieve`` ignores the state: a namespace (``task#variation``) gets its last reflections, oldest first.
-    """
-
-    def __init__(self, size: int = REFLEXION_BUFFER):
-        self.size, self.next_id = size, 0
-        self.by_namespace: dict[str, deque[Reflection]] = {}
-
-    def push(self, namespace: str, text: str) -> bool:
-        if not text.strip():
-            return False
-        self.by_namespace.setdefault(namespace, deque(maxlen=self.size)).append(Reflection(self.next_id, text))
-        self.next_id += 1
-        return True
-
-    def retrieve(self, namespaces: list[str], query_embs, k: int, **_ignored) -> list[list[Reflection]]:
-        return [list(self.by_namespace.get(ns, ()))[-k:] for ns in namespaces]
-
-    def record_use(self, ids, step) -> None:  # the rollout reports use; nothing to keep
-        pass
-
-    def update_utility(self, ids, score) -> None:
-        pass
-
-    def stats(self) -> dict[str, int]:
-        return {"tips": sum(len(d) for d in self.by_namespace.values())}
-
-    def close(self) -> None:
-        pass
 
 
 def use_reflexion(ctx: RolloutContext) -> ReflexionBuffer:
