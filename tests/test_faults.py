@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -243,6 +244,9 @@ def test_lock_names_a_live_owner_and_takes_over_a_dead_ones(tmp_path, capsys):
     fresh = tmp_path / "fresh"
     with RunLock(fresh):
         pass
+    assert not fresh.exists()
+    with RunLock(fresh):  # a user deletes the run folder while the run holds it: the release still succeeds
+        shutil.rmtree(fresh)
     assert not fresh.exists()
 
 

@@ -78,7 +78,8 @@ class RunLock:
         fcntl.flock(self._fh.fileno(), fcntl.LOCK_UN)
         self._fh.close()
         self._fh = None
-        if self._created and {p.name for p in self.run_dir.iterdir()} <= {LOCK_NAME, RUN_MARKER}:
+        left = {p.name for p in self.run_dir.iterdir()} if self.run_dir.is_dir() else None  # None: deleted under us
+        if self._created and left is not None and left <= {LOCK_NAME, RUN_MARKER}:
             self.path.unlink(missing_ok=True)
             (self.run_dir / RUN_MARKER).unlink(missing_ok=True)
             self.run_dir.rmdir()
