@@ -1,8 +1,8 @@
 """The paper's comparisons: GiGPO training, OOD adaptation presets, the Reflexion baseline and ``empo2 report``.
 
 Runs are real (the real CLI, ScienceWorld JVMs, the WebShop fixture catalog, and ``signal_env.ChecksumRoom`` where a
-run must show an update) with the tiny random model of ``conftest.tiny_model``: what is tested is the plumbing (which estimator ran, memory on/off, weights untouched, the
-tables' numbers = the runs' numbers), not the scores.
+run must show an update) with the tiny random model of ``conftest.tiny_model``: what is tested is the plumbing (which
+estimator ran, memory on/off, weights moved or untouched, the tables' numbers = the runs' numbers), not the scores.
 """
 
 from __future__ import annotations

@@ -15,9 +15,9 @@ import torch
 from empo2.algo.losses import get_policy_loss
 from empo2.config import Config
 from empo2.policy import prefix as px
+from empo2.policy.logprobs import shared_micro_batches
 from empo2.train.distributed import Dist
 from empo2.train.rows import UpdateRow
-from empo2.policy.logprobs import shared_micro_batches
 from empo2.train.update import PolicyUpdate, token_batches
 from test_prefix_sharing import Tok, shared_rows, tiny_lm
 
@@ -25,8 +25,8 @@ from test_prefix_sharing import Tok, shared_rows, tiny_lm
 def _config(*overrides: str) -> Config:
     # δ = 0: a random 256-token model gives every token p ≈ 1/256, which the default mask would drop
     return Config.load("configs/scienceworld_cpu.yaml", ["algo.name=grpo", "algo.delta=0", "algo.beta=0",
-                                                         "train.max_grad_norm=1000000000.0", "train.micro_batch_tokens=120",
-                                                         *overrides])
+                                                         "train.max_grad_norm=1000000000.0",
+                                                         "train.micro_batch_tokens=120", *overrides])
 
 
 def _rows(model, advantages: list[float]) -> list[UpdateRow]:
@@ -104,8 +104,9 @@ def test_a_batch_without_signal_changes_nothing_on_a_fresh_optimizer():
     px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
     rows = _rows(model, [0.0] * 7)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    metrics = PolicyUpdate(_config("train.mini_batch_size=0"), model, Tok(), torch.optim.AdamW(model.parameters(), weight_decay=0.0),
-                           get_policy_loss("grpo"), Dist())(rows)
+    optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.0)
+    metrics = PolicyUpdate(_config("train.mini_batch_size=0"), model, Tok(), optimizer, get_policy_loss("grpo"),
+                           Dist())(rows)
     assert metrics["optimizer_steps"] == 1 and metrics["computed_rows"] == 0 and metrics["tokens"] == 0
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 
