@@ -1,8 +1,8 @@
 """The paper's comparisons: GiGPO training, OOD adaptation presets, the Reflexion baseline and ``empo2 report``.
 
-Runs are real (the real CLI, ScienceWorld JVMs, the WebShop fixture catalog) with the tiny random model of
-``conftest.tiny_model``: what is tested is the plumbing (which estimator ran, memory on/off, weights untouched, the
-tables' numbers = the runs' numbers), not the scores.
+Runs are real (the real CLI, ScienceWorld JVMs, the WebShop fixture catalog, and ``signal_env.ChecksumRoom`` where a
+run must show an update) with the tiny random model of ``conftest.tiny_model``: what is tested is the plumbing (which
+estimator ran, memory on/off, weights moved or untouched, the tables' numbers = the runs' numbers), not the scores.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from peft import PeftModel
+from safetensors.torch import load_file
 
 from empo2.cli import _policy_context, build_parser, main
 from empo2.policy.loader import load_model
@@ -21,6 +22,8 @@ from empo2.experiments import adapt
 from empo2.train.checkpoint import latest_checkpoint
 from empo2.train.evaluate import play_split
 from empo2.experiments.report import method_label
+
+from signal_env import checksum_room
 
 WEBSHOP = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "policy.max_completion_length=8",
            "policy.reflection_max_tokens=8", "train.progress=false", "train.iterations=1", "train.tensorboard=false"]
@@ -48,14 +51,28 @@ def webshop_compare(tmp_path_factory, tiny_model):
 
 
 @pytest.mark.slow
-def test_gigpo_trains_alone_and_under_empo2(webshop_compare):
-    """``algo.name=gigpo`` (on-policy, no memory) and ``algo.name=empo2 algo.advantage=gigpo`` on the fixture."""
-    for name, memory in (("gigpo-seed0", False), ("empo2-seed0", True)):
-        run = webshop_compare / "runs" / name
+def test_gigpo_trains_alone_and_under_empo2(tmp_path, tiny_model, webshop_compare):
+    """``algo.name=gigpo`` (on-policy, no memory) and ``algo.name=empo2 algo.advantage=gigpo`` on ChecksumRoom, whose
+    groups always have a signal: the GiGPO estimator ran, advantages are non-zero and the update moved every LoRA B
+    matrix (they start at zero)."""
+    for name, extra, memory in (("gigpo", ["algo.name=gigpo"], False),
+                                ("empo2", ["algo.name=empo2", "algo.advantage=gigpo", "algo.p_memory=1.0"], True)):
+        run = tmp_path / name
+        with checksum_room():
+            assert main(["train", f"train.output_dir={run}", "env.name=checksum-room", f"policy.model={tiny_model}",
+                         "algo.num_generations=4", "env.eval_variations=1", "policy.few_shot=0",
+                         "policy.max_completion_length=6", "policy.reflection_max_tokens=8", "train.progress=false",
+                         "train.iterations=1", "train.report_to=none", "train.learning_rate=0.01",
+                         "algo.delta=0", *extra]) == 0  # δ = 0: a random model's tokens would all be masked
         row = _metrics(run)[0]
         assert row["advantage"]["step_groups"] >= 1  # the GiGPO estimator ran (it reports anchor-state groups)
+        assert row["advantage"]["zero_adv_groups"] == 0 and row["advantage"]["adv_abs_mean"] > 0
+        assert row["loss"]["optimizer_steps"] == 1 and row["loss"]["kept_tokens"] > 0
         assert (run / "memory.sqlite").exists() == memory
         assert set(row["modes"]) <= ({"on_tips", "off_tips"} if memory else {"on"})
+        adapter = load_file(str(latest_checkpoint(run) / "model" / "adapter_model.safetensors"))
+        unmoved = [n for n, t in adapter.items() if "lora_B" in n and not t.abs().max() > 0]
+        assert unmoved == [] and any("lora_B" in n for n in adapter)
     assert "step_groups" not in _metrics(webshop_compare / "runs" / "grpo-seed0")[0]["advantage"]
 
 

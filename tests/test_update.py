@@ -15,17 +15,18 @@ import torch
 from empo2.algo.losses import get_policy_loss
 from empo2.config import Config
 from empo2.policy import prefix as px
+from empo2.policy.logprobs import shared_micro_batches
 from empo2.train.distributed import Dist
 from empo2.train.rows import UpdateRow
-from empo2.train.update import PolicyUpdate
+from empo2.train.update import PolicyUpdate, token_batches
 from test_prefix_sharing import Tok, shared_rows, tiny_lm
 
 
 def _config(*overrides: str) -> Config:
     # δ = 0: a random 256-token model gives every token p ≈ 1/256, which the default mask would drop
     return Config.load("configs/scienceworld_cpu.yaml", ["algo.name=grpo", "algo.delta=0", "algo.beta=0",
-                                                         "train.max_grad_norm=1000000000.0", "train.micro_batch_tokens=120",
-                                                         *overrides])
+                                                         "train.max_grad_norm=1000000000.0",
+                                                         "train.micro_batch_tokens=120", *overrides])
 
 
 def _rows(model, advantages: list[float]) -> list[UpdateRow]:
@@ -103,7 +104,57 @@ def test_a_batch_without_signal_changes_nothing_on_a_fresh_optimizer():
     px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
     rows = _rows(model, [0.0] * 7)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    metrics = PolicyUpdate(_config("train.mini_batch_size=0"), model, Tok(), torch.optim.AdamW(model.parameters(), weight_decay=0.0),
-                           get_policy_loss("grpo"), Dist())(rows)
+    optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.0)
+    metrics = PolicyUpdate(_config("train.mini_batch_size=0"), model, Tok(), optimizer, get_policy_loss("grpo"),
+                           Dist())(rows)
     assert metrics["optimizer_steps"] == 1 and metrics["computed_rows"] == 0 and metrics["tokens"] == 0
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+# ------------------------------------------------------------------------------------------- micro-batches
+
+
+def _row(prompt_len: int, response_len: int) -> UpdateRow:
+    return UpdateRow(list(range(1, prompt_len + 1)), [7] * response_len, [0.0] * response_len, 1.0, "on")
+
+
+def _padded_cost(batch: list[UpdateRow]) -> int:
+    """What ``response_logprobs`` computes without sharing: rows × (longest prompt + longest response)."""
+    return len(batch) * (max(len(r.train_prompt) for r in batch) + max(len(r.response) for r in batch))
+
+
+def test_token_batches_known_split():
+    """A long prompt and a long response cost their two maxima together (2 × 200 tokens), not the longest row."""
+    rows = [_row(100, 1), _row(1, 100), _row(50, 50), _row(10, 10)]
+    ids = lambda batches: [[rows.index(r) for r in b] for b in batches]  # noqa: E731
+    assert ids(token_batches(rows, 202)) == [[0], [1], [2, 3]]
+    assert ids(token_batches(rows, 400)) == [[0, 1], [2, 3]]
+    assert ids(token_batches(rows, 10_000)) == [[0, 1, 2, 3]]
+    assert ids(token_batches(rows, 1)) == [[0], [1], [2], [3]]
+    assert token_batches([], 100) == []
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_token_batches_keep_order_fit_the_budget_and_fill_greedily(seed):
+    """Every row once and in order, each micro-batch within budget (or a row alone), and each next row would have
+    overflowed the micro-batch before it."""
+    rng = random.Random(seed)
+    rows = [_row(rng.randint(1, 120), rng.randint(0, 40)) for _ in range(rng.randint(1, 30))]
+    budget = rng.choice([1, 50, 150, 400, 2000])
+    batches = token_batches(rows, budget)
+    assert [id(r) for b in batches for r in b] == [id(r) for r in rows]
+    assert all(b and (_padded_cost(b) <= budget or len(b) == 1) for b in batches)
+    assert all(_padded_cost(a + [b[0]]) > budget for a, b in zip(batches, batches[1:]))
+
+
+def test_token_batches_with_prefix_sharing_cover_every_row_once():
+    """With ``shared`` the rows are regrouped by prompt head (the cost is ``shared_micro_batches``'s, tested in
+    test_prefix_sharing.py); each row still appears exactly once."""
+    prompts, responses = shared_rows(3, heads=(40, 25), per_head=4)
+    rows = [UpdateRow(p, r, [0.0] * len(r), 1.0, "on") for p, r in zip(prompts, responses)]
+    for budget in (1, 150, 10_000):
+        batches = token_batches(rows, budget, shared=True, min_shared=8)
+        assert sorted(id(r) for b in batches for r in b) == sorted(id(r) for r in rows)
+        want = shared_micro_batches(prompts, responses, budget, 8, step_heads=True)
+        assert [[rows.index(r) for r in b] for b in batches] == want
+    assert len(token_batches(rows, 10_000, shared=True, min_shared=8)) == 1

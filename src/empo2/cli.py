@@ -114,7 +114,9 @@ def check_run_inputs(cfg) -> None:
     from empo2.envs.factory import resolve_tasks
     from empo2.memory.schema import check_seed_file
     from empo2.policy.loader import resolve_model_path
+    from empo2.train.metrics import check_trackers
     cfg.check_training()
+    check_trackers(cfg.train)
     resolve_tasks(cfg.env)
     check_machine_limits(cfg)
     if cfg.memory.seed_from:

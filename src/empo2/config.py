@@ -153,6 +153,8 @@ class Config:
             (t.micro_batch_tokens >= 1 and t.mini_batch_size >= 0, "train.micro_batch_tokens >= 1 and "
              "train.mini_batch_size >= 0"),
             (t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens must be >= 1"),
+            (bool(t.report_to) and set(t.report_to) <= {"tensorboard", "wandb", "mlflow"} or t.report_to == ["none"],
+             "train.report_to must name tensorboard, wandb or mlflow (one or a list), or be none"),
         ]
         for ok, message in checks:
             if not ok:

@@ -281,7 +281,8 @@ class TrainConfig:
     sample_trajectories: int = 4
     """Episodes written to ``trajectories.jsonl`` per iteration."""
     tensorboard: bool = True
-    """Write TensorBoard events to ``RUN/tb``."""
+    """Write TensorBoard events to ``RUN/tb`` when ``report_to`` names ``tensorboard`` (its default); false leaves
+    TensorBoard out whatever ``report_to`` says."""
     progress: bool = True
     """Show a progress bar (only on a terminal)."""
     max_consecutive_env_failures: int = 8
@@ -292,3 +293,9 @@ class TrainConfig:
     at once). Off: stop at once and resume from the last checkpoint, losing the unfinished iteration (with
     ``save_every: 1``, at most one). Turn it on only when the scheduler's grace period (SLURM ``KillWait``, 30 s by
     default; Kubernetes ``terminationGracePeriodSeconds``) is longer than an iteration, or SIGKILL comes mid-save."""
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    """Experiment trackers that receive every iteration's scalars (TRL's ``report_to``): ``tensorboard`` (events in
+    ``RUN/tb``), ``wandb`` (Weights & Biases; files in ``RUN/wandb``, ``WANDB_MODE=offline`` keeps them local),
+    ``mlflow`` (where ``MLFLOW_TRACKING_URI`` points), one name or a list, or ``none``.
+    ``metrics.jsonl`` is always written. Each package is imported only when named; a missing one stops the run
+    before it writes anything (``pip install wandb`` / ``mlflow``)."""

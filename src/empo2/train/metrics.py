@@ -1,25 +1,46 @@
-"""Run observability: ``metrics.jsonl`` (one line per iteration), TensorBoard scalars, and PNG plots at the end."""
+"""Run observability: ``metrics.jsonl`` (one line per iteration), the experiment trackers of ``train.report_to``
+(TensorBoard, Weights & Biases, MLflow; each imported only when chosen), and PNG plots at the end."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
+import os
 import resource
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
+
+from empo2.config import ConfigError
+
+TRACKER_PACKAGES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+"""The module each tracker imports; ``pip install NAME`` installs it (torch.utils.tensorboard needs tensorboard)."""
+
+
+def trackers(train) -> list[str]:
+    """The trackers a run writes to: ``train.report_to`` without ``none``, and without TensorBoard when
+    ``train.tensorboard`` is off."""
+    return [name for name in train.report_to if name != "none" and (name != "tensorboard" or train.tensorboard)]
+
+
+def check_trackers(train) -> None:
+    """Import each chosen tracker's package now, before the run writes anything: a missing one is one line."""
+    for name in trackers(train):
+        try:
+            importlib.import_module(TRACKER_PACKAGES[name])
+        except ImportError:
+            raise ConfigError(f"train.report_to={name} needs the {name} package: pip install {name}") from None
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.writer = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+    """Appends each iteration's record to ``metrics.jsonl`` and its finite numeric leaves (``loss/rows``, …) to
+    every tracker, at step = iteration, so all trackers hold the same scalars."""
 
-                self.writer = SummaryWriter(str(Path(run_dir) / "tb"))
-            except ImportError:  # tensorboard is optional at run time
-                self.writer = None
+    def __init__(self, run_dir: Path, report_to: Sequence[str] = ("tensorboard",), config: dict | None = None):
+        run_dir = Path(run_dir)
+        self.path = run_dir / "metrics.jsonl"
+        opened = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
+        self.trackers = [opened[name](run_dir, config or {}) for name in report_to]
 
     def truncate_after(self, iteration: int) -> None:
         """Drop lines of iterations after ``iteration`` (a run killed after logging but before its checkpoint)."""
@@ -33,16 +54,70 @@ class MetricsLog:
         with open(self.path, "a") as fh:
             fh.write(json.dumps(record, default=_jsonable) + "\n")
             fh.flush()
-        if self.writer is not None:
-            step = int(record["iteration"])
-            for key, value in _flatten(record).items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                    self.writer.add_scalar(key, value, step)
-            self.writer.flush()
+        values = scalars(record)
+        for tracker in self.trackers:
+            tracker.log(values, int(record["iteration"]))
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """The record's finite numbers (not bools), named by their path: ``{"loss": {"rows": 3}}`` → ``loss/rows``."""
+    return {key: value for key, value in _flatten(record).items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)}
+
+
+class _TensorBoard:
+    def __init__(self, run_dir: Path, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(run_dir / "tb"))
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandB:
+    """One W&B run per training process, its files under ``RUN/wandb``; ``WANDB_MODE=offline`` keeps it local
+    (``wandb sync`` uploads it later) and ``WANDB_PROJECT`` names the project (default ``empo2``)."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        import wandb
+
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "empo2"), name=run_dir.name,
+                              dir=str(run_dir), config=config)
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.run.log(values, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MLflow:
+    """One MLflow run in experiment ``MLFLOW_EXPERIMENT_NAME`` (default ``empo2``), in the store or server that
+    MLflow's own settings name (``MLFLOW_TRACKING_URI``), as TRL and Hugging Face's MLflow callback leave it."""
+
+    def __init__(self, run_dir: Path, config: dict):
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "empo2"))
+        self.run = mlflow.start_run(run_name=run_dir.name)
+        mlflow.log_dict(config, "config.json")
+
+    def log(self, values: dict[str, float], step: int) -> None:
+        self.mlflow.log_metrics(values, step=step)
+
+    def close(self) -> None:
+        self.mlflow.end_run()
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

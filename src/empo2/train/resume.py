@@ -29,6 +29,7 @@ RESUME_SAFE = frozenset({
     "train.eval_at_start", "train.eval_episodes_per_task", "train.save_every", "train.keep_checkpoints",
     "train.sample_trajectories", "train.zero_adv_warn_iters", "train.max_consecutive_env_failures",
     "train.preempt_save", "train.micro_batch_tokens", "train.logprob_chunk_tokens", "train.gradient_checkpointing",
+    "train.report_to",
     "policy.device", "policy.vllm_memory", "policy.prefix_sharing", "policy.reuse_heads",
     "memory.overlap_reflection", "env.pool", "env.max_workers",
 })

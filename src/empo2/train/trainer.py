@@ -40,7 +40,7 @@ from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
 from empo2.train.evaluate import evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
-from empo2.train.metrics import MetricsLog, iteration_line, peak_rss_gb, plot_run, reset_peak_rss
+from empo2.train.metrics import MetricsLog, iteration_line, peak_rss_gb, plot_run, reset_peak_rss, trackers
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.resume import align_memory, pick_checkpoint, truncate_samples
 from empo2.train.rollout import Episode, RolloutContext, episode_record, run_episodes
@@ -99,7 +99,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only now: a bad task/model/Java error writes nothing
         self.resume_from = pick_checkpoint(self.run_dir, cfg.policy.lora, self._say, self.dist) if resume else None
         self.memory = self._open_memory(resume) if self.use_memory else None
-        self.metrics = MetricsLog(self.run_dir, cfg.train.tensorboard) if self.dist.is_main else None
+        self.metrics = MetricsLog(self.run_dir, trackers(cfg.train), cfg.to_dict()) if self.dist.is_main else None
         self.start_iteration = 0
         self.zero_adv_streak = 0
         self.resumed_step_counter = 0

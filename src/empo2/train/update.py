@@ -15,7 +15,7 @@ from empo2.config import Config
 from empo2.policy import prefix as px
 from empo2.policy.generate import scoring_temperature
 from empo2.policy.loader import autocast_context
-from empo2.policy.logprobs import response_logprobs, shared_micro_batches
+from empo2.policy.logprobs import micro_batches, response_logprobs, shared_micro_batches
 from empo2.train import distributed as dp
 from empo2.train.rows import UpdateRow
 
@@ -72,7 +72,7 @@ class PolicyUpdate:
                 heads = px.heads_once_per_step(model, [r.train_prompt for r in live], min_shared) \
                     if self.shared and live else nullcontext()
                 with heads:
-                    for batch in _token_batches(live, cfg.train.micro_batch_tokens, self.shared, min_shared):
+                    for batch in token_batches(live, cfg.train.micro_batch_tokens, self.shared, min_shared):
                         metrics, batch_ok = self._backward(batch, tokens, count)
                         ok &= batch_ok
                         sums.update(metrics)
@@ -174,21 +174,15 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
-def _token_batches(rows: list[UpdateRow], budget: int, shared: bool = False,
-                   min_shared: int = 16) -> list[list[UpdateRow]]:
-    """Split rows into micro-batches whose padded size (rows × longest prompt+response) stays within ``budget``."""
-    if shared:  # rows sharing a prompt head go together, costed as computed (order in a mini-batch is free)
-        idx = shared_micro_batches([r.train_prompt for r in rows], [r.response for r in rows], budget, min_shared,
-                                   step_heads=True)
-        return [[rows[i] for i in b] for b in idx]
-    batches, current, longest = [], [], 0
-    for r in rows:
-        length = len(r.train_prompt) + len(r.response)
-        if current and max(longest, length) * (len(current) + 1) > budget:
-            batches.append(current)
-            current, longest = [], 0
-        current.append(r)
-        longest = max(longest, length)
-    if current:
-        batches.append(current)
-    return batches
+def token_batches(rows: list[UpdateRow], budget: int, shared: bool = False,
+                  min_shared: int = 16) -> list[list[UpdateRow]]:
+    """Split one optimizer step's rows into micro-batches that each compute at most ``budget`` tokens (a row over it
+    gets one of its own): in order, costed as the padded layout (rows × (longest prompt + longest response),
+    :func:`~empo2.policy.logprobs.micro_batches`), or with ``shared`` grouped by prompt head and costed as computed
+    with the step's heads held (:func:`~empo2.policy.logprobs.shared_micro_batches`; order in a mini-batch is free)."""
+    prompts, responses = [r.train_prompt for r in rows], [r.response for r in rows]
+    if shared:
+        idx = shared_micro_batches(prompts, responses, budget, min_shared, step_heads=True)
+    else:
+        idx = list(micro_batches(prompts, responses, budget, sort=False))
+    return [[rows[i] for i in b] for b in idx]
