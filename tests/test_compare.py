@@ -61,7 +61,12 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
         final = json.loads((run / "eval" / "final.json").read_text())["summary"]
         assert r["final"] == final
         score, success = _final_md_all_row(run)
-        assert f"| {r['name']} | {r['algo']} | {r['seed']} | {score} | {success} |" in md
+        start_eval = json.loads((run / "eval" / "start.json").read_text())
+        assert f"| {r['name']} | {r['algo']} | {r['seed']} | {start_eval['summary']['score_mean']:.1f} | {score} | " \
+               f"{success} |" in md
+        if r["algo"] == "empo2":  # the seed's start eval was played once, by grpo, and copied here
+            donor = json.loads((out / "runs" / f"grpo-seed{r['seed']}" / "eval" / "start.json").read_text())
+            assert start_eval == {**donor, "reused_from": f"grpo-seed{r['seed']}"}
         rows = _metrics(run)
         assert [x["iteration"] for x in rows] == [0, 1]
         steps = [x["train"]["env_steps"] for x in rows]
@@ -76,8 +81,22 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     for algo in ALGOS:
         finals = [r["final"]["score_mean"] for r in summary["runs"] if r["algo"] == algo]
         assert summary["algorithms"][algo]["score_mean"] == pytest.approx(statistics.fmean(finals), abs=1e-12)
+    # the statistics, from the episode scores the run folders store
+    finals = {(r["algo"], r["seed"]): statistics.fmean(e["score"] for e in json.loads(
+        (out / "runs" / r["name"] / "eval" / "final.json").read_text())["episodes"]) for r in summary["runs"]}
+    d = [finals["empo2", s] - finals["grpo", s] for s in (0, 1)]
+    (pair,) = summary["stats"]["pairs"]
+    assert pair["what"] == "empo2 − grpo" and pair["diff_mean"] == pytest.approx(statistics.fmean(d), abs=1e-12)
+    if d[0] != d[1]:  # two seeds: Student t with 1 df, p = 1 − 2·atan(|t|)/π
+        t = statistics.fmean(d) / (statistics.stdev(d) / math.sqrt(2))
+        assert pair["p"] == pytest.approx(1 - 2 * math.atan(abs(t)) / math.pi, abs=1e-10)
+    assert pair["verdict"] in md and summary["stats"]["arms"]["grpo"]["score"]["ci"] is None
+    assert "CI undefined at n=2" in summary["stats"]["arms"]["grpo"]["score"]["note"]
+    assert "`env.eval_split=test`, `env.eval_variations=1`" in md and summary["protocol"]["same_episodes"]
     printed = capfd.readouterr().out
     assert all(line in printed for line in said), (said, printed[-2000:])
+    assert printed.count("start eval (no memory") == 2  # played by the grpo runs only
+    assert "empo2-seed1: start eval (untrained model, seed 1) reused from grpo-seed1" in printed
     assert printed.count("env=webshop-fixture tasks=webshop model=") == 4  # each run's banner names its data
 
     # cut one run short (its last checkpoint and final eval gone), keep the others: the same command again
@@ -94,7 +113,7 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     assert [x["iteration"] for x in _metrics(cut)] == [0, 1]  # iteration 1 redone once, nothing repeated
     assert (cut / "eval" / "final.json").is_file() and (cut / "checkpoints" / "iter_000001").is_dir()
     resumed = next(r for r in json.loads((out / "summary.json").read_text())["runs"] if r["name"] == cut.name)
-    assert f"| {cut.name} | empo2 | 1 | {'{:.1f}'.format(resumed['final']['score_mean'])} |" in \
+    assert f"| {cut.name} | empo2 | 1 | {resumed['start']:.1f} | {resumed['score']:.1f} |" in \
         (out / "summary.md").read_text()
 
 
@@ -273,3 +292,30 @@ def test_start_eval_is_shared_only_under_the_same_model_seed_and_eval_settings(t
         assert not (theirs[0].folder / "eval").exists()
     other_seed = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [2], out, [])
     assert share_start_eval(other_seed[0], [*plans[:1], *other_seed]) is None
+
+
+def test_report_prints_cis_and_paired_differences_from_stored_episodes(tmp_path, capsys):
+    """``empo2 report`` on run folders (config.yaml + eval/final.json with per-episode scores, as train writes them):
+    its statistics against a float64 reference on those episodes; seeds are paired by ``train.seed``."""
+    scores = {("grpo", 0): [0.0, 10.0], ("grpo", 1): [5.0, 5.0], ("grpo", 2): [2.0, 0.0],
+              ("empo2", 0): [20.0, 30.0], ("empo2", 1): [9.0, 11.0], ("empo2", 2): [40.0, 2.0]}
+    for (algo, seed), eps in scores.items():
+        run = tmp_path / "cmp" / "runs" / f"{algo}-seed{seed}"
+        (run / "eval").mkdir(parents=True)
+        Config.load("configs/webshop_cpu.yaml", [f"algo.name={algo}", f"train.seed={seed}"]).save(run / "config.yaml")
+        episodes = [{"task": "webshop", "variation": k, "score": s, "success": s >= 30} for k, s in enumerate(eps)]
+        (run / "eval" / "final.json").write_text(json.dumps({
+            "label": "webshop-fixture", "summary": {"score_mean": statistics.fmean(eps), "success_rate": 0.0},
+            "per_task": {}, "episodes": episodes}))
+    assert main(["report", str(tmp_path / "cmp"), "--out", str(tmp_path / "report")]) == 0
+    got = json.loads((tmp_path / "report" / "report.json").read_text())["webshop-fixture"]["stats"]
+    d = [statistics.fmean(scores["grpo", s]) - statistics.fmean(scores["empo2", s]) for s in range(3)]
+    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(3)
+    t = mean / se
+    (pair,) = got["pairs"]  # methods in name order: grpo − empo2
+    assert pair["what"] == "grpo − empo2" and pair["diff_mean"] == pytest.approx(mean, abs=1e-12)
+    assert pair["p"] == pytest.approx(1 - abs(t) / math.sqrt(2 + t * t), abs=1e-10)
+    assert got["arms"]["empo2"]["success"]["mean"] == pytest.approx(statistics.fmean([0.5, 0.0, 0.5]), abs=1e-12)
+    assert pair["ci"][0] < 0 < pair["ci"][1]  # −15.0 ± 21.5 on three seeds
+    printed = capsys.readouterr().out
+    assert pair["verdict"] in printed and "| grpo − empo2 | 3 | " in printed and "paired t-test" in printed
