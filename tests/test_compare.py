@@ -18,7 +18,12 @@ import pytest
 from empo2.cli import main
 from empo2.config import Config
 from empo2.experiments import stats
-from empo2.experiments.compare import parse_seeds, plan_runs, share_start_eval, start_eval_key
+from empo2.experiments.compare import (
+    parse_seeds,
+    plan_runs,
+    share_start_eval,
+    start_eval_key,
+)
 from empo2.experiments.compare_summary import aggregate, summary_markdown
 
 TINY = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "train.iterations=2",

@@ -85,7 +85,7 @@ def test_paired_difference_whose_ci_includes_zero():
 
 def test_paired_difference_distinguishable_at_five_seeds():
     a, b = [1.0, 2.0, 0.5, 3.0, 1.5], [4.0, 4.5, 3.0, 7.5, 3.0]
-    mean, t, p, ci = _paired_reference(a, b)
+    _, _, p, ci = _paired_reference(a, b)
     got = stats.paired(a, b)
     assert got["p"] == pytest.approx(p, abs=1e-10) and got["ci"] == pytest.approx(ci, abs=1e-8)
     assert p < 0.05 and ci[0] > 0
@@ -94,7 +94,7 @@ def test_paired_difference_distinguishable_at_five_seeds():
 
 def test_two_seeds_have_a_t_test_but_no_bootstrap():
     a, b = [10.0, 20.0], [14.0, 30.0]
-    mean, t, p, ci = _paired_reference(a, b)
+    _, _, p, ci = _paired_reference(a, b)
     got = stats.paired(a, b)
     assert got["df"] == 1 and got["p"] == pytest.approx(p, abs=1e-10) and got["ci"] == pytest.approx(ci, abs=1e-7)
 

@@ -94,8 +94,8 @@ SEEDS_HELP = "seeds as a list and/or ranges: 3 (seed 3), 1,4,7, 0-4 (seeds 0 to 
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``--seeds``: always seed values, never a count. ``3`` → [3]; ``1,4,7`` → [1, 4, 7]; ``0-4`` → [0, 1, 2, 3, 4];
-    items may be mixed (``0-2,9``). Seeds are non-negative and distinct."""
+    """``--seeds``: always seed values, never a count. ``3`` → [3]; ``1,4,7`` → [1, 4, 7]; ``0-4`` → [0, 1, 2, 3,
+    4]; items may be mixed (``0-2,9``). Seeds are non-negative and distinct."""
     seeds: list[int] = []
     for item in (p.strip() for p in str(text).split(",")):
         first, dash, last = item.partition("-")
@@ -255,7 +255,8 @@ def run_one(cmd: list[str]) -> int:
     """
     from empo2.signals import SIGNALS, Stopped
 
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent())
+    # preexec_fn: one prctl call of a library loaded before the fork, nothing that takes a lock other threads hold
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
     try:
         return proc.wait()
     except Stopped as stop:

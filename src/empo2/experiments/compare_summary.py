@@ -111,16 +111,16 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
              f"Config `{meta['config']}`" + (f" with `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
              + ".", *(_protocol_text(meta["protocol"], results) if "protocol" in meta else []),
              f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
-             "Learning curve: `curves.png` (eval score vs environment steps; line = mean over seeds, band = 95% "
-             f"bootstrap CI over seeds, drawn from {stats.MIN_BOOTSTRAP} seeds on).", ""]
+             ("Learning curve: `curves.png` (eval score vs environment steps; line = mean over seeds, band = 95% "
+              f"bootstrap CI over seeds, drawn from {stats.MIN_BOOTSTRAP} seeds on)."), ""]
     if summary_stats is not None:
         lines += ["## Final eval per arm (95% CIs over seeds)", "", *stats.arm_table(summary_stats["arms"]), ""]
         if summary_stats["pairs"]:
             lines += ["## Paired differences between arms (final score)", "", *stats.pair_table(summary_stats["pairs"]),
                       ""]
         lines += [f"Method: {summary_stats['method']}", ""]
-    lines += ["## Runs", "", "| run | algorithm | seed | start score | final score | success | eval episodes | "
-              "train episodes | env steps |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += ["## Runs", "", ("| run | algorithm | seed | start score | final score | success | eval episodes | "
+                              "train episodes | env steps |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         start = "n/a" if r.get("start") is None else f"{r['start']:.1f}"
         lines.append(f"| {r['name']} | {r['algo']} | {r['seed']} | {start} | {r['score']:.1f} | {r['success']:.2f} "

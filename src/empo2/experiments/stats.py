@@ -151,7 +151,8 @@ def fmt_p(p: float | None) -> str:
 
 def arm_table(arms: dict[str, dict[str, Any]]) -> list[str]:
     """Markdown rows: per arm n, score mean [CI], success mean [CI], and the gain of final over start when known."""
-    lines = ["| arm | n seeds | final score (mean) | 95% CI | success (mean) | 95% CI | final − start | 95% CI | p |",
+    lines = [("| arm | n seeds | final score (mean) | 95% CI | success (mean) | 95% CI | final − start | 95% CI "
+              "| p (t-test) |"),
              "|---|---:|---:|---|---:|---|---:|---|---:|"]
     for arm, a in arms.items():
         s, ok, g = a["score"], a["success"], a.get("gain")
