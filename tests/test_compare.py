@@ -25,6 +25,7 @@ from empo2.experiments.compare import (
     start_eval_key,
 )
 from empo2.experiments.compare_summary import aggregate, summary_markdown
+from empo2.train import checkpoint as ckpt
 
 TINY = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "train.iterations=2",
         "train.eval_every=1", "policy.few_shot=0", "policy.max_completion_length=6", "policy.history_window=1",
@@ -285,18 +286,29 @@ def test_start_eval_is_shared_only_under_the_same_model_seed_and_eval_settings(t
     plans = plan_runs("configs/webshop_cpu.yaml", ["grpo", "empo2", "gigpo"], [1], out, [])
     stale = plans[1].folder / "checkpoints"  # an earlier attempt's leftovers go; the copy comes in
     stale.mkdir(parents=True)
-    assert share_start_eval(plans[1], plans) == "grpo-seed1"
+    assert share_start_eval(plans[1], plans, "fresh") == "grpo-seed1"
     copied = json.loads((plans[1].folder / "eval" / "start.json").read_text())
     assert copied == {**json.loads((donor / "eval" / "start.json").read_text()), "reused_from": "grpo-seed1"}
     assert (plans[1].folder / "eval" / "start.md").read_text() == "start table\n" and not stale.exists()
-    assert share_start_eval(plans[2], plans) == "grpo-seed1"  # a copy's source is the run that played it
+    assert share_start_eval(plans[2], plans, "fresh") == "grpo-seed1"  # a copy's source is the run that played it
     assert start_eval_key(plans[0].cfg) == start_eval_key(plans[1].cfg)
     for other in (["policy.eval_temperature=0.7"], ["env.eval_variations=3"], ["algo.num_generations=2"]):
         theirs = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [1], tmp_path / "other", other)
-        assert share_start_eval(theirs[0], [*plans[:1], *theirs]) is None, other
+        assert share_start_eval(theirs[0], [*plans[:1], *theirs], "fresh") is None, other
         assert not (theirs[0].folder / "eval").exists()
+    # a run resumed before its start eval gets the copy (its files kept); one with a checkpoint or its own does not
+    resumed = plans[2].folder
+    (resumed / "eval" / "start.json").unlink()
+    (resumed / "config.yaml").write_text("kept\n")
+    assert share_start_eval(plans[2], plans, "resume") == "grpo-seed1"
+    assert (resumed / "config.yaml").read_text() == "kept\n"
+    assert share_start_eval(plans[2], plans, "resume") is None  # it has one now
+    (resumed / "eval" / "start.json").unlink()
+    (resumed / "checkpoints" / "iter_000000").mkdir(parents=True)
+    (resumed / "checkpoints" / "iter_000000" / ckpt.STATE).write_bytes(b"")
+    assert share_start_eval(plans[2], plans, "resume") is None and not (resumed / "eval" / "start.json").exists()
     other_seed = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [2], out, [])
-    assert share_start_eval(other_seed[0], [*plans[:1], *other_seed]) is None
+    assert share_start_eval(other_seed[0], [*plans[:1], *other_seed], "fresh") is None
 
 
 def test_report_prints_cis_and_paired_differences_from_stored_episodes(tmp_path, capsys):

@@ -200,15 +200,37 @@ def start_eval_key(cfg: Config) -> dict[str, Any]:
             if k not in COSMETIC and (not k.startswith("algo.") or k == "algo.num_generations")}
 
 
-def share_start_eval(plan: RunPlan, plans: list[RunPlan]) -> str | None:
-    """Before a fresh run: empty its folder of an earlier attempt's run files and, when another run of this
-    comparison already evaluated the same untrained model under the same settings and seed, put that run's
-    ``eval/start.json`` (marked ``reused_from``) and ``start.md`` there, so the run skips its own start eval (the
-    trainer skips it when the file is there). Returns the donor's name, or ``None``: the run evaluates itself."""
+def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | None:
+    """Before a run's start eval: when another run of this comparison already evaluated the same untrained model
+    under the same settings and seed, put that run's ``eval/start.json`` (marked ``reused_from``) and ``start.md``
+    into this run's folder, so the trainer skips its own start eval. A fresh run's folder is first emptied of an
+    earlier attempt's run files; a resumed run gets the copy only if it stopped before its start eval was written
+    and before any checkpoint. Returns the donor's name, or ``None``: the run evaluates itself."""
     from empo2.train.runlock import RunLock, clear_run_folder, is_run_file
 
-    if plan.folder.is_dir() and any(not is_run_file(p.name) for p in plan.folder.iterdir()):
-        return None  # someone else's files: train's own --overwrite check decides about this folder
+    if status == "resume" and ((plan.folder / "eval" / "start.json").is_file()
+                               or ckpt.latest_checkpoint(plan.folder) is not None):
+        return None
+    if status == "fresh" and plan.folder.is_dir():
+        if any(not is_run_file(p.name) for p in plan.folder.iterdir()):
+            return None  # someone else's files: train's own --overwrite check decides about this folder
+        with RunLock(plan.folder):
+            clear_run_folder(plan.folder)
+    donor = _start_eval_donor(plan, plans)
+    if donor is None:
+        return None
+    start, src = donor
+    with RunLock(plan.folder):
+        (plan.folder / "eval").mkdir(exist_ok=True)
+        (plan.folder / "eval" / "start.json").write_text(json.dumps(start, indent=2))
+        if (src / "start.md").is_file():
+            (plan.folder / "eval" / "start.md").write_bytes((src / "start.md").read_bytes())
+    return start["reused_from"]
+
+
+def _start_eval_donor(plan: RunPlan, plans: list[RunPlan]) -> tuple[dict[str, Any], Path] | None:
+    """The first other run with a complete start eval under this run's :func:`start_eval_key`: (its result marked
+    ``reused_from`` with the run that played it, its eval folder)."""
     key = start_eval_key(plan.cfg)
     for other in plans:
         src = other.folder / "eval"
@@ -220,17 +242,7 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan]) -> str | None:
         except (OSError, ValueError, ConfigError):  # a half-written donor is no donor
             continue
         if same and start.get("episodes"):
-            with RunLock(plan.folder):
-                clear_run_folder(plan.folder)
-                (plan.folder / "eval").mkdir()
-                start["reused_from"] = start.get("reused_from") or other.name
-                (plan.folder / "eval" / "start.json").write_text(json.dumps(start, indent=2))
-                if (src / "start.md").is_file():
-                    (plan.folder / "eval" / "start.md").write_bytes((src / "start.md").read_bytes())
-            return start["reused_from"]
-    if plan.folder.is_dir():
-        with RunLock(plan.folder):
-            clear_run_folder(plan.folder)
+            return {**start, "reused_from": start.get("reused_from") or other.name}, src
     return None
 
 
@@ -292,7 +304,7 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str]) -> list[str
             say(f"{head}: finished already, skipped")
             continue
         say(f"{head}: {'resuming' if status == 'resume' else 'starting'} → {plan.folder}")
-        if status == "fresh" and (donor := share_start_eval(plan, plans)):
+        if donor := share_start_eval(plan, plans, status):
             say(f"{head}: start eval (untrained model, seed {plan.seed}) reused from {donor}")
         set_phase(f"compare run {plan.name} (its own line above says where it stopped)")
         t0 = time.perf_counter()

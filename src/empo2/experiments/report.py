@@ -10,6 +10,11 @@ bars per table:
   (``webshop-fixture``) is never shown as WebShop;
 - OOD: topic pairs × methods, best score and % gain over trial 0 (Table 3).
 
+Under each run table, the methods over seeds (:mod:`empo2.experiments.stats`): mean final score and success with
+95% bootstrap CIs, final − start, and the paired difference of every two methods (seeds paired by ``train.seed``)
+with its 95% CI, paired t-test p and one sentence on whether it is distinguishable from zero at this n. A run's score
+there is the mean of the episodes its ``eval/final.json`` stores.
+
 A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own.
 """
 
