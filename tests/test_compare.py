@@ -250,6 +250,8 @@ def test_summary_statistics_against_float64_reference():
     md = summary_markdown(meta, per, results, ["empo2-seed3"], summary)
     assert "`env.eval_split=test`, `env.eval_variations=40` → 2 episodes per task × 1 task(s) = 2 episodes" in md
     assert "every arm and seed played the same task variations" in md
+    assert "Note: the evidence protocol is ≥ 40 held-out episodes per run (`env.eval_split=test`); these runs used 2 " \
+        "on the `test` split." in md
     assert "reused by that seed's other arms (seed 0: grpo-seed0, seed 1: grpo-seed1, seed 2: grpo-seed2)" in md
     lo, hi = stats.fmt_ci(pair["ci"]).strip("[]").split(", ")
     assert f"| empo2 − grpo | 3 | +15.9 | {statistics.stdev(d):.1f} | [{lo}, {hi}] | {t:.2f} (df 2) | {p:.3g} |" in md

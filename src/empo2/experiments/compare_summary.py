@@ -16,6 +16,9 @@ import numpy as np
 from empo2.experiments import stats
 from empo2.train.metrics import read_metrics
 
+PROTOCOL_EPISODES = 40
+"""Held-out eval episodes per run below which the summary says the evaluation is too small to rank methods."""
+
 
 def _eval(folder: Path, tag: str) -> dict[str, Any] | None:
     path = Path(folder) / "eval" / f"{tag}.json"
@@ -97,6 +100,9 @@ def _protocol_text(p: dict[str, Any], results: list[dict[str, Any]]) -> list[str
              f"{p['eval_episodes']} episodes per run, no memory, temperature {p['eval_temperature']}; "
              + ("every arm and seed played the same task variations." if p["same_episodes"] else
                 "**the runs did not all play the same task variations** (see each run's eval/final.json).")]
+    if p["eval_split"] != "test" or p["eval_episodes"] < PROTOCOL_EPISODES:
+        lines.append(f"Note: the evidence protocol is ≥ {PROTOCOL_EPISODES} held-out episodes per run "
+                     f"(`env.eval_split=test`); these runs used {p['eval_episodes']} on the `{p['eval_split']}` split.")
     reused = sorted({(r["seed"], r["start_from"]) for r in results if r["start_from"]})
     if reused:
         lines.append("Start eval (untrained model): run once per seed and reused by that seed's other arms ("
