@@ -7,15 +7,25 @@ environment) with the tiny random model of tests/conftest.py.
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from empo2.cli import main
 from empo2.config import Config
-from empo2.experiments.compare import aggregate, parse_seeds, summary_markdown
+from empo2.experiments import stats
+from empo2.experiments.compare import (
+    parse_seeds,
+    plan_runs,
+    share_start_eval,
+    start_eval_key,
+)
+from empo2.experiments.compare_summary import aggregate, summary_markdown
+from empo2.train import checkpoint as ckpt
 
 TINY = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "train.iterations=2",
         "train.eval_every=1", "policy.few_shot=0", "policy.max_completion_length=6", "policy.history_window=1",
@@ -25,7 +35,7 @@ ALGOS = ("grpo", "empo2")
 
 
 def _compare(out: Path, model: str, *extra: str) -> int:
-    return main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", ",".join(ALGOS), "--seeds", "2",
+    return main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", ",".join(ALGOS), "--seeds", "0-1",
                  "--out", str(out), f"policy.model={model}", *TINY, *extra])
 
 
@@ -57,7 +67,12 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
         final = json.loads((run / "eval" / "final.json").read_text())["summary"]
         assert r["final"] == final
         score, success = _final_md_all_row(run)
-        assert f"| {r['name']} | {r['algo']} | {r['seed']} | {score} | {success} |" in md
+        start_eval = json.loads((run / "eval" / "start.json").read_text())
+        assert f"| {r['name']} | {r['algo']} | {r['seed']} | {start_eval['summary']['score_mean']:.1f} | {score} | " \
+               f"{success} |" in md
+        if r["algo"] == "empo2":  # the seed's start eval was played once, by grpo, and copied here
+            donor = json.loads((out / "runs" / f"grpo-seed{r['seed']}" / "eval" / "start.json").read_text())
+            assert start_eval == {**donor, "reused_from": f"grpo-seed{r['seed']}"}
         rows = _metrics(run)
         assert [x["iteration"] for x in rows] == [0, 1]
         steps = [x["train"]["env_steps"] for x in rows]
@@ -72,8 +87,22 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     for algo in ALGOS:
         finals = [r["final"]["score_mean"] for r in summary["runs"] if r["algo"] == algo]
         assert summary["algorithms"][algo]["score_mean"] == pytest.approx(statistics.fmean(finals), abs=1e-12)
+    # the statistics, from the episode scores the run folders store
+    finals = {(r["algo"], r["seed"]): statistics.fmean(e["score"] for e in json.loads(
+        (out / "runs" / r["name"] / "eval" / "final.json").read_text())["episodes"]) for r in summary["runs"]}
+    d = [finals["empo2", s] - finals["grpo", s] for s in (0, 1)]
+    (pair,) = summary["stats"]["pairs"]
+    assert pair["what"] == "empo2 − grpo" and pair["diff_mean"] == pytest.approx(statistics.fmean(d), abs=1e-12)
+    if d[0] != d[1]:  # two seeds: Student t with 1 df, p = 1 − 2·atan(|t|)/π
+        t = statistics.fmean(d) / (statistics.stdev(d) / math.sqrt(2))
+        assert pair["p"] == pytest.approx(1 - 2 * math.atan(abs(t)) / math.pi, abs=1e-10)
+    assert pair["verdict"] in md and summary["stats"]["arms"]["grpo"]["score"]["ci"] is None
+    assert "CI undefined at n=2" in summary["stats"]["arms"]["grpo"]["score"]["note"]
+    assert "`env.eval_split=test`, `env.eval_variations=1`" in md and summary["protocol"]["same_episodes"]
     printed = capfd.readouterr().out
     assert all(line in printed for line in said), (said, printed[-2000:])
+    assert printed.count("start eval (no memory") == 2  # played by the grpo runs only
+    assert "empo2-seed1: start eval (untrained model, seed 1) reused from grpo-seed1" in printed
     assert printed.count("env=webshop-fixture tasks=webshop model=") == 4  # each run's banner names its data
 
     # cut one run short (its last checkpoint and final eval gone), keep the others: the same command again
@@ -90,14 +119,14 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     assert [x["iteration"] for x in _metrics(cut)] == [0, 1]  # iteration 1 redone once, nothing repeated
     assert (cut / "eval" / "final.json").is_file() and (cut / "checkpoints" / "iter_000001").is_dir()
     resumed = next(r for r in json.loads((out / "summary.json").read_text())["runs"] if r["name"] == cut.name)
-    assert f"| {cut.name} | empo2 | 1 | {'{:.1f}'.format(resumed['final']['score_mean'])} |" in \
+    assert f"| {cut.name} | empo2 | 1 | {resumed['start']:.1f} | {resumed['score']:.1f} |" in \
         (out / "summary.md").read_text()
 
 
 def test_user_errors_write_nothing(tmp_path, capsys):
     out = tmp_path / "cmp"
     base = ["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(out)]
-    cases = [(["--algos", "grpo,ppo"], "algo.name"), (["--seeds", "0"], "--seeds"), (["--seeds", "x"], "--seeds"),
+    cases = [(["--algos", "grpo,ppo"], "algo.name"), (["--seeds", "2-1"], "--seeds"), (["--seeds", "x"], "--seeds"),
              (["--seeds", "1,1"], "--seeds"), (["--algos", ","], "--algos"), (["algo.name=grpo"], "set by compare"),
              (["seed=3"], "ambiguous"), (["train.seed=3"], "set by compare"), (["policy.model=nope"], "unknown model"),
              (["train.iterations=-1"], "train.iterations"), (["--algos", "gigpo+grpo"], "always uses"),
@@ -116,7 +145,7 @@ def test_run_folder_with_other_settings_is_refused(tmp_path, capsys):
     run.mkdir(parents=True)
     Config.load("configs/webshop_cpu.yaml", ["algo.name=grpo", "train.seed=0", "train.iterations=9"]).save(
         run / "config.yaml")
-    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "1",
+    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "0",
                  "--out", str(out)]) == 2
     assert "train.iterations: 9 → 4" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
@@ -162,28 +191,150 @@ def test_gigpo_variants_are_labelled_by_their_normalisation(tmp_path, capsys):
     assert not (tmp_path / "cmp").exists()
 
 
-def test_parse_seeds():
-    assert parse_seeds("3") == [0, 1, 2] and parse_seeds("4,1,7") == [4, 1, 7] and parse_seeds("5,") == [5]
+def test_parse_seeds_lists_and_ranges_never_counts():
+    assert parse_seeds("3") == [3] and parse_seeds("4,1,7") == [4, 1, 7] and parse_seeds("0-4") == [0, 1, 2, 3, 4]
+    assert parse_seeds("0-2, 9") == [0, 1, 2, 9] and parse_seeds("5-5") == [5]
 
 
-def test_aggregate_and_markdown_against_float64_reference():
-    results = []
-    for algo, seed, score, success, steps in [("grpo", 0, 12.25, 0.5, 40), ("grpo", 1, -3.0, 0.0, 44),
-                                              ("empo2", 0, 71.0, 1.0, 38), ("empo2", 1, 40.5, 0.25, 50)]:
-        curve = [[0, 1.0 + seed, 0.0], [steps // 2, score / 2, 0.0], [steps, score, success]]
-        results.append({"name": f"{algo}-seed{seed}", "algo": algo, "seed": seed, "env_steps": steps,
-                        "train_episodes": 8, "curve": curve,
-                        "final": {"score_mean": score, "success_rate": success, "episodes": 4}})
+def test_bad_seeds_are_one_line_exit_2(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    for text, message in [("1,", "'' is not a seed"), ("", "is not a seed"), ("a", "'a' is not a seed"),
+                          ("-1", "'-1' is not a seed"), ("1.5", "'1.5'"), ("3-1", "runs backwards; write 1-3"),
+                          ("0-2,2", "names a seed twice"), ("1-", "'1-'")]:
+        assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(out), f"--seeds={text}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, (text, err)
+    assert not out.exists()
+
+
+def _result(algo, seed, scores, start, steps):
+    """A finished run as ``run_result`` returns it, from per-episode scores."""
+    final = {"score_mean": statistics.fmean(scores), "success_rate": 0.0, "episodes": len(scores)}
+    return {"name": f"{algo}-seed{seed}", "algo": algo, "seed": seed, "env_steps": steps, "train_episodes": 8,
+            "final": final, "score": statistics.fmean(scores), "success": sum(s >= 100 for s in scores) / len(scores),
+            "start": start, "start_from": None if algo == "grpo" else f"grpo-seed{seed}",
+            "episodes": [["t", k] for k in range(len(scores))],
+            "curve": [[0, start, 0.0], [steps // 2, start / 2, 0.0], [steps, statistics.fmean(scores), 0.0]]}
+
+
+def test_summary_statistics_against_float64_reference():
+    """Three seeds whose EMPO² − GRPO differences are +27.0, 0.0, +20.8 (the CI must include zero): the summary's
+    CIs, paired difference and p-value against numpy resampling and the paired t computed here."""
+    episodes = {("grpo", 0): [-40.0, -40.0], ("grpo", 1): [-20.0, -4.0], ("grpo", 2): [-29.0, -29.0],
+                ("empo2", 0): [-13.0, -13.0], ("empo2", 1): [-12.0, -12.0], ("empo2", 2): [-16.4, 0.0]}
+    results = [_result(a, s, sc, -30.0 + s, 40 + s) for (a, s), sc in episodes.items()]
     per = aggregate(results, ["grpo", "empo2"])
-    assert per["grpo"]["score_mean"] == statistics.fmean([12.25, -3.0])
-    assert per["empo2"]["success_mean"] == statistics.fmean([1.0, 0.25])
-    assert (per["empo2"]["score_min"], per["empo2"]["score_max"]) == (40.5, 71.0)
-    assert per["grpo"]["curve"]["env_steps"] == [0.0, 21.0, 42.0]
-    assert per["grpo"]["curve"]["score_mean"] == [1.5, statistics.fmean([6.125, -1.5]), 4.625]
-    assert per["grpo"]["curve"]["score_min"] == [1.0, -1.5, -3.0]
-    meta = {"label": "webshop-fixture", "config": "c.yaml", "overrides": [], "eval_split": "test",
-            "eval_episodes": 4, "budget_text": "2 × 1 × 4 = 8"}
-    md = summary_markdown(meta, per, results, missing=["empo2-seed2"])
-    assert "| grpo | 2 | **4.6** | -3.0–12.2 | 0.25 | 42 | 0: 12.2 · 1: -3.0 | 0: 0.50 · 1: 0.00 |" in md
-    assert "| empo2-seed1 | empo2 | 1 | 40.5 | 0.25 | 4 | 8 | 50 |" in md
-    assert "Not finished (left out above): empo2-seed2" in md
+    summary = stats.summarise_arms([{**r, "arm": r["algo"]} for r in results], ["grpo", "empo2"])
+    grpo = [statistics.fmean(episodes["grpo", s]) for s in range(3)]
+    empo2 = [statistics.fmean(episodes["empo2", s]) for s in range(3)]
+    idx = np.random.default_rng(stats.BOOTSTRAP_SEED).integers(0, 3, (stats.N_RESAMPLES, 3))
+    boot = np.percentile(np.asarray(grpo)[idx].mean(1), [2.5, 97.5])
+    assert summary["arms"]["grpo"]["score"]["ci"] == pytest.approx(boot.tolist(), abs=1e-12)
+    d = [e - g for g, e in zip(grpo, empo2)]
+    assert d == pytest.approx([27.0, 0.0, 20.8])
+    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(3)
+    t = mean / se
+    p = 1 - t / math.sqrt(2 + t * t)  # two-sided p of Student t with 2 df, in closed form
+    half = math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2)) * se  # its 97.5% quantile: t / sqrt(2 + t²) = 0.95
+    (pair,) = summary["pairs"]
+    assert pair["what"] == "empo2 − grpo" and pair["p"] == pytest.approx(p, abs=1e-10)
+    assert pair["ci"] == pytest.approx([mean - half, mean + half], abs=1e-9) and pair["ci"][0] < 0 < pair["ci"][1]
+    assert per["grpo"]["curve"]["env_steps"] == [0.0, statistics.fmean([20, 20, 21]), 41.0]
+    ci0 = np.percentile(np.asarray([-30.0, -29.0, -28.0])[idx].mean(1), [2.5, 97.5])
+    assert [per["grpo"]["curve"]["score_ci_low"][0], per["grpo"]["curve"]["score_ci_high"][0]] == \
+        pytest.approx(ci0.tolist(), abs=1e-12)
+    meta = {"label": "webshop-fixture", "config": "c.yaml", "overrides": [], "budget_text": "2 × 1 × 4 = 8",
+            "protocol": {"eval_split": "test", "eval_variations": 40, "eval_episodes_per_task": None,
+                         "episodes_per_task": {"t": 2}, "eval_episodes": 2, "same_episodes": True,
+                         "eval_temperature": 0.4}}
+    md = summary_markdown(meta, per, results, ["empo2-seed3"], summary)
+    assert "`env.eval_split=test`, `env.eval_variations=40` → 2 episodes per task × 1 task(s) = 2 episodes" in md
+    assert "every arm and seed played the same task variations" in md
+    assert "Note: the evidence protocol is ≥ 40 held-out episodes per run (`env.eval_split=test`); these runs used 2 " \
+        "on the `test` split." in md
+    assert "reused by that seed's other arms (seed 0: grpo-seed0, seed 1: grpo-seed1, seed 2: grpo-seed2)" in md
+    lo, hi = stats.fmt_ci(pair["ci"]).strip("[]").split(", ")
+    assert f"| empo2 − grpo | 3 | +15.9 | {statistics.stdev(d):.1f} | [{lo}, {hi}] | {t:.2f} (df 2) | {p:.3g} |" in md
+    assert "not distinguishable from zero at this n" in md and "paired t-test" in md
+    assert "| empo2-seed2 | empo2 | 2 | -28.0 | -8.2 | 0.00 | 2 | 8 | 42 |" in md
+    assert "Not finished (left out above): empo2-seed3" in md
+
+
+def test_one_and_two_seeds_say_the_ci_is_undefined():
+    for seeds in ([0], [0, 1]):
+        results = [_result(a, s, [10.0 * s, 5.0 + a.count("e")], 0.0, 10) for a in ALGOS for s in seeds]
+        summary = stats.summarise_arms([{**r, "arm": r["algo"]} for r in results], list(ALGOS))
+        md = "\n".join(stats.stats_markdown(summary))
+        assert summary["arms"]["grpo"]["score"]["ci"] is None and "| n/a |" in md
+        assert f"CI undefined at n={len(seeds)}" in summary["arms"]["grpo"]["score"]["note"]
+        per = aggregate(results, list(ALGOS))
+        assert per["grpo"]["curve"]["score_ci_low"] == [None, None, None]
+
+
+def _donor(out: Path, algo: str, seed: int, *overrides: str) -> Path:
+    (plan,) = plan_runs("configs/webshop_cpu.yaml", [algo], [seed], out, list(overrides))
+    (plan.folder / "eval").mkdir(parents=True)
+    plan.cfg.save(plan.folder / "config.yaml")
+    start = {"label": "webshop-fixture", "split": "test", "summary": {"score_mean": 7.5},
+             "episodes": [{"task": "webshop", "variation": 0, "score": 7.5, "success": False}]}
+    (plan.folder / "eval" / "start.json").write_text(json.dumps(start))
+    (plan.folder / "eval" / "start.md").write_text("start table\n")
+    return plan.folder
+
+
+def test_start_eval_is_shared_only_under_the_same_model_seed_and_eval_settings(tmp_path):
+    out = tmp_path / "cmp"
+    donor = _donor(out, "grpo", 1)
+    plans = plan_runs("configs/webshop_cpu.yaml", ["grpo", "empo2", "gigpo"], [1], out, [])
+    stale = plans[1].folder / "checkpoints"  # an earlier attempt's leftovers go; the copy comes in
+    stale.mkdir(parents=True)
+    assert share_start_eval(plans[1], plans, "fresh") == "grpo-seed1"
+    copied = json.loads((plans[1].folder / "eval" / "start.json").read_text())
+    assert copied == {**json.loads((donor / "eval" / "start.json").read_text()), "reused_from": "grpo-seed1"}
+    assert (plans[1].folder / "eval" / "start.md").read_text() == "start table\n" and not stale.exists()
+    assert share_start_eval(plans[2], plans, "fresh") == "grpo-seed1"  # a copy's source is the run that played it
+    assert start_eval_key(plans[0].cfg) == start_eval_key(plans[1].cfg)
+    for other in (["policy.eval_temperature=0.7"], ["env.eval_variations=3"], ["algo.num_generations=2"]):
+        theirs = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [1], tmp_path / "other", other)
+        assert share_start_eval(theirs[0], [*plans[:1], *theirs], "fresh") is None, other
+        assert not (theirs[0].folder / "eval").exists()
+    # a run resumed before its start eval gets the copy (its files kept); one with a checkpoint or its own does not
+    resumed = plans[2].folder
+    (resumed / "eval" / "start.json").unlink()
+    (resumed / "config.yaml").write_text("kept\n")
+    assert share_start_eval(plans[2], plans, "resume") == "grpo-seed1"
+    assert (resumed / "config.yaml").read_text() == "kept\n"
+    assert share_start_eval(plans[2], plans, "resume") is None  # it has one now
+    (resumed / "eval" / "start.json").unlink()
+    (resumed / "checkpoints" / "iter_000000").mkdir(parents=True)
+    (resumed / "checkpoints" / "iter_000000" / ckpt.STATE).write_bytes(b"")
+    assert share_start_eval(plans[2], plans, "resume") is None and not (resumed / "eval" / "start.json").exists()
+    other_seed = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [2], out, [])
+    assert share_start_eval(other_seed[0], [*plans[:1], *other_seed], "fresh") is None
+
+
+def test_report_prints_cis_and_paired_differences_from_stored_episodes(tmp_path, capsys):
+    """``empo2 report`` on run folders (config.yaml + eval/final.json with per-episode scores, as train writes them):
+    its statistics against a float64 reference on those episodes; seeds are paired by ``train.seed``."""
+    scores = {("grpo", 0): [0.0, 10.0], ("grpo", 1): [5.0, 5.0], ("grpo", 2): [2.0, 0.0],
+              ("empo2", 0): [20.0, 30.0], ("empo2", 1): [9.0, 11.0], ("empo2", 2): [40.0, 2.0]}
+    for (algo, seed), eps in scores.items():
+        run = tmp_path / "cmp" / "runs" / f"{algo}-seed{seed}"
+        (run / "eval").mkdir(parents=True)
+        Config.load("configs/webshop_cpu.yaml", [f"algo.name={algo}", f"train.seed={seed}"]).save(run / "config.yaml")
+        episodes = [{"task": "webshop", "variation": k, "score": s, "success": s >= 30} for k, s in enumerate(eps)]
+        (run / "eval" / "final.json").write_text(json.dumps({
+            "label": "webshop-fixture", "summary": {"score_mean": statistics.fmean(eps), "success_rate": 0.0},
+            "per_task": {}, "episodes": episodes}))
+    assert main(["report", str(tmp_path / "cmp"), "--out", str(tmp_path / "report")]) == 0
+    got = json.loads((tmp_path / "report" / "report.json").read_text())["webshop-fixture"]["stats"]
+    d = [statistics.fmean(scores["grpo", s]) - statistics.fmean(scores["empo2", s]) for s in range(3)]
+    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(3)
+    t = mean / se
+    (pair,) = got["pairs"]  # methods in name order: grpo − empo2
+    assert pair["what"] == "grpo − empo2" and pair["diff_mean"] == pytest.approx(mean, abs=1e-12)
+    assert pair["p"] == pytest.approx(1 - abs(t) / math.sqrt(2 + t * t), abs=1e-10)
+    assert got["arms"]["empo2"]["success"]["mean"] == pytest.approx(statistics.fmean([0.5, 0.0, 0.5]), abs=1e-12)
+    assert pair["ci"][0] < 0 < pair["ci"][1]  # −15.0 ± 21.5 on three seeds
+    printed = capsys.readouterr().out
+    assert pair["verdict"] in printed and "| grpo − empo2 | 3 | " in printed and "paired t-test" in printed

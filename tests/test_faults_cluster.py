@@ -236,7 +236,7 @@ def test_compare_passes_sigterm_to_its_run(tmp_path, tiny_model):
     """A scheduler signals ``compare`` only: it passes SIGTERM to its training run, which stops cleanly, then exits
     143 itself; no run is left going on without it."""
     out = tmp_path / "cmp"
-    proc = Run("compare", "--config", CONFIG, "--algos", "grpo", "--seeds", "1", "--out", str(out),
+    proc = Run("compare", "--config", CONFIG, "--algos", "grpo", "--seeds", "0", "--out", str(out),
                f"policy.model={tiny_model}", *SMALL, "train.iterations=2")
     try:
         deadline = time.time() + 600
@@ -255,6 +255,30 @@ def test_compare_passes_sigterm_to_its_run(tmp_path, tiny_model):
     assert any(line.startswith("stopped by SIGTERM during ") for line in lines[:-1])  # the run's own line
     assert "grpo-seed0: FAILED" not in proc.text()
     assert (out / "runs" / "grpo-seed0" / LOCK_NAME).read_text() == ""
+    assert proc.left_behind() == []
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_compares_group_reaches_its_run_once(tmp_path, tiny_model):
+    """Ctrl-C in a terminal signals the whole foreground process group. The run compare starts is in its own
+    session, so it gets the signal once, passed on by compare: with ``train.preempt_save`` it finishes and saves the
+    iteration it is in (a second signal would stop it at once, unsaved), and compare waits for that save."""
+    out = tmp_path / "cmp"
+    run = out / "runs" / "grpo-seed0"
+    proc = Run("compare", "--config", CONFIG, "--algos", "grpo", "--seeds", "0", "--out", str(out),
+               f"policy.model={tiny_model}", *SMALL, "train.iterations=2", "train.preempt_save=true")
+    try:
+        proc.wait_line("start eval (no memory")  # the run's next step is iteration 0, inside the grace period
+        proc.signal(signal.SIGINT, group=True)
+        rc = proc.finish()
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
+    assert rc == 130, proc.text()[-3000:]
+    last = ckpt.latest_checkpoint(run)
+    assert last is not None, proc.text()[-3000:]  # the iteration the signal came in was finished and saved
+    assert iterations(run)[-1] == int(last.name[len(ckpt.PREFIX):]) and not (run / "eval" / "final.json").exists()
+    assert proc.last_line().startswith("stopped by SIGINT during compare run grpo-seed0")
     assert proc.left_behind() == []
 
 

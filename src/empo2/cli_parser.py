@@ -54,7 +54,7 @@ def _add_run_parsers(sub) -> None:
     p.add_argument("--config", required=True, help="YAML config shared by every run")
     p.add_argument("--algos", default="grpo,empo2",
                    help="comma-separated names; NAME+ESTIMATOR (empo2+gigpo) sets algo.advantage; gigpo-std: std norm")
-    p.add_argument("--seeds", default="3", help="a count N (seeds 0..N-1) or a comma-separated list of seeds")
+    p.add_argument("--seeds", default="0-2", help="seed values, never a count: 3 (seed 3), 1,4,7, 0-4 (seeds 0 to 4)")
     p.add_argument("--out", required=True, help="comparison folder (runs/, summary.md, summary.json, curves.png)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every run")
 

@@ -3,19 +3,27 @@
 Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2 train`` (same code path, with
 ``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also
 sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gigpo-std``) picks GiGPO's
-``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``). Runs go one after another,
-each in its own ``empo2 train`` subprocess: a crash in one run cannot take the others down, and the model, the
-environment workers (ScienceWorld JVMs) and the CUDA context are freed when the run ends instead of piling up in one
-long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``).
+``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``). ``--seeds`` names seed values:
+``3``, ``1,4,7``, ``0-4``. Runs go one after another, each in its own ``empo2 train`` subprocess and session: a crash
+in one run cannot take the others down, and the model, the environment workers (ScienceWorld JVMs) and the CUDA
+context are freed when the run ends instead of piling up in one long-lived process. Re-running the same command
+skips finished runs and resumes unfinished ones (``--resume``).
+
+The untrained model's start eval is played once per seed: the first arm of a seed runs it, and a later arm with the
+same model, seed and eval settings (:func:`start_eval_key`) gets a copy in its folder instead (``reused_from`` in
+its ``eval/start.json``). Every run evaluates the same task variations: the first ``env.eval_variations`` of
+``env.eval_split`` per task, as the environment lists them.
 
 All algorithms share ``iterations × tasks_per_batch × num_generations`` training episodes, so the budget is equal
 by episodes; the environment steps those episodes took (``env_steps`` in ``metrics.jsonl``) are reported too.
-Outputs: ``summary.md``, ``summary.json`` and ``curves.png`` (eval score vs environment steps).
+Outputs (:mod:`empo2.experiments.compare_summary`): ``summary.md``, ``summary.json`` (CIs over seeds, paired
+differences) and ``curves.png`` (eval score vs environment steps, 95% CI band).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -23,12 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
-
 from empo2.config import Config, ConfigError
 from empo2.signals import set_phase
 from empo2.train import checkpoint as ckpt
-from empo2.train.metrics import read_metrics
 
 SET_BY_COMPARE = ("algo.name", "algo.gigpo_normalization", "train.seed", "train.output_dir", "train.eval_at_start")
 STD_SUFFIX = "-std"
@@ -85,23 +90,24 @@ def parse_algos(text: str) -> list[str]:
     return algos
 
 
+SEEDS_HELP = "seeds as a list and/or ranges: 3 (seed 3), 1,4,7, 0-4 (seeds 0 to 4), 0-2,9"
+
+
 def parse_seeds(text: str) -> list[int]:
-    """``3`` → seeds 0, 1, 2; ``1,4,7`` → exactly those seeds."""
-    parts = [p.strip() for p in str(text).split(",") if p.strip()]
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        raise ConfigError(f"--seeds must be a count (3) or a comma-separated list of seeds (1,4,7), got {text!r}") \
-            from None
-    if not values:
-        raise ConfigError("--seeds is empty")
-    if "," not in str(text):
-        if values[0] < 1:
-            raise ConfigError(f"--seeds count must be >= 1, got {values[0]}")
-        return list(range(values[0]))
-    if min(values) < 0 or len(set(values)) != len(values):
-        raise ConfigError(f"--seeds list must hold distinct non-negative integers, got {text!r}")
-    return values
+    """``--seeds``: always seed values, never a count. ``3`` → [3]; ``1,4,7`` → [1, 4, 7]; ``0-4`` → [0, 1, 2, 3,
+    4]; items may be mixed (``0-2,9``). Seeds are non-negative and distinct."""
+    seeds: list[int] = []
+    for item in (p.strip() for p in str(text).split(",")):
+        first, dash, last = item.partition("-")
+        if not (first.isdigit() and (not dash or last.isdigit())):
+            raise ConfigError(f"--seeds: {item!r} is not a seed or a range A-B ({SEEDS_HELP}), got {text!r}")
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo:
+            raise ConfigError(f"--seeds: range {item!r} runs backwards; write {hi}-{lo}")
+        seeds += range(lo, hi + 1)
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seeds names a seed twice: {text!r}")
+    return seeds
 
 
 def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overrides: list[str],
@@ -187,33 +193,105 @@ def run_status(plan: RunPlan) -> str:
     return "resume"
 
 
+def start_eval_key(cfg: Config) -> dict[str, Any]:
+    """The settings a start eval depends on: all but the algorithm's (it plays the untrained model before any update),
+    except the group size, which sets how many episodes are played in one batch."""
+    return {k: v for k, v in _flat(cfg.to_dict()).items()
+            if k not in COSMETIC and (not k.startswith("algo.") or k == "algo.num_generations")}
+
+
+def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | None:
+    """Before a run's start eval: when another run of this comparison already evaluated the same untrained model
+    under the same settings and seed, put that run's ``eval/start.json`` (marked ``reused_from``) and ``start.md``
+    into this run's folder, so the trainer skips its own start eval. A fresh run's folder is first emptied of an
+    earlier attempt's run files; a resumed run gets the copy only if it stopped before its start eval was written
+    and before any checkpoint. Returns the donor's name, or ``None``: the run evaluates itself."""
+    from empo2.train.runlock import RunLock, clear_run_folder, is_run_file
+
+    if status == "resume" and ((plan.folder / "eval" / "start.json").is_file()
+                               or ckpt.latest_checkpoint(plan.folder) is not None):
+        return None
+    if status == "fresh" and plan.folder.is_dir():
+        if any(not is_run_file(p.name) for p in plan.folder.iterdir()):
+            return None  # someone else's files: train's own --overwrite check decides about this folder
+        with RunLock(plan.folder):
+            clear_run_folder(plan.folder)
+    donor = _start_eval_donor(plan, plans)
+    if donor is None:
+        return None
+    start, src = donor
+    with RunLock(plan.folder):
+        (plan.folder / "eval").mkdir(exist_ok=True)
+        (plan.folder / "eval" / "start.json").write_text(json.dumps(start, indent=2))
+        if (src / "start.md").is_file():
+            (plan.folder / "eval" / "start.md").write_bytes((src / "start.md").read_bytes())
+    return start["reused_from"]
+
+
+def _start_eval_donor(plan: RunPlan, plans: list[RunPlan]) -> tuple[dict[str, Any], Path] | None:
+    """The first other run with a complete start eval under this run's :func:`start_eval_key`: (its result marked
+    ``reused_from`` with the run that played it, its eval folder)."""
+    key = start_eval_key(plan.cfg)
+    for other in plans:
+        src = other.folder / "eval"
+        if other is plan or not (src / "start.json").is_file() or not (other.folder / "config.yaml").is_file():
+            continue
+        try:
+            start = json.loads((src / "start.json").read_text())
+            same = start_eval_key(Config.load(other.folder / "config.yaml")) == key
+        except (OSError, ValueError, ConfigError):  # a half-written donor is no donor
+            continue
+        if same and start.get("episodes"):
+            return {**start, "reused_from": start.get("reused_from") or other.name}, src
+    return None
+
+
 def train_command(plan: RunPlan, config: str, overrides: list[str], status: str) -> list[str]:
     """The ``empo2 train`` command line of one run (a fresh start or ``--resume``)."""
     cmd = [sys.executable, "-m", "empo2.cli", "train"]
     if status == "resume":
         return cmd + ["--resume", str(plan.folder)]
     cmd += ["--config", config, "--output-dir", str(plan.folder)]
-    if plan.folder.exists():
+    if plan.folder.exists() and not (plan.folder / "eval" / "start.json").is_file():
         cmd.append("--overwrite")  # a folder left without config.yaml holds nothing worth keeping
     return cmd + [*overrides, *_own_overrides(plan.algo, plan.seed, plan.folder)]
 
 
 def run_one(cmd: list[str]) -> int:
-    """Run one training subprocess; its output goes straight to this terminal. SIGTERM or Ctrl-C is passed on to it
-    (a scheduler signals this process only), and it gets time to close its environment workers and lock."""
-    from empo2.signals import Stopped
+    """Run one training subprocess; its output goes straight to this terminal.
 
-    proc = subprocess.Popen(cmd)
+    It runs in its own session, so a Ctrl-C typed in the terminal reaches only this process, which passes it on
+    once (a scheduler signals this process alone anyway). A run told to stop is waited for, however long its
+    ``train.preempt_save`` checkpoint takes, never killed from here; every further signal is passed on as well, and
+    a second one stops the run at once, as it stops ``empo2 train``.
+    """
+    from empo2.signals import SIGNALS, Stopped
+
+    # preexec_fn: one prctl call of a library loaded before the fork, nothing that takes a lock other threads hold
+    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
     try:
         return proc.wait()
     except Stopped as stop:
-        proc.send_signal(stop.signum)
+        previous = {signum: signal.signal(signum, lambda signum, _: proc.send_signal(signum)) for signum in SIGNALS}
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            proc.send_signal(stop.signum)
             proc.wait()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         raise
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A child hook that SIGTERMs the run if this process dies (``kill -9`` included): in its own session no group
+    or terminal signal reaches it any more. Linux only (``prctl(PR_SET_PDEATHSIG)``); libc is loaded here, before
+    the fork, because loading a library between fork and exec can deadlock."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def run_all(plans: list[RunPlan], config: str, overrides: list[str]) -> list[str]:
@@ -226,6 +304,8 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str]) -> list[str
             say(f"{head}: finished already, skipped")
             continue
         say(f"{head}: {'resuming' if status == 'resume' else 'starting'} → {plan.folder}")
+        if donor := share_start_eval(plan, plans, status):
+            say(f"{head}: start eval (untrained model, seed {plan.seed}) reused from {donor}")
         set_phase(f"compare run {plan.name} (its own line above says where it stopped)")
         t0 = time.perf_counter()
         rc = run_one(train_command(plan, config, overrides, status))
@@ -245,116 +325,8 @@ def _final(plan: RunPlan) -> dict[str, Any]:
     return json.loads((plan.folder / "eval" / "final.json").read_text())
 
 
-def run_result(plan: RunPlan) -> dict[str, Any]:
-    """A finished run's final eval, budget and learning curve [(env steps, eval score, success rate)]."""
-    rows = read_metrics(plan.folder)
-    env_steps = int(rows[-1].get("env_steps", 0)) if rows else 0
-    curve = []
-    start = plan.folder / "eval" / "start.json"
-    if start.is_file():
-        s = json.loads(start.read_text())["summary"]
-        curve.append([0, s["score_mean"], s["success_rate"]])
-    curve += [[int(r["env_steps"]), r["eval"]["score_mean"], r["eval"]["success_rate"]] for r in rows
-              if r.get("eval") and "env_steps" in r]
-    final = _final(plan)["summary"]
-    curve.append([env_steps, final["score_mean"], final["success_rate"]])
-    t = plan.cfg.train
-    return {"name": plan.name, "algo": plan.algo, "seed": plan.seed, "folder": str(plan.folder),
-            "final": final, "env_steps": env_steps, "iterations": t.iterations,
-            "train_episodes": t.iterations * t.tasks_per_batch * plan.cfg.algo.num_generations, "curve": curve}
-
-
-def aggregate(results: list[dict[str, Any]], algos: list[str]) -> dict[str, dict[str, Any]]:
-    """Per algorithm: mean / min / max over seeds of the final score, success and env steps, and the mean curve.
-
-    Runs of one algorithm evaluate at the same iterations, so curves are aligned by evaluation index; the x of a
-    point is the seeds' mean env steps there.
-    """
-    out = {}
-    for algo in algos:
-        mine = [r for r in results if r["algo"] == algo]
-        if not mine:
-            continue
-        score = np.array([r["final"]["score_mean"] for r in mine], dtype=np.float64)
-        success = np.array([r["final"]["success_rate"] for r in mine], dtype=np.float64)
-        steps = np.array([r["env_steps"] for r in mine], dtype=np.float64)
-        n = min(len(r["curve"]) for r in mine)
-        pts = np.array([r["curve"][:n] for r in mine], dtype=np.float64)  # (seeds, points, 3)
-        out[algo] = {"runs": len(mine), "seeds": [r["seed"] for r in mine],
-                     "score_mean": float(score.mean()), "score_min": float(score.min()),
-                     "score_max": float(score.max()), "success_mean": float(success.mean()),
-                     "env_steps_mean": float(steps.mean()),
-                     "curve": {"env_steps": pts[:, :, 0].mean(0).tolist(),
-                               "score_mean": pts[:, :, 1].mean(0).tolist(),
-                               "score_min": pts[:, :, 1].min(0).tolist(),
-                               "score_max": pts[:, :, 1].max(0).tolist()}}
-    return out
-
-
-def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: list[dict], missing: list[str]) -> str:
-    """The comparison as markdown; per-run numbers use ``eval/final.md``'s formats (score .1f, success .2f)."""
-    lines = [f"# empo2 compare — {meta['label']}", "",
-             f"Config `{meta['config']}`" + (f" with `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
-             + f". Final evaluation: {meta['eval_split']} split, no memory, {meta['eval_episodes']} episodes per run.",
-             f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
-             "Learning curve: `curves.png` (eval score vs environment steps; line = mean over seeds, band = min–max).",
-             "", "| algorithm | runs | final score (mean) | min–max | success (mean) | env steps (mean) | "
-             "score per seed | success per seed |", "|---|---:|---:|---:|---:|---:|---|---|"]
-    for algo, a in per_algo.items():
-        mine = [r for r in results if r["algo"] == algo]
-        per_score = " · ".join(f"{r['seed']}: {r['final']['score_mean']:.1f}" for r in mine)
-        per_success = " · ".join(f"{r['seed']}: {r['final']['success_rate']:.2f}" for r in mine)
-        lines.append(f"| {algo} | {a['runs']} | **{a['score_mean']:.1f}** | "
-                     f"{a['score_min']:.1f}–{a['score_max']:.1f} | {a['success_mean']:.2f} | "
-                     f"{a['env_steps_mean']:.0f} | {per_score} | {per_success} |")
-    lines += ["", "| run | algorithm | seed | final score | success | eval episodes | train episodes | env steps |",
-              "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        f = r["final"]
-        lines.append(f"| {r['name']} | {r['algo']} | {r['seed']} | {f['score_mean']:.1f} | {f['success_rate']:.2f} "
-                     f"| {f['episodes']} | {r['train_episodes']} | {r['env_steps']} |")
-    if missing:
-        lines += ["", f"Not finished (left out above): {', '.join(missing)}. Re-run the same command to resume them."]
-    return "\n".join(lines) + "\n"
-
-
-def plot_curves(per_algo: dict[str, dict], path: Path) -> Path:
-    """``curves.png``: eval score vs environment steps, one mean line and min–max band per algorithm."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for algo, a in per_algo.items():
-        c = a["curve"]
-        line, = ax.plot(c["env_steps"], c["score_mean"], marker="o", label=f"{algo} (n={a['runs']})")
-        ax.fill_between(c["env_steps"], c["score_min"], c["score_max"], color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("environment steps (training episodes)")
-    ax.set_ylabel("eval score, no memory")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def write_summary(plans: list[RunPlan], out: Path, meta: dict[str, Any], algos: list[str]) -> dict[str, Any]:
-    """Write ``summary.json``, ``summary.md`` and ``curves.png`` from the finished runs' folders."""
-    done = [p for p in plans if run_status(p) == "finished"]
-    missing = [p.name for p in plans if p not in done]
-    results = [run_result(p) for p in done]
-    per_algo = aggregate(results, algos)
-    first = plans[0].cfg
-    meta = {**meta, "eval_split": first.env.eval_split,
-            "eval_episodes": results[0]["final"]["episodes"] if results else 0,
-            "budget_text": f"{first.train.iterations} iterations × {first.train.tasks_per_batch} tasks × "
-                           f"G={first.algo.num_generations} = {results[0]['train_episodes'] if results else '?'}"}
-    summary = {**meta, "algorithms": per_algo, "runs": results, "missing": missing}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(summary_markdown(meta, per_algo, results, missing))
-    if per_algo:
-        plot_curves(per_algo, out / "curves.png")
-    return summary
+    """``summary.md``, ``summary.json`` and ``curves.png`` from the finished runs' folders."""
+    from empo2.experiments.compare_summary import write_summary as write
+
+    return write(plans, [p for p in plans if run_status(p) == "finished"], out, meta, algos)

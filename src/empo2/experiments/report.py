@@ -10,6 +10,11 @@ bars per table:
   (``webshop-fixture``) is never shown as WebShop;
 - OOD: topic pairs × methods, best score and % gain over trial 0 (Table 3).
 
+Under each run table, the methods over seeds (:mod:`empo2.experiments.stats`): mean final score and success with
+95% bootstrap CIs, final − start, and the paired difference of every two methods (seeds paired by ``train.seed``)
+with its 95% CI, paired t-test p and one sentence on whether it is distinguishable from zero at this n. A run's score
+there is the mean of the episodes its ``eval/final.json`` stores.
+
 A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own.
 """
 
@@ -26,6 +31,7 @@ import yaml
 from empo2.algo.registry import ALGORITHMS
 from empo2.config import ConfigError
 from empo2.config_sections import AlgoConfig
+from empo2.experiments import stats
 
 
 def method_label(cfg) -> str:
@@ -67,8 +73,12 @@ def _read_run(run: Path) -> dict[str, Any]:
     cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
     result = json.loads(final.read_text())
     env = cfg.get("env", {}).get("name", "scienceworld")
+    start = run / "eval" / "start.json"
     return {"path": str(run), "method": method_label(cfg), "env": env, "label": result.get("label", env),
-            "summary": result["summary"], "per_task": result.get("per_task", {})}
+            "seed": int(cfg.get("train", {}).get("seed", 0)), "summary": result["summary"],
+            "per_task": result.get("per_task", {}), "score": stats.run_score(result, str(final)),
+            "success": stats.run_success(result),
+            "start": stats.run_score(json.loads(start.read_text()), str(start)) if start.is_file() else None}
 
 
 def _read_adapt(folder: Path) -> dict[str, Any]:
@@ -90,6 +100,7 @@ def tables(found: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for r in found["runs"]:
         by_label[r["label"]][r["method"]].append(r)
     for label, methods in sorted(by_label.items()):
+        over_seeds = _over_seeds(methods)
         if label == "scienceworld":
             tasks = sorted({t for runs in methods.values() for r in runs for t in r["per_task"]})
             out[label] = {"kind": "scienceworld", "tasks": tasks, "methods": {}}
@@ -102,6 +113,7 @@ def tables(found: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 m: {"n": len(runs), "score": _mean([r["summary"]["score_mean"] for r in runs]),
                     "success": _mean([r["summary"]["success_rate"] * 100 for r in runs])}
                 for m, runs in sorted(methods.items())}}
+        out[label]["stats"] = over_seeds
     if found["adapt"]:
         cells: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for a in found["adapt"]:
@@ -112,6 +124,20 @@ def tables(found: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                        "gain_pct": _mean([a["gain_pct"] for a in row[m]])} for m in row} for pair, row in
             sorted(cells.items())}}
     return out
+
+
+def _over_seeds(methods: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """CIs over seeds and paired differences (seeds paired by ``train.seed``) of one table's methods."""
+    rows = []
+    for m, runs in sorted(methods.items()):
+        seeds = [r["seed"] for r in runs]
+        twice = sorted({s for s in seeds if seeds.count(s) > 1})
+        if twice:
+            raise ConfigError(f"method {m} has more than one run with train.seed {twice[0]} "
+                              f"({', '.join(r['path'] for r in runs if r['seed'] == twice[0])}); give each seed once")
+        rows += [{"arm": m, "seed": r["seed"], "score": r["score"], "success": r["success"], "start": r["start"]}
+                 for r in runs]
+    return stats.summarise_arms(rows, sorted(methods))
 
 
 def _fmt(x: float | None, digits: int = 1) -> str:
@@ -143,6 +169,9 @@ def markdown(tabs: dict[str, Any]) -> str:
                 cells = [f"{_fmt(row[m]['best'])} ({_gain(row[m]['gain_pct'])}, n={row[m]['n']})" if m in row
                          else "–" for m in t["methods"]]
                 lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+        if "stats" in t:  # the run tables: their methods over seeds
+            lines += ["", f"Over seeds, env `{label}` (a run's score: the mean of its eval episodes):", "",
+                      *stats.stats_markdown(t["stats"])]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 

@@ -1,0 +1,179 @@
+"""``empo2 compare``'s outputs from its finished run folders: ``summary.md``, ``summary.json`` and ``curves.png``.
+
+Every number is read back from the run folders: a run's score and success are the means of the episodes its
+``eval/final.json`` stores, its start score those of ``eval/start.json``; the statistics over seeds are
+:mod:`empo2.experiments.stats`'.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from empo2.experiments import stats
+from empo2.train.metrics import read_metrics
+
+PROTOCOL_EPISODES = 40
+"""Held-out eval episodes per run below which the summary says the evaluation is too small to rank methods."""
+
+
+def _eval(folder: Path, tag: str) -> dict[str, Any] | None:
+    path = Path(folder) / "eval" / f"{tag}.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def run_result(plan) -> dict[str, Any]:
+    """A finished run's final eval (from its stored episodes), start eval, budget and learning curve
+    [(env steps, eval score, success rate)]."""
+    rows = read_metrics(plan.folder)
+    env_steps = int(rows[-1].get("env_steps", 0)) if rows else 0
+    final, start = _eval(plan.folder, "final"), _eval(plan.folder, "start")
+    source = f"{plan.folder}/eval/final.json"
+    score, success = stats.run_score(final, source), stats.run_success(final)
+    curve = []
+    if start is not None:
+        curve.append([0, stats.run_score(start, f"{plan.folder}/eval/start.json"), stats.run_success(start)])
+    curve += [[int(r["env_steps"]), r["eval"]["score_mean"], r["eval"]["success_rate"]] for r in rows
+              if r.get("eval") and "env_steps" in r]
+    curve.append([env_steps, score, success])
+    t = plan.cfg.train
+    return {"name": plan.name, "algo": plan.algo, "seed": plan.seed, "folder": str(plan.folder),
+            "final": final["summary"], "score": score, "success": success,
+            "start": curve[0][1] if start is not None else None,
+            "start_from": start.get("reused_from") if start is not None else None,
+            "episodes": [[e["task"], e["variation"]] for e in final["episodes"]],
+            "env_steps": env_steps, "iterations": t.iterations,
+            "train_episodes": t.iterations * t.tasks_per_batch * plan.cfg.algo.num_generations, "curve": curve}
+
+
+def aggregate(results: list[dict[str, Any]], algos: list[str]) -> dict[str, dict[str, Any]]:
+    """Per algorithm: mean / min / max over seeds of the final score, success and env steps, and the mean curve with
+    its 95% bootstrap CI band over seeds (``None`` below :data:`stats.MIN_BOOTSTRAP` seeds).
+
+    Runs of one algorithm evaluate at the same iterations, so curves are aligned by evaluation index; the x of a
+    point is the seeds' mean env steps there.
+    """
+    out = {}
+    for algo in algos:
+        mine = [r for r in results if r["algo"] == algo]
+        if not mine:
+            continue
+        score = np.array([r["score"] for r in mine], dtype=np.float64)
+        success = np.array([r["success"] for r in mine], dtype=np.float64)
+        steps = np.array([r["env_steps"] for r in mine], dtype=np.float64)
+        n = min(len(r["curve"]) for r in mine)
+        pts = np.array([r["curve"][:n] for r in mine], dtype=np.float64)  # (seeds, points, 3)
+        cis = [stats.mean_ci(pts[:, k, 1])["ci"] for k in range(n)]
+        out[algo] = {"runs": len(mine), "seeds": [r["seed"] for r in mine],
+                     "score_mean": float(score.mean()), "score_min": float(score.min()),
+                     "score_max": float(score.max()), "success_mean": float(success.mean()),
+                     "env_steps_mean": float(steps.mean()),
+                     "curve": {"env_steps": pts[:, :, 0].mean(0).tolist(),
+                               "score_mean": pts[:, :, 1].mean(0).tolist(),
+                               "score_ci_low": [c[0] if c else None for c in cis],
+                               "score_ci_high": [c[1] if c else None for c in cis]}}
+    return out
+
+
+def protocol(cfg, results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The evaluation protocol the summary states, with what the run folders show: the episodes per task and
+    whether every run played the same task variations, and where each seed's start eval came from."""
+    per_task: dict[str, int] = {}
+    for task, _ in (results[0]["episodes"] if results else []):
+        per_task[task] = per_task.get(task, 0) + 1
+    same = all(r["episodes"] == results[0]["episodes"] for r in results)
+    return {"eval_split": cfg.env.eval_split, "eval_variations": cfg.env.eval_variations,
+            "eval_episodes_per_task": cfg.train.eval_episodes_per_task, "episodes_per_task": per_task,
+            "eval_episodes": len(results[0]["episodes"]) if results else 0, "same_episodes": same,
+            "eval_temperature": cfg.policy.eval_temperature}
+
+
+def _protocol_text(p: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
+    cap = p["eval_episodes_per_task"]
+    counts = sorted(set(p["episodes_per_task"].values()))
+    lines = [f"Evaluation: `env.eval_split={p['eval_split']}`, `env.eval_variations={p['eval_variations']}`"
+             + (f", `train.eval_episodes_per_task={cap}`" if cap is not None else "")
+             + f" → {'/'.join(map(str, counts)) or 0} episodes per task × {len(p['episodes_per_task'])} task(s) = "
+             f"{p['eval_episodes']} episodes per run, no memory, temperature {p['eval_temperature']}; "
+             + ("every arm and seed played the same task variations." if p["same_episodes"] else
+                "**the runs did not all play the same task variations** (see each run's eval/final.json).")]
+    if p["eval_split"] != "test" or p["eval_episodes"] < PROTOCOL_EPISODES:
+        lines.append(f"Note: the evidence protocol is ≥ {PROTOCOL_EPISODES} held-out episodes per run "
+                     f"(`env.eval_split=test`); these runs used {p['eval_episodes']} on the `{p['eval_split']}` split.")
+    reused = sorted({(r["seed"], r["start_from"]) for r in results if r["start_from"]})
+    if reused:
+        lines.append("Start eval (untrained model): run once per seed and reused by that seed's other arms ("
+                     + ", ".join(f"seed {s}: {src}" for s, src in reused) + ").")
+    return lines
+
+
+def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: list[dict], missing: list[str],
+                     summary_stats: dict[str, Any] | None = None) -> str:
+    """The comparison as markdown; per-run numbers use ``eval/final.md``'s formats (score .1f, success .2f)."""
+    lines = [f"# empo2 compare — {meta['label']}", "",
+             f"Config `{meta['config']}`" + (f" with `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
+             + ".", *(_protocol_text(meta["protocol"], results) if "protocol" in meta else []),
+             f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
+             ("Learning curve: `curves.png` (eval score vs environment steps; line = mean over seeds, band = 95% "
+              f"bootstrap CI over seeds, drawn from {stats.MIN_BOOTSTRAP} seeds on)."), ""]
+    if summary_stats is not None:
+        lines += ["## Final eval per arm (95% CIs over seeds)", "", *stats.arm_table(summary_stats["arms"]), ""]
+        if summary_stats["pairs"]:
+            lines += ["## Paired differences between arms (final score)", "", *stats.pair_table(summary_stats["pairs"]),
+                      ""]
+        lines += [f"Method: {summary_stats['method']}", ""]
+    lines += ["## Runs", "", ("| run | algorithm | seed | start score | final score | success | eval episodes | "
+                              "train episodes | env steps |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        start = "n/a" if r.get("start") is None else f"{r['start']:.1f}"
+        lines.append(f"| {r['name']} | {r['algo']} | {r['seed']} | {start} | {r['score']:.1f} | {r['success']:.2f} "
+                     f"| {len(r['episodes'])} | {r['train_episodes']} | {r['env_steps']} |")
+    if missing:
+        lines += ["", f"Not finished (left out above): {', '.join(missing)}. Re-run the same command to resume them."]
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(per_algo: dict[str, dict], path: Path) -> Path:
+    """``curves.png``: eval score vs environment steps, one mean line and 95% CI band per algorithm."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    for algo, a in per_algo.items():
+        c = a["curve"]
+        line, = ax.plot(c["env_steps"], c["score_mean"], marker="o", label=f"{algo} (n={a['runs']})")
+        low = [np.nan if v is None else v for v in c["score_ci_low"]]
+        high = [np.nan if v is None else v for v in c["score_ci_high"]]
+        ax.fill_between(c["env_steps"], low, high, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel("environment steps (training episodes)")
+    ax.set_ylabel("eval score, no memory (band: 95% CI over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_summary(plans: list, done: list, out: Path, meta: dict[str, Any], algos: list[str]) -> dict[str, Any]:
+    """Write ``summary.json``, ``summary.md`` and ``curves.png`` from the finished runs (``done``) of ``plans``."""
+    missing = [p.name for p in plans if p not in done]
+    results = [run_result(p) for p in done]
+    per_algo = aggregate(results, algos)
+    first = plans[0].cfg
+    summary_stats = stats.summarise_arms([{**r, "arm": r["algo"]} for r in results], algos)
+    meta = {**meta, "protocol": protocol(first, results),
+            "budget_text": f"{first.train.iterations} iterations × {first.train.tasks_per_batch} tasks × "
+                           f"G={first.algo.num_generations} = {results[0]['train_episodes'] if results else '?'}"}
+    summary = {**meta, "algorithms": per_algo, "stats": summary_stats, "runs": results, "missing": missing}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "summary.md").write_text(summary_markdown(meta, per_algo, results, missing, summary_stats))
+    if per_algo:
+        plot_curves(per_algo, out / "curves.png")
+    return summary

@@ -1,0 +1,214 @@
+"""Statistics over seeds for ``empo2 compare`` and ``empo2 report``: confidence intervals, paired differences, power.
+
+The unit is the seed: a run's score is the mean of its stored eval episodes' scores (``eval/final.json``'s
+``episodes``), so anyone can redo these numbers from the run folders. Methods, written into every summary:
+
+- an arm's mean over seeds: 95% percentile bootstrap CI (``scipy.stats.bootstrap``, ``method="percentile"``,
+  :data:`N_RESAMPLES` resamples, seeded by :data:`BOOTSTRAP_SEED`, so the same folders give the same interval). It
+  needs at least :data:`MIN_BOOTSTRAP` seeds: with two, every resample's mean is one of three values and the
+  "interval" is just the two seeds' range. Percentile, not BCa: BCa's jackknife acceleration is undefined when the
+  seeds agree (a common case: every run scores 0) and unstable at five seeds.
+- between two arms, or a run's final against its start eval: the mean of the per-seed differences (seeds paired),
+  its 95% t interval and the two-sided paired t-test (``scipy.stats.ttest_rel``) on the same differences, so the
+  interval excludes zero exactly when p < 0.05. A Wilcoxon signed-rank test (``scipy.stats.wilcoxon``, exact) is a
+  second line from :data:`MIN_WILCOXON` seeds on: below that its smallest possible two-sided p is above 0.05.
+- the seeds needed: the power of a two-sided paired t-test at α = 0.05 from the noncentral t distribution
+  (``scipy.stats.nct``), taking the observed mean and SD of the differences as the truth; the least n with 80% power.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from scipy import stats as sps
+
+LEVEL = 0.95
+ALPHA = 1 - LEVEL
+N_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
+MIN_BOOTSTRAP = 3
+MIN_WILCOXON = 6
+POWER = 0.8
+MAX_SEEDS = 10_000  # beyond this the effect is, for any practical comparison, not there
+
+METHOD_TEXT = (f"95% CIs over seeds: an arm's mean by percentile bootstrap ({N_RESAMPLES} resamples, seed "
+               f"{BOOTSTRAP_SEED}, needs ≥ {MIN_BOOTSTRAP} seeds); a paired difference by the t interval of the "
+               f"per-seed differences, p from the two-sided paired t-test (scipy.stats.ttest_rel); Wilcoxon "
+               f"signed-rank p from {MIN_WILCOXON} seeds on. A run's score is the mean of its stored eval episodes.")
+
+
+def episode_scores(result: dict[str, Any], source: str = "eval result") -> list[float]:
+    """The per-episode scores an ``eval/<tag>.json`` stores; a file without them cannot give these statistics."""
+    episodes = result.get("episodes")
+    if not episodes:
+        from empo2.config import ConfigError
+
+        raise ConfigError(f"{source} stores no per-episode scores ('episodes'); evaluate the run again")
+    return [float(e["score"]) for e in episodes]
+
+
+def run_score(result: dict[str, Any], source: str = "eval result") -> float:
+    """A run's score: the mean of its stored episode scores (float64)."""
+    return float(np.mean(np.asarray(episode_scores(result, source), dtype=np.float64)))
+
+
+def run_success(result: dict[str, Any]) -> float:
+    return float(np.mean([bool(e["success"]) for e in result["episodes"]], dtype=np.float64))
+
+
+def mean_ci(values) -> dict[str, Any]:
+    """Mean over seeds with its 95% percentile bootstrap CI; ``ci`` is ``None`` (and ``note`` says why) below
+    :data:`MIN_BOOTSTRAP` seeds."""
+    x = np.asarray(values, dtype=np.float64)
+    out: dict[str, Any] = {"n": int(x.size), "mean": float(x.mean()) if x.size else None, "ci": None, "note": ""}
+    if x.size < MIN_BOOTSTRAP:
+        out["note"] = f"CI undefined at n={x.size} (bootstrap needs ≥ {MIN_BOOTSTRAP} seeds)"
+        return out
+    if np.all(x == x[0]):  # every resample's mean is that value: the interval is the point
+        out["ci"] = [float(x[0]), float(x[0])]
+        return out
+    res = sps.bootstrap((x,), np.mean, n_resamples=N_RESAMPLES, confidence_level=LEVEL, method="percentile",
+                        rng=np.random.default_rng(BOOTSTRAP_SEED))
+    out["ci"] = [float(res.confidence_interval.low), float(res.confidence_interval.high)]
+    return out
+
+
+def paired(a, b) -> dict[str, Any]:
+    """``b − a`` per seed (the lists are in the same seed order): mean, SD, 95% t CI, paired t-test, Wilcoxon."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    d = b - a
+    n = int(d.size)
+    out: dict[str, Any] = {"n": n, "diff_mean": float(d.mean()) if n else None, "diff_sd": None, "ci": None,
+                           "t": None, "df": n - 1, "p": None, "wilcoxon_p": None, "test": "paired t-test", "note": ""}
+    if n < 2:
+        out["note"] = f"no test at n={n} (a paired t-test needs ≥ 2 seeds)"
+        return out
+    out["diff_sd"] = float(d.std(ddof=1))
+    if out["diff_sd"] == 0.0:  # t is 0/0 or ±inf: no p-value can be given
+        out["ci"] = [out["diff_mean"], out["diff_mean"]]
+        out["note"] = f"every seed's difference is {out['diff_mean']:+.1f}: no spread, no p-value"
+        return out
+    res = sps.ttest_rel(b, a)
+    ci = res.confidence_interval(LEVEL)
+    out.update(t=float(res.statistic), p=float(res.pvalue), ci=[float(ci.low), float(ci.high)])
+    if n >= MIN_WILCOXON:
+        out["wilcoxon_p"] = float(sps.wilcoxon(b, a).pvalue)
+    return out
+
+
+def power(effect: float, n: int) -> float:
+    """Power of a two-sided paired t-test at α = 0.05 for a standardised effect (mean / SD of differences), n seeds."""
+    df = n - 1
+    crit = sps.t.ppf(1 - ALPHA / 2, df)
+    nc = effect * math.sqrt(n)
+    return float(sps.nct.sf(crit, df, nc) + sps.nct.cdf(-crit, df, nc))
+
+
+def seeds_needed(diff_mean: float, diff_sd: float) -> int | None:
+    """The least n with :data:`POWER` power if the observed mean and SD were true; ``None`` when no n up to
+    :data:`MAX_SEEDS` gets there (no difference observed)."""
+    if diff_sd is None or diff_mean is None or diff_sd == 0 or diff_mean == 0:
+        return None
+    effect = abs(diff_mean) / diff_sd
+    lo, hi = 2, MAX_SEEDS
+    if power(effect, hi) < POWER:
+        return None
+    while lo < hi:  # power grows with n: bisect for the first n that reaches it
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if power(effect, mid) < POWER else (lo, mid)
+    return lo
+
+
+def verdict(what: str, pair: dict[str, Any]) -> str:
+    """One sentence: is ``what`` (e.g. ``empo2 − grpo``) distinguishable from zero at this n, and what n would settle
+    it."""
+    n, m = pair["n"], pair["diff_mean"]
+    if n < 2:
+        return f"{what}: not testable with {n} paired seed(s); run at least 3 seeds per arm."
+    if pair["p"] is None:
+        return f"{what}: {pair['note']} over {n} seeds; run more seeds to test it."
+    lo, hi = pair["ci"]
+    head = f"{what} = {m:+.1f} (95% CI {lo:+.1f} to {hi:+.1f}, paired t-test p = {pair['p']:.3g}, n = {n} seeds)"
+    if pair["p"] < ALPHA:
+        return f"{head}: distinguishable from zero at this n."
+    need = seeds_needed(m, pair["diff_sd"])
+    more = (f"about {need} seeds would detect a difference this size with {POWER:.0%} power, if its SD "
+            f"({pair['diff_sd']:.1f}) holds" if need else "no practical number of seeds would detect a difference "
+            "this size")
+    return f"{head}: not distinguishable from zero at this n; {more}."
+
+
+# ---------------------------------------------------------------------------------------------------- rendering
+def fmt_ci(ci: list[float] | None, digits: int = 1) -> str:
+    return "n/a" if ci is None else f"[{ci[0]:.{digits}f}, {ci[1]:.{digits}f}]"
+
+
+def fmt_p(p: float | None) -> str:
+    return "n/a" if p is None else f"{p:.3g}"
+
+
+def arm_table(arms: dict[str, dict[str, Any]]) -> list[str]:
+    """Markdown rows: per arm n, score mean [CI], success mean [CI], and the gain of final over start when known."""
+    lines = [("| arm | n seeds | final score (mean) | 95% CI | success (mean) | 95% CI | final − start | 95% CI "
+              "| p (t-test) |"),
+             "|---|---:|---:|---|---:|---|---:|---|---:|"]
+    for arm, a in arms.items():
+        s, ok, g = a["score"], a["success"], a.get("gain")
+        gain = (f"{g['diff_mean']:+.1f} | {fmt_ci(g['ci'])} | {fmt_p(g['p'])}" if g and g["diff_mean"] is not None
+                else "n/a | n/a | n/a")
+        lines.append(f"| {arm} | {s['n']} | **{s['mean']:.1f}** | {fmt_ci(s['ci'])} | {ok['mean']:.2f} | "
+                     f"{fmt_ci(ok['ci'], 2)} | {gain} |")
+    return lines
+
+
+def pair_table(pairs: list[dict[str, Any]]) -> list[str]:
+    """Markdown rows of the paired differences between arms, then one verdict sentence per pair."""
+    if not pairs:
+        return []
+    lines = ["| difference (seeds paired) | n | mean | SD | 95% CI | paired t | p (t-test) | p (Wilcoxon) |",
+             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    for q in pairs:
+        sd = "n/a" if q["diff_sd"] is None else f"{q['diff_sd']:.1f}"
+        t = "n/a" if q["t"] is None else f"{q['t']:.2f} (df {q['df']})"
+        mean = "n/a" if q["diff_mean"] is None else f"{q['diff_mean']:+.1f}"
+        lines.append(f"| {q['what']} | {q['n']} | {mean} | {sd} | {fmt_ci(q['ci'])} | {t} | {fmt_p(q['p'])} | "
+                     f"{fmt_p(q['wilcoxon_p'])} |")
+    return lines + [""] + [f"- {q['verdict']}" for q in pairs]
+
+
+def compare_arms(per_seed: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
+    """Paired differences ``later − earlier`` for every two arms (arms in the order given, the first the baseline),
+    over the seeds both have."""
+    arms, pairs = list(per_seed), []
+    for i, base in enumerate(arms):
+        for other in arms[i + 1:]:
+            seeds = sorted(set(per_seed[base]) & set(per_seed[other]))
+            q = paired([per_seed[base][s] for s in seeds], [per_seed[other][s] for s in seeds])
+            what = f"{other} − {base}"
+            pairs.append({"what": what, "a": base, "b": other, "seeds": seeds, **q, "verdict": verdict(what, q)})
+    return pairs
+
+
+def summarise_arms(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
+    """The statistics of a comparison from per-run rows ``{"arm", "seed", "score", "success", "start"}`` (``start``:
+    the run's start-eval score, or ``None``): per arm the CIs and final − start, then the paired differences."""
+    out: dict[str, Any] = {"method": METHOD_TEXT, "arms": {}, "pairs": []}
+    per_seed: dict[str, dict[int, float]] = {}
+    for arm in arms:
+        mine = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
+        if not mine:
+            continue
+        per_seed[arm] = {r["seed"]: r["score"] for r in mine}
+        started = [r for r in mine if r.get("start") is not None]
+        gain = paired([r["start"] for r in started], [r["score"] for r in started]) if started else None
+        out["arms"][arm] = {"seeds": [r["seed"] for r in mine], "score": mean_ci([r["score"] for r in mine]),
+                            "success": mean_ci([r["success"] for r in mine]), "gain": gain}
+    out["pairs"] = compare_arms(per_seed)
+    return out
+
+
+def stats_markdown(summary: dict[str, Any]) -> list[str]:
+    """The arms' table, the paired differences with their verdicts, and the method line."""
+    return [*arm_table(summary["arms"]), "", *pair_table(summary["pairs"]), "", f"Method: {summary['method']}"]

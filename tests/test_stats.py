@@ -1,0 +1,162 @@
+"""``empo2.experiments.stats`` against float64 references computed here: numpy resampling with the same seed for the
+bootstrap, the textbook paired t with closed-form t distributions (df 1, 2, 4) for p-values and intervals, an
+enumeration of sign flips for the exact Wilcoxon test, and a seeded simulation for the power."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+
+import numpy as np
+import pytest
+
+from empo2.experiments import stats
+
+
+def _bootstrap_reference(values: list[float]) -> list[float]:
+    """Percentile bootstrap of the mean: resample indices with the module's seed, 2.5th and 97.5th percentiles."""
+    x = np.asarray(values, dtype=np.float64)
+    idx = np.random.default_rng(stats.BOOTSTRAP_SEED).integers(0, x.size, (stats.N_RESAMPLES, x.size))
+    return np.percentile(x[idx].mean(axis=1), [2.5, 97.5]).tolist()
+
+
+def _t_cdf(t: float, df: int) -> float:
+    """Student t CDF in closed form for df 1, 2 and 4."""
+    if df == 1:
+        return 0.5 + math.atan(t) / math.pi
+    if df == 2:
+        return 0.5 + t / (2 * math.sqrt(2 + t * t))
+    assert df == 4
+    u = 1 + t * t / 4
+    return 0.5 + 3 / 8 * t / math.sqrt(u) * (1 - t * t / (12 * u))
+
+
+def _t_crit(df: int) -> float:
+    """The t with two-sided tail 0.05, by bisection of the closed-form CDF."""
+    lo, hi = 0.0, 100.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < 0.975 else (lo, mid)
+    return lo
+
+
+def _paired_reference(a: list[float], b: list[float]) -> tuple[float, float, float, list[float]]:
+    """(mean, t, two-sided p, 95% CI) of b − a, by hand."""
+    d = [y - x for x, y in zip(a, b)]
+    n, mean, sd = len(d), statistics.fmean(d), statistics.stdev(d)
+    se = sd / math.sqrt(n)
+    t = mean / se
+    p = 2 * (1 - _t_cdf(abs(t), n - 1))
+    half = _t_crit(n - 1) * se
+    return mean, t, p, [mean - half, mean + half]
+
+
+def test_bootstrap_ci_matches_numpy_resampling():
+    scores = [-11.2, 3.5, 27.0, -4.25, 8.0, 0.5]
+    got = stats.mean_ci(scores)
+    assert got["n"] == 6 and got["mean"] == statistics.fmean(scores)
+    assert got["ci"] == pytest.approx(_bootstrap_reference(scores), abs=1e-12)
+    assert got["ci"][0] < got["mean"] < got["ci"][1]
+    assert stats.mean_ci(scores) == got  # seeded: the same folders give the same interval
+    assert stats.mean_ci([4.0, 4.0, 4.0])["ci"] == [4.0, 4.0]
+
+
+def test_ci_undefined_below_three_seeds_is_said():
+    for values in ([12.5], [12.5, -3.0]):
+        got = stats.mean_ci(values)
+        assert got["ci"] is None and f"n={len(values)}" in got["note"] and got["mean"] == statistics.fmean(values)
+
+
+def test_paired_difference_whose_ci_includes_zero():
+    """Three seeds whose differences are +27.0, 0.0, +20.8: t ≈ 1.95 on 2 df, p ≈ 0.19, the CI spans zero."""
+    grpo, empo2 = [-40.0, -12.0, -29.0], [-13.0, -12.0, -8.2]
+    mean, t, p, ci = _paired_reference(grpo, empo2)
+    got = stats.paired(grpo, empo2)
+    assert got["diff_mean"] == pytest.approx(mean, abs=1e-12) and got["t"] == pytest.approx(t, abs=1e-12)
+    assert got["p"] == pytest.approx(p, abs=1e-10) and got["ci"] == pytest.approx(ci, abs=1e-8)
+    assert round(t, 2) == 1.95 and 0.18 < p < 0.20 and ci[0] < 0 < ci[1]
+    assert got["df"] == 2 and got["wilcoxon_p"] is None  # 3 seeds: no Wilcoxon line
+    sentence = stats.verdict("empo2 − grpo", got)
+    assert "not distinguishable from zero at this n" in sentence and "n = 3 seeds" in sentence
+    need = stats.seeds_needed(got["diff_mean"], got["diff_sd"])
+    assert need is not None and need > 3 and f"about {need} seeds" in sentence
+
+
+def test_paired_difference_distinguishable_at_five_seeds():
+    a, b = [1.0, 2.0, 0.5, 3.0, 1.5], [4.0, 4.5, 3.0, 7.5, 3.0]
+    _, _, p, ci = _paired_reference(a, b)
+    got = stats.paired(a, b)
+    assert got["p"] == pytest.approx(p, abs=1e-10) and got["ci"] == pytest.approx(ci, abs=1e-8)
+    assert p < 0.05 and ci[0] > 0
+    assert stats.verdict("b − a", got).endswith("distinguishable from zero at this n.")
+
+
+def test_two_seeds_have_a_t_test_but_no_bootstrap():
+    a, b = [10.0, 20.0], [14.0, 30.0]
+    _, _, p, ci = _paired_reference(a, b)
+    got = stats.paired(a, b)
+    assert got["df"] == 1 and got["p"] == pytest.approx(p, abs=1e-10) and got["ci"] == pytest.approx(ci, abs=1e-7)
+
+
+def test_one_seed_and_no_spread_are_said_not_crashed():
+    one = stats.paired([3.0], [5.0])
+    assert one["p"] is None and one["ci"] is None and one["diff_mean"] == 2.0
+    assert "not testable with 1 paired seed" in stats.verdict("x − y", one)
+    flat = stats.paired([0.0, 0.0, 0.0], [0.0, 0.0, 0.0])  # e.g. every run scores 0
+    assert flat["p"] is None and flat["ci"] == [0.0, 0.0] and "no spread" in stats.verdict("x − y", flat)
+
+
+def test_wilcoxon_matches_sign_flip_enumeration():
+    a = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    b = [2.5, 0.0, 6.0, 4.5, 9.0, 10.5, 6.75]
+    d = [y - x for x, y in zip(a, b)]  # distinct |d|, no zeros: the exact null is the 2^n sign flips
+    ranks = {v: k + 1 for k, v in enumerate(sorted(abs(x) for x in d))}
+    w_plus = sum(ranks[abs(x)] for x in d if x > 0)
+    total = sum(ranks.values())
+    stat = min(w_plus, total - w_plus)
+    sums = [sum(r for r, s in zip(ranks.values(), signs) if s) for signs in itertools.product((0, 1), repeat=len(d))]
+    p = 2 * sum(1 for s in sums if s <= stat) / len(sums)
+    assert stats.paired(a, b)["wilcoxon_p"] == pytest.approx(min(p, 1.0), abs=1e-12)
+
+
+def test_power_and_seeds_needed_against_simulation():
+    # the textbook case: effect 0.5, two-sided α = 0.05 → 34 pairs for 80% power
+    assert stats.seeds_needed(0.5, 1.0) == 34 and stats.seeds_needed(-2.0, 4.0) == 34
+    assert stats.seeds_needed(0.0, 3.0) is None and stats.seeds_needed(1.0, 0.0) is None
+    rng = np.random.default_rng(1)
+    n, effect = 8, 0.9
+    d = rng.normal(effect, 1.0, (200_000, n))
+    t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
+    from scipy.stats import t as tdist
+
+    simulated = float(np.mean(np.abs(t) > tdist.ppf(0.975, n - 1)))
+    assert stats.power(effect, n) == pytest.approx(simulated, abs=0.005)
+
+
+def test_summarise_arms_pairs_seeds_and_gains():
+    runs = [{"arm": arm, "seed": seed, "score": score, "success": success, "start": start}
+            for arm, seed, score, success, start in [
+                ("grpo", 0, -40.0, 0.0, -30.0), ("grpo", 1, -12.0, 0.0, -20.0), ("grpo", 2, -29.0, 0.5, -25.0),
+                ("empo2", 2, -8.2, 0.5, -25.0), ("empo2", 0, -13.0, 0.0, -30.0), ("empo2", 1, -12.0, 0.0, -20.0)]]
+    got = stats.summarise_arms(runs, ["grpo", "empo2"])
+    assert list(got["arms"]) == ["grpo", "empo2"] and got["arms"]["empo2"]["seeds"] == [0, 1, 2]
+    assert got["arms"]["grpo"]["score"]["ci"] == pytest.approx(_bootstrap_reference([-40.0, -12.0, -29.0]), abs=1e-12)
+    _, _, p_gain, _ = _paired_reference([-30.0, -20.0, -25.0], [-13.0, -12.0, -8.2])
+    assert got["arms"]["empo2"]["gain"]["p"] == pytest.approx(p_gain, abs=1e-10)
+    (pair,) = got["pairs"]
+    assert pair["what"] == "empo2 − grpo" and pair["seeds"] == [0, 1, 2]
+    assert pair["p"] == pytest.approx(_paired_reference([-40.0, -12.0, -29.0], [-13.0, -12.0, -8.2])[2], abs=1e-10)
+    md = "\n".join(stats.stats_markdown(got))
+    assert "| empo2 − grpo | 3 | +15.9 |" in md and "paired t-test" in md and pair["verdict"] in md
+
+
+def test_run_score_is_the_mean_of_stored_episodes():
+    result = {"episodes": [{"score": 10.0, "success": False}, {"score": -3.5, "success": True},
+                           {"score": 100.0, "success": True}]}
+    assert stats.run_score(result) == statistics.fmean([10.0, -3.5, 100.0])
+    assert stats.run_success(result) == 2 / 3
+    from empo2.config import ConfigError
+
+    with pytest.raises(ConfigError, match="no per-episode scores"):
+        stats.run_score({"summary": {}}, "runs/x/eval/final.json")
