@@ -54,6 +54,7 @@ log = logging.getLogger("empo2.train")
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console=None):
         self.cfg, self.run_dir, self.console = cfg, Path(run_dir), console
+        cfg.check_training()  # sampling the update's log-probs can score (the CLI also checks it before any file)
         self.algorithm = cfg.algorithm  # the registry entry: memory use, modes, loss, estimator
         self.use_memory = self.algorithm.uses_memory
         seed = cfg.train.seed
