@@ -112,7 +112,7 @@ class PolicyConfig:
     """Number of gold demonstrations (from other variations) in the prompt."""
     prefix_sharing: bool = True
     """Compute the token head that several prompts share (system prompt, task, demonstration) once, in generation
-    and in the update; ``False`` = every row runs its whole prompt (the older, slower path; same results)."""
+    and in the update; ``False`` = every row runs its whole prompt (slower; same results)."""
     reuse_heads: bool = True
     """With prefix sharing, a rollout's generation calls keep the previous step's head KV and compute only what
     follows its longest common prefix (the heads repeat across the steps of an episode). Same results up to float

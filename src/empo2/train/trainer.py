@@ -1,4 +1,4 @@
-"""The EMPO² / GRPO training loop (SPEC §1): sample tasks and a mode, roll out groups, reflect into memory,
+"""The EMPO² / GRPO training loop (paper's loop): sample tasks and a mode, roll out groups, reflect into memory,
 compute group advantages (with the novelty reward), and take clipped policy-gradient steps — with evaluation,
 atomic checkpoints, resume, metrics, TensorBoard and plots.
 """
