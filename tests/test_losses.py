@@ -26,7 +26,8 @@ from empo2.config_sections import AlgoConfig
 
 def reference(new, old, adv, mask, ref=None, *, lo=0.2, hi=0.3, c=10.0, delta=0.01, gran="token", beta=0.0,
               agg="token_mean", rows=None):
-    """Loop-by-loop float64 loss and d loss / d new (analytic), straight from the paper's loss with dual clip and k3 KL."""
+    """Loop-by-loop float64 loss and d loss / d new (analytic), straight from the paper's loss, with dual clip and
+    k3 KL."""
     B, T = new.shape
     A = adv if adv.ndim == 2 else np.repeat(adv[:, None], T, axis=1)
     rows = range(B) if rows is None else rows

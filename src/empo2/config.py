@@ -50,7 +50,7 @@ class Config:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> "Config":
+    def from_dict(cls, data: dict[str, Any] | None) -> Config:
         cfg = cls()
         for section, values in (data or {}).items():
             if section not in cls.SECTIONS:
@@ -65,7 +65,7 @@ class Config:
         return cfg
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> "Config":
+    def load(cls, path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
         data: dict[str, Any] = {}
         if path is not None:
             p = Path(path)
@@ -162,9 +162,9 @@ class Config:
                               "and top_k=0")
 
     def _check_registry_names(self) -> None:
-        """Every registry-backed name (algorithm, estimator, loss, backend, environment, tasks, eviction policy) is checked
-        here, at load, so a typo exits before any run folder exists. The registries live in higher layers and are
-        imported only now, when they are needed."""
+        """Every registry-backed name (algorithm, estimator, loss, backend, environment, tasks, eviction policy) is
+        checked here, at load, so a typo exits before any run folder exists. The registries live in higher layers and
+        are imported only now, when they are needed."""
         from empo2.algo.advantages import ADVANTAGE_ESTIMATORS
         from empo2.algo.losses import POLICY_LOSSES
         from empo2.algo.registry import ALGORITHMS

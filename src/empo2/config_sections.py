@@ -24,7 +24,8 @@ class EnvConfig:
     simplification: str = "easy"
     """ScienceWorld simplification string (``easy`` = the released setup)."""
     max_steps: int | None = None
-    """Episode step cap; ``None`` = per-task default (30; chemistry-mix 60; measure-melting-point-known-substance 120)."""
+    """Episode step cap; ``None`` = per-task default (30; chemistry-mix 60; measure-melting-point-known-substance
+    120)."""
     step_caps: dict[str, int] | None = None
     """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
     action_correction: bool = True
