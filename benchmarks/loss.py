@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from empo2.algo.losses import policy_loss
+from empo2.config_sections import AlgoConfig
 from empo2.memory.novelty import NoveltyReward
 
 B, T, V, D = 64, 512, 1024, 384
@@ -51,14 +52,14 @@ def bench_loss(repeats: int) -> dict[str, dict[str, float]]:
 
     def loss_only():
         new = logp_new0.clone().requires_grad_(True)
-        loss, _ = policy_loss(new, logp_old, adv, mask, logp_ref=logp_ref, modes=modes, beta=0.01)
+        loss, _ = policy_loss(new, logp_old, adv, mask, AlgoConfig(beta=0.01), logp_ref=logp_ref, modes=modes)
         loss.backward()
 
     def from_logits():
         logits = logits0.clone().requires_grad_(True)
         tok = logits.gather(-1, tokens[..., None]).squeeze(-1)  # [B, T]
         new = tok - torch.logsumexp(logits, dim=-1)  # [B, T]
-        loss, _ = policy_loss(new, new.detach() + 0.1, adv, mask, logp_ref=logp_ref, modes=modes, beta=0.01)
+        loss, _ = policy_loss(new, new.detach() + 0.1, adv, mask, AlgoConfig(beta=0.01), logp_ref=logp_ref, modes=modes)
         loss.backward()
 
     return {"loss_only": timed(loss_only, repeats), "loss_from_logits": timed(from_logits, max(repeats // 4, 3))}

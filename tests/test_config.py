@@ -20,6 +20,7 @@ def test_defaults_match_released_mode_probabilities():
     ("env.name=atari", "unknown environment 'atari'; valid environments: scienceworld, webshop"),
     ("env.tasks=[find-dragon]", "unknown ScienceWorld task 'find-dragon'"),
     ("memory.eviction=random", "memory.eviction: unknown eviction policy 'random'; valid: fifo, lru, utility"),
+    ("policy.backend=vlm", "policy.backend: unknown rollout backend 'vlm'; valid: hf, vllm"),
 ])
 def test_registry_names_are_checked_at_load(override, message):
     with pytest.raises(ConfigError) as info:
@@ -140,3 +141,64 @@ def test_train_with_top_p_exits_2_before_anything_is_written(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "policy.top_p=0.95 / policy.top_k=0 cannot train" in err and len(err.splitlines()) == 1
     assert not run.exists()
+
+
+def literal_fields():
+    """``(key, allowed values)`` of every ``Literal[...]`` field of the config sections, read from the annotations."""
+    import dataclasses
+    import typing
+
+    out = []
+    for name in Config.SECTIONS:
+        section = type(getattr(Config(), name))
+        hints = typing.get_type_hints(section)
+        out += [(f"{name}.{f.name}", typing.get_args(hints[f.name])) for f in dataclasses.fields(section)
+                if typing.get_origin(hints[f.name]) is typing.Literal]
+    return out
+
+
+def test_every_enumerated_field_is_checked_at_load_from_its_annotation():
+    """Each ``Literal[...]`` field refuses a value outside its annotation with one line naming the field, the value
+    and the allowed ones, whether the value comes from an override, a YAML file or the code; the default is
+    allowed."""
+    fields = literal_fields()
+    assert {"algo.loss_type", "algo.mask_granularity", "policy.dtype", "policy.autocast", "env.pool",
+            "memory.namespace", "algo.intrinsic_schedule"} <= {key for key, _ in fields}
+    for key, allowed in fields:
+        section, name = key.split(".")
+        assert getattr(getattr(Config(), section), name) in allowed
+        message = f"{key} must be one of {', '.join(allowed)}, got 'bogus'"
+        with pytest.raises(ConfigError) as info:
+            Config.load(None, [f"{key}=bogus"])
+        assert str(info.value) == message
+        cfg = Config()
+        setattr(getattr(cfg, section), name, "bogus")
+        with pytest.raises(ConfigError) as info:
+            cfg.validate()
+        assert str(info.value) == message
+        for value in allowed:
+            assert getattr(getattr(Config.load(None, [f"{key}={value}"]), section), name) == value
+
+
+def test_a_bad_enumerated_value_exits_2_with_one_line_before_anything_is_written(tmp_path, capsys):
+    from empo2.cli import main
+
+    run = tmp_path / "run"
+    (tmp_path / "c.yaml").write_text("algo: {loss_type: [token_mean]}\n")
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), f"train.output_dir={run}"]) == 2
+    assert capsys.readouterr().err.strip() == "error: algo.loss_type must be a string, got ['token_mean']"
+    assert main(["train", "algo.loss_type=token", f"train.output_dir={run}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: algo.loss_type must be one of token_mean, sequence_mean, got 'token'"
+    assert len(err.splitlines()) == 1 and not run.exists()
+
+
+def test_the_trainer_refuses_sampling_the_update_cannot_score(tmp_path):
+    """Not only the CLI: a Trainer built from a config (as the library and the benchmarks build it) checks the
+    sampling settings first, before it loads a model or writes a file."""
+    from empo2.train.trainer import Trainer
+
+    cfg = Config.load(None, ["policy.top_p=0.9", "policy.model=no-such-model"])
+    with pytest.raises(ConfigError, match="policy.top_p=0.9 / policy.top_k=0 cannot train"):
+        Trainer(cfg, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

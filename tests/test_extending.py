@@ -1,5 +1,6 @@
 """Extending empo2 from outside ``src/``: a toy environment and a toy algorithm registered in this file train one
-iteration through the real CLI (real pool worker processes, the tiny random model, a real run folder).
+iteration through the real CLI (real pool worker processes, the tiny random model, a real run folder), and the toy
+loss's own knob reaches it through the ``algo`` section without an edit of the update.
 
 The environment is a two-door room: the door that hides the prize depends on the variation's parity. It is small on
 purpose; what is tested is that registration alone is enough (no edit of the package)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 
 import pytest
 from safetensors.torch import load_file
@@ -15,6 +17,8 @@ from safetensors.torch import load_file
 from empo2.algo.losses import POLICY_LOSSES, register_policy_loss
 from empo2.algo.registry import ALGORITHMS, AlgorithmSpec, register_algorithm
 from empo2.cli import main
+from empo2.config import Config
+from empo2.config_sections import AlgoConfig
 from empo2.envs import EnvSpec, StepResult, register_env
 from empo2.envs.registry import ENVIRONMENTS
 
@@ -65,11 +69,21 @@ class TwoDoors:
         pass
 
 
-def plain_policy_gradient(logp_new, logp_old, advantages, response_mask, **_):
-    """REINFORCE with a token mean: −Σ A·log π / Σ mask (no ratio, no clip)."""
+@dataclass
+class ToyAlgoConfig(AlgoConfig):
+    """The ``algo`` section with the toy loss's own knob (a new loss's knob is one more documented field)."""
+
+    pg_scale: float = 1.0
+    """Factor on the toy loss."""
+
+
+def plain_policy_gradient(logp_new, logp_old, advantages, response_mask, algo, **_):
+    """REINFORCE with a token mean, times the toy's own knob: −s·Σ A·log π / Σ mask (no ratio, no clip). A section
+    without the knob (the CLI's ``AlgoConfig``) means s = 1."""
     mask = response_mask.float()  # [B, T]
-    loss = -(advantages[:, None] * logp_new * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"skipped": 0.0}
+    scale = getattr(algo, "pg_scale", 1.0)
+    loss = -scale * (advantages[:, None] * logp_new * mask).sum() / mask.sum().clamp(min=1)
+    return loss, {"skipped": 0.0, "pg_loss": float(loss)}
 
 
 @pytest.fixture
@@ -113,3 +127,39 @@ def test_unknown_names_list_the_registered_ones(tmp_path, capsys, registered):
     assert main(["train", f"train.output_dir={tmp_path / 'x'}", "env.name=two-door"]) == 2
     assert "two-doors" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_new_loss_reads_its_own_knob_through_the_algo_section(registered):
+    """The toy loss's ``algo.pg_scale`` is set like any key (``algo.pg_scale=0.5``) and the unchanged update hands
+    the loss the section: half the knob, half the loss and (plain SGD) half the step, on a real tiny Llama."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from empo2.train.distributed import Dist
+    from empo2.train.rows import UpdateRow
+    from empo2.train.update import PolicyUpdate
+
+    class PadOnly:  # the update reads only the pad id of a tokenizer
+        pad_token_id = 0
+
+    rows = [UpdateRow([5, 6, 7, 8], [9, 10], [-3.0, -3.0], 1.0, "on"),
+            UpdateRow([5, 6, 11], [12, 13, 14], [-3.0] * 3, -1.0, "on")]
+    losses, steps = {}, {}
+    for scale in ("1", "0.5"):
+        cfg = Config(algo=ToyAlgoConfig())
+        cfg.set("algo.name", "toy_reinforce")
+        cfg.set("algo.pg_scale", scale)
+        cfg.set("train.max_grad_norm", "1e9")  # no clipping: the step is proportional to the gradient
+        cfg.validate()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1))
+        before = [p.detach().clone() for p in model.parameters()]
+        update = PolicyUpdate(cfg, model, PadOnly(), torch.optim.SGD(model.parameters(), lr=0.1),
+                              POLICY_LOSSES[cfg.algorithm.loss], Dist())
+        metrics = update(rows)
+        assert metrics["optimizer_steps"] == 1
+        losses[scale] = metrics["pg_loss"]
+        steps[scale] = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    assert losses["1"] != 0 and losses["0.5"] == pytest.approx(losses["1"] / 2, rel=1e-6)
+    torch.testing.assert_close(steps["0.5"], steps["1"] / 2)

@@ -165,19 +165,19 @@ def test_output_dir_with_a_hash_is_that_folder(tmp_path, fake_model):
 
 
 def test_overrides_are_typed_by_their_field(tmp_path):
-    cfg = Config.load(None, ["train.output_dir=/scratch/exp #2", "env.simplification=on", "policy.dtype=0755",
+    cfg = Config.load(None, ["train.output_dir=/scratch/exp #2", "env.simplification=on", "policy.device=0755",
                              "policy.lora=off", "train.tensorboard=yes", "train.iterations=0755",
                              "train.learning_rate=1e-4", "memory.seed_from=null", "env.max_steps=",
                              "env.step_caps={find-animal: 9}", "tasks=[find-animal, find-plant]"])
     assert cfg.train.output_dir == "/scratch/exp #2"
-    assert cfg.env.simplification == "on" and cfg.policy.dtype == "0755"
+    assert cfg.env.simplification == "on" and cfg.policy.device == "0755"
     assert cfg.policy.lora is False and cfg.train.tensorboard is True and cfg.train.iterations == 755
     assert cfg.train.learning_rate == 1e-4 and cfg.memory.seed_from is None and cfg.env.max_steps is None
     assert cfg.env.step_caps == {"find-animal": 9} and cfg.env.tasks == ["find-animal", "find-plant"]
     path = tmp_path / "c.yaml"  # a YAML file's plain scalars are typed by the field too
-    path.write_text("env: {simplification: 0755}\npolicy: {dtype: on, lora: no}\ntrain: {learning_rate: 1e-4}\n")
+    path.write_text("env: {simplification: 0755}\npolicy: {device: on, lora: no}\ntrain: {learning_rate: 1e-4}\n")
     cfg = Config.load(path)
-    assert (cfg.env.simplification, cfg.policy.dtype, cfg.policy.lora) == ("0755", "on", False)
+    assert (cfg.env.simplification, cfg.policy.device, cfg.policy.lora) == ("0755", "on", False)
     assert cfg.train.learning_rate == 1e-4
     cfg.save(tmp_path / "saved.yaml")
     assert Config.load(tmp_path / "saved.yaml").to_dict() == cfg.to_dict()

@@ -9,6 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from empo2.algo.losses import policy_loss
+from empo2.config_sections import AlgoConfig
 from empo2.policy.logprobs import micro_batches, response_logprobs
 
 PAD = 0
@@ -171,7 +172,7 @@ def _train(adv_masked_row, delta, steps=3):
     for _ in range(steps):
         logp, _ = response_logprobs(model, prompts, responses, PAD)
         logp.retain_grad()
-        loss, metrics = policy_loss(logp, logp_old, adv, mask, delta=delta)
+        loss, metrics = policy_loss(logp, logp_old, adv, mask, AlgoConfig(delta=delta))
         opt.zero_grad()
         loss.backward()
         grads_on_unlikely.append(logp.grad[1].clone())
@@ -283,9 +284,9 @@ def test_on_policy_update_ratio_is_one_at_the_sampling_temperature():
     seen = []
     loss = get_policy_loss("empo2")
 
-    def spy(logp_new, logp_old, adv, mask, **kwargs):
+    def spy(logp_new, logp_old, adv, mask, algo, **kwargs):
         seen.append((logp_new.detach().clone(), logp_old.clone(), kwargs["logp_ref"].clone(), mask.clone()))
-        return loss(logp_new, logp_old, adv, mask, **kwargs)
+        return loss(logp_new, logp_old, adv, mask, algo, **kwargs)
 
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     metrics = PolicyUpdate(cfg, model, Tok(), optimizer, spy, Dist())(rows)

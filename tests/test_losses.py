@@ -18,13 +18,16 @@ from empo2.algo.losses import (
     policy_loss,
     training_prompt_has_tips,
 )
+from empo2.config import Config, ConfigError
+from empo2.config_sections import AlgoConfig
 
 # ---------------------------------------------------------------------------------------------------- reference
 
 
 def reference(new, old, adv, mask, ref=None, *, lo=0.2, hi=0.3, c=10.0, delta=0.01, gran="token", beta=0.0,
               agg="token_mean", rows=None):
-    """Loop-by-loop float64 loss and d loss / d new (analytic), straight from SPEC §3 with dual clip and k3 KL."""
+    """Loop-by-loop float64 loss and d loss / d new (analytic), straight from the paper's loss, with dual clip and
+    k3 KL."""
     B, T = new.shape
     A = adv if adv.ndim == 2 else np.repeat(adv[:, None], T, axis=1)
     rows = range(B) if rows is None else rows
@@ -72,10 +75,15 @@ def random_batch(seed, B=6, T=9, adv_2d=False):
     return new, old, adv, mask, ref
 
 
+def loss_of(new, old, adv, mask, *, logp_ref=None, modes=None, loss=policy_loss, **knobs):
+    """A registered loss called as the update calls it: the knobs travel in an ``algo`` section."""
+    return loss(new, old, adv, mask, AlgoConfig(**knobs), logp_ref=logp_ref, modes=modes)
+
+
 def run(new, old, adv, mask, ref=None, **kw):
     t_new = torch.tensor(new, dtype=torch.float64, requires_grad=True)
     t_ref = None if ref is None else torch.tensor(ref)
-    loss, metrics = policy_loss(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), logp_ref=t_ref, **kw)
+    loss, metrics = loss_of(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), logp_ref=t_ref, **kw)
     loss.backward()
     return loss.item(), t_new.grad.numpy(), metrics
 
@@ -87,9 +95,9 @@ CASES = [
     dict(delta=0.0),
     dict(delta=0.05, dual_clip=0.0),
     dict(delta=0.01, mask_granularity="sequence"),
-    dict(aggregation="sequence_mean"),
+    dict(loss_type="sequence_mean"),
     dict(beta=0.1),
-    dict(beta=0.04, aggregation="sequence_mean", epsilon=0.1, epsilon_high=0.5, dual_clip=3.0),
+    dict(beta=0.04, loss_type="sequence_mean", epsilon=0.1, epsilon_high=0.5, dual_clip=3.0),
 ]
 
 
@@ -102,7 +110,7 @@ def test_loss_and_grad_match_float64_reference(seed, case, adv_2d):
     loss, grad, metrics = run(new, old, adv, mask, ref, **kw)
     rkw = dict(lo=kw.get("epsilon", 0.2), hi=kw.get("epsilon_high", 0.3), c=kw.get("dual_clip", 10.0),
                delta=kw.get("delta", 0.01), gran=kw.get("mask_granularity", "token"), beta=kw.get("beta", 0.0),
-               agg=kw.get("aggregation", "token_mean"))
+               agg=kw.get("loss_type", "token_mean"))
     ref_loss, ref_grad, keep = reference(new, old, adv, mask, ref, **rkw)
     assert loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
@@ -134,7 +142,7 @@ def test_float32_matches_float64():
     new, old, adv, mask, ref = random_batch(5)
     l64, g64, _ = run(new, old, adv, mask, ref, beta=0.1)
     t_new = torch.tensor(new, dtype=torch.float32, requires_grad=True)
-    loss, _ = policy_loss(t_new, torch.tensor(old).float(), torch.tensor(adv).float(), torch.tensor(mask),
+    loss, _ = loss_of(t_new, torch.tensor(old).float(), torch.tensor(adv).float(), torch.tensor(mask),
                           logp_ref=torch.tensor(ref).float(), beta=0.1)
     loss.backward()
     assert loss.dtype == torch.float32
@@ -145,11 +153,11 @@ def test_float32_matches_float64():
 def test_dual_clip_worked_example():
     # A = -1, ρ = e^3 ≈ 20: unclipped objective -20, dual-clip floor c·A = -10 -> loss 10 with zero gradient
     new = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
-    loss, m = policy_loss(new, torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
+    loss, m = loss_of(new, torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
                           torch.tensor([[True]]), delta=0.0)
     loss.backward()
     assert loss.item() == pytest.approx(10.0) and new.grad.item() == 0.0 and m["dual_clip_frac"] == 1.0
-    loss, _ = policy_loss(new.detach(), torch.tensor([[-3.0]], dtype=torch.float64),
+    loss, _ = loss_of(new.detach(), torch.tensor([[-3.0]], dtype=torch.float64),
                           torch.tensor([-1.0], dtype=torch.float64), torch.tensor([[True]]), delta=0.0, dual_clip=0.0)
     assert loss.item() == pytest.approx(math.exp(3.0))
 
@@ -158,7 +166,7 @@ def test_per_mode_losses():
     new, old, adv, mask, ref = random_batch(7)
     modes = ["on", "on", "off_tips", "on", "off_tips", "off_tips"]
     for agg in ("token_mean", "sequence_mean"):
-        _, _, m = run(new, old, adv, mask, ref, modes=modes, aggregation=agg)
+        _, _, m = run(new, old, adv, mask, ref, modes=modes, loss_type=agg)
         for mode in ("on", "off_tips"):
             rows = [i for i, x in enumerate(modes) if x == mode]
             assert m[f"loss_{mode}"] == pytest.approx(reference(new, old, adv, mask, agg=agg, rows=rows)[0])
@@ -184,7 +192,7 @@ def _tensors(b, t, seed):
 def test_ratio_one_gives_minus_mean_advantage(bt):
     b, t, seed = bt
     _, logp, adv, mask = _tensors(b, t, seed)
-    loss, m = policy_loss(logp, logp.clone(), adv, mask, delta=0.0)
+    loss, m = loss_of(logp, logp.clone(), adv, mask, delta=0.0)
     expected = -(adv[:, None] * mask).sum() / mask.sum()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-12)
     assert m["clip_frac"] == 0.0 and m["ratio_mean"] == 1.0 and m["approx_kl"] == 0.0
@@ -196,7 +204,7 @@ def test_ratio_one_gives_minus_mean_advantage(bt):
 def test_clip_frac_zero_when_ratio_is_one(bt, gran, agg, delta):
     b, t, seed = bt
     _, logp, adv, mask = _tensors(b, t, seed)
-    _, m = policy_loss(logp, logp.clone(), adv, mask, delta=delta, mask_granularity=gran, aggregation=agg)
+    _, m = loss_of(logp, logp.clone(), adv, mask, delta=delta, mask_granularity=gran, loss_type=agg)
     assert m["clip_frac"] == 0.0 and m["dual_clip_frac"] == 0.0
 
 
@@ -210,14 +218,14 @@ def test_masked_tokens_get_exactly_zero_gradient(bt, gran, agg, junk):
     new = torch.where(mask, logp, junk).requires_grad_(True)  # padding holds junk: it must never leak
     old = torch.where(mask, old, junk)
     ref = torch.where(mask, logp + 0.3, junk)
-    loss, m = policy_loss(new, old, adv, mask, logp_ref=ref, beta=0.1, delta=0.05, mask_granularity=gran,
-                          aggregation=agg)
+    loss, m = loss_of(new, old, adv, mask, logp_ref=ref, beta=0.1, delta=0.05, mask_granularity=gran,
+                          loss_type=agg)
     loss.backward()
     assert torch.isfinite(loss) and m["skipped"] == 0.0
     assert torch.all(new.grad[~mask] == 0)
     # low-probability-masked tokens: zero gradient from the surrogate (β = 0 so nothing else touches them)
     new2 = torch.where(mask, logp, junk).requires_grad_(True)
-    loss2, m2 = policy_loss(new2, old, adv, mask, delta=0.05, mask_granularity=gran, aggregation=agg)
+    loss2, m2 = loss_of(new2, old, adv, mask, delta=0.05, mask_granularity=gran, loss_type=agg)
     loss2.backward()
     lowp = mask & (logp < math.log(0.05)) if gran == "token" else mask & (
         (mask & (old < math.log(0.05))).any(1, keepdim=True))
@@ -236,7 +244,7 @@ def test_off_policy_ratio_numerator_tip_free_denominator_tips(new_tip_free, old_
     for variant, denom in (("paper", old_tips), ("tip_free", old_tip_free)):
         new.grad = None
         old = behaviour_logp_for_ratio("off_tips", with_tips, tip_free, variant)
-        loss, m = policy_loss(new, old, adv, torch.tensor([[True]]), modes=["off_tips"], delta=0.0,
+        loss, m = loss_of(new, old, adv, torch.tensor([[True]]), modes=["off_tips"], delta=0.0,
                               epsilon=0.999, epsilon_high=1e9)  # effectively unclipped
         loss.backward()
         rho = math.exp(new_tip_free - denom)
@@ -254,8 +262,6 @@ def test_training_prompt_and_variant_checks():
         behaviour_logp_for_ratio("off_tips", x, None, "tip_free")
     with pytest.raises(ValueError):
         behaviour_logp_for_ratio("offline", x, x)
-    with pytest.raises(ValueError):
-        behaviour_logp_for_ratio("off_tips", x, x, "other")
 
 
 # -------------------------------------------------------------------------------------------- numerics, registry
@@ -265,18 +271,18 @@ def test_non_finite_valid_value_skips_with_zero_gradient():
     new, old, adv, mask, _ = random_batch(3)
     new[1, 2] = np.nan  # row 1 is fully valid
     t_new = torch.tensor(new, requires_grad=True)
-    loss, m = policy_loss(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), delta=0.0)
+    loss, m = loss_of(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), delta=0.0)
     loss.backward()
     assert m["skipped"] == 1.0 and loss.item() == 0.0 and loss.requires_grad
     assert torch.all(t_new.grad == 0)
     adv[2] = np.inf
-    loss, m = policy_loss(torch.tensor(old), torch.tensor(old), torch.tensor(adv), torch.tensor(mask))
+    loss, m = loss_of(torch.tensor(old), torch.tensor(old), torch.tensor(adv), torch.tensor(mask))
     assert m["skipped"] == 1.0 and loss.item() == 0.0
 
 
 def test_extreme_ratio_stays_finite():
     new = torch.tensor([[0.0, -1.0]], dtype=torch.float32, requires_grad=True)
-    loss, m = policy_loss(new, torch.tensor([[-200.0, -1.0]]), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
+    loss, m = loss_of(new, torch.tensor([[-200.0, -1.0]]), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
                           delta=0.0, dual_clip=0.0)
     loss.backward()
     assert torch.isfinite(loss) and m["skipped"] == 0.0 and torch.isfinite(new.grad).all()
@@ -287,9 +293,9 @@ def test_registry():
     assert get_policy_loss("empo2") is policy_loss
     new, old, adv, mask, _ = random_batch(4)
     args = (torch.tensor(new), torch.tensor(old), torch.tensor(adv), torch.tensor(mask))
-    grpo, mg = get_policy_loss("grpo")(*args, delta=0.3)
-    plain, _ = policy_loss(*args, delta=0.0)
-    masked, _ = policy_loss(*args, delta=0.3)
+    grpo, mg = loss_of(*args, loss=get_policy_loss("grpo"), delta=0.3)
+    plain, _ = loss_of(*args, delta=0.0)
+    masked, _ = loss_of(*args, delta=0.3)
     assert grpo.item() == plain.item() != masked.item() and mg["masked_frac"] == 0.0
     with pytest.raises(ValueError):
         get_policy_loss("ppo")
@@ -299,14 +305,33 @@ def test_argument_checks():
     x = torch.zeros(2, 3)
     m = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError):
-        policy_loss(x, x, torch.zeros(3), m)
+        loss_of(x, x, torch.zeros(3), m)
     with pytest.raises(ValueError):
-        policy_loss(x, x[:, :2], torch.zeros(2), m)
+        loss_of(x, x[:, :2], torch.zeros(2), m)
     with pytest.raises(ValueError):
-        policy_loss(x, x, torch.zeros(2), m, modes=["on"])
+        loss_of(x, x, torch.zeros(2), m, modes=["on"])
     with pytest.raises(ValueError):
-        policy_loss(x, x, torch.zeros(2), m, modes=["on", "bogus"])
-    with pytest.raises(ValueError):
-        policy_loss(x, x, torch.zeros(2), m, dual_clip=0.5)
-    with pytest.raises(ValueError):
-        policy_loss(x, x, torch.zeros(2), m, aggregation="sum")
+        loss_of(x, x, torch.zeros(2), m, modes=["on", "bogus"])
+    # the knobs are checked once, when the config loads
+    with pytest.raises(ConfigError, match=r"algo.dual_clip must be > 1 \(or 0 to disable\), got 0.5"):
+        Config.load(None, ["algo.dual_clip=0.5"])
+    with pytest.raises(ConfigError, match="algo.loss_type must be one of token_mean, sequence_mean, got 'sum'"):
+        Config.load(None, ["algo.loss_type=sum"])
+
+
+def test_each_loss_reads_its_knobs_from_the_algo_section():
+    """A registered loss takes the ``algo`` section and reads every knob there; ``grpo`` takes δ as 0 without
+    touching the run's section."""
+    new, old, adv, mask, ref = random_batch(6)
+    section = AlgoConfig(epsilon=0.1, epsilon_high=0.5, dual_clip=3.0, delta=0.05, mask_granularity="sequence",
+                         beta=0.04, loss_type="sequence_mean")
+    t_new = torch.tensor(new, requires_grad=True)
+    loss, _ = policy_loss(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), section,
+                          logp_ref=torch.tensor(ref))
+    want, _, _ = reference(new, old, adv, mask, ref, lo=0.1, hi=0.5, c=3.0, delta=0.05, gran="sequence", beta=0.04,
+                           agg="sequence_mean")
+    assert loss.item() == pytest.approx(want, rel=1e-10)
+    grpo, _ = get_policy_loss("grpo")(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), section,
+                                      logp_ref=torch.tensor(ref))
+    want, _, _ = reference(new, old, adv, mask, ref, lo=0.1, hi=0.5, c=3.0, delta=0.0, beta=0.04, agg="sequence_mean")
+    assert grpo.item() == pytest.approx(want, rel=1e-10) and section.delta == 0.05

@@ -73,5 +73,5 @@ def test_rejects_bad_input():
         ModeSampler({"on": 1.2, "off_tips": -0.2}, seed=0)
     with pytest.raises(ValueError):
         ModeSampler({"on": 1.0, "offline": 0.0}, seed=0)
-    with pytest.raises(ValueError):
-        ModeSampler(DEFAULT, seed=0, granularity="episode")
+    with pytest.raises(ValueError, match="algo.mode_granularity must be one of batch, group, got 'episode'"):
+        Config.load(None, ["algo.mode_granularity=episode"])  # the granularity is checked once, at load

@@ -68,7 +68,7 @@ def test_invalid_action_gives_zero_reward(env):
 
 
 def test_default_cutoff_always_maps_to_a_valid_action(env):
-    """Released-code behaviour (SPEC §3): every output becomes the closest valid action, so the agent always acts."""
+    """Released code (docs/fidelity.md): every output becomes the closest valid action, so the agent always acts."""
     env.reset("find-animal", 0)
     for text in ("xyzzy plugh", "You focus on the bowl. Then you focus on the cupboard", "Rodzisch wow"):
         valid = env.valid_actions()

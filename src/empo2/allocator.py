@@ -1,8 +1,8 @@
 """Run the ``empo2`` command on jemalloc when the machine has it (``scripts/setup.sh`` installs ``libjemalloc2``).
 
 An update's forward/backward allocates and frees hundreds of activation tensors of many sizes. glibc's malloc keeps
-much of that freed memory in fragmented arenas: on the main job's micro-batches the process peaked at 5.2–5.4 GB on
-glibc and 3.2 GB on jemalloc (``benchmarks/allocator.py``, four runs; time 0.89–1.09× glibc's on shared rows). The
+much of that freed memory in fragmented arenas, so the process peaks higher on glibc than on jemalloc at about the
+same speed (``benchmarks/allocator.py``; docs/benchmarks.md). The
 allocator has to be chosen before the process starts, so the command re-executes itself once with ``LD_PRELOAD`` set.
 ``EMPO2_ALLOCATOR=system`` keeps glibc's malloc; a ``MALLOC_CONF`` of your own replaces :data:`MALLOC_CONF`.
 """
@@ -16,8 +16,8 @@ import sys
 MALLOC_CONF = "oversize_threshold:0,background_thread:true"
 """Large blocks (most activations) share the normal arenas, whose freed pages a background thread returns after
 jemalloc's usual delay; by default they get an arena that returns them at once, so each big tensor faulted its pages in
-again. Keeping pages for good (``dirty_decay_ms:-1``) was faster on one update but let a whole training run grow to
-7.2 GB, as pages freed by one phase (rollout, update) did not fit the next."""
+again. Keeping pages for good (``dirty_decay_ms:-1``) is faster on one update but lets a whole training run keep
+growing, as pages freed by one phase (rollout, update) do not fit the next."""
 
 
 def jemalloc_library() -> str | None:

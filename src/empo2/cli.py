@@ -221,7 +221,7 @@ def cmd_eval(args) -> int:
 
 
 def cmd_adapt(args) -> int:
-    """Out-of-distribution adaptation (SPEC §6): trials with memory updates only, no parameter updates."""
+    """Out-of-distribution adaptation (the paper's OOD test): trials with memory updates only, no parameter updates."""
     from empo2.envs.factory import resolve_tasks
     from empo2.experiments import adapt
     from empo2.train.runlock import LOCK_NAME

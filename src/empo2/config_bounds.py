@@ -1,4 +1,5 @@
-"""Bounds of every numeric config field, the size of every string, and the machine's cap on environment workers.
+"""Bounds of every numeric config field, the values of every enumerated one, the size of every string, and the
+machine's cap on environment workers.
 
 Checked at load (:meth:`empo2.config.Config.validate`), so a nonsense value (``env.max_steps=-1``,
 ``algo.num_generations=100000``, a 10 MB path) exits with one line before anything starts. The bounds are wide:
@@ -8,10 +9,13 @@ commands that start workers here (``train``, ``compare``): a config written for 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import types
+import typing
 from dataclasses import fields
-from typing import Any
+from typing import Any, Literal
 
 MAX_TEXT = 4096
 """Characters of one string field or list item (Linux paths are at most 4096 bytes)."""
@@ -74,6 +78,31 @@ def check_size(key: str, value: Any) -> None:
             raise _error(f"{key} has {len(value):,} items; at most {MAX_ITEMS} are accepted")
         for item in (list(value) + list(value.values())) if isinstance(value, dict) else value:
             check_size(key, item)
+
+
+@functools.cache
+def choices(section_type: type) -> dict[str, tuple[Any, ...]]:
+    """``{field: allowed values}`` of a config section's ``Literal[...]`` fields (``None`` too for an optional one):
+    the annotation is the one list of what a field may hold."""
+    hints = typing.get_type_hints(section_type)
+    out = {}
+    for f in fields(section_type):
+        hint = hints[f.name]
+        parts = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+        allowed = [v for part in parts if typing.get_origin(part) is Literal for v in typing.get_args(part)]
+        if allowed:
+            out[f.name] = tuple(allowed) + ((None,) if type(None) in parts else ())
+    return out
+
+
+def check_choices(cfg) -> None:
+    """Every ``Literal[...]`` field holds one of its values."""
+    for section in cfg.SECTIONS:
+        obj = getattr(cfg, section)
+        for name, allowed in choices(type(obj)).items():
+            value = getattr(obj, name)
+            if not any(value == v and type(value) is type(v) for v in allowed):
+                raise _error(f"{section}.{name} must be one of {', '.join(map(str, allowed))}, got {shown(value)}")
 
 
 def check_bounds(cfg) -> None:

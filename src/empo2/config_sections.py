@@ -4,6 +4,7 @@ with its default and a comment saying what it does. Loading, overrides and check
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -16,14 +17,15 @@ class EnvConfig:
     """Task names or task-set names (``panel18``, ``biology1`` …) for ScienceWorld; ignored by WebShop."""
     train_variations: int = 5
     """Train on the first N train-split variations of each task (released code: 5)."""
-    eval_split: str = "dev"
-    """Split used for held-out evaluation: ``dev`` or ``test``."""
+    eval_split: Literal["dev", "test", "train", "eval"] = "dev"
+    """Split used for held-out evaluation (ScienceWorld has ``dev`` and ``test``; WebShop ``eval`` and ``test``)."""
     eval_variations: int = 20
     """Evaluate on the first N variations of ``eval_split`` per task (released code: 20 test variations)."""
     simplification: str = "easy"
     """ScienceWorld simplification string (``easy`` = the released setup)."""
     max_steps: int | None = None
-    """Episode step cap; ``None`` = per-task default (30; chemistry-mix 60; measure-melting-point-known-substance 120)."""
+    """Episode step cap; ``None`` = per-task default (30; chemistry-mix 60; measure-melting-point-known-substance
+    120)."""
     step_caps: dict[str, int] | None = None
     """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
     action_correction: bool = True
@@ -41,9 +43,9 @@ class EnvConfig:
     """Use only the first N catalog products (``None`` = all)."""
     seed: int = 0
     """Seed for environment-side randomness (WebShop prices/goals)."""
-    pool: str = "process"
-    """Where environment workers run: ``process`` (local subprocesses) or ``ray`` (Ray actors, on any node of the
-    cluster in ``$RAY_ADDRESS``, else a local Ray; ``pip install 'empo2[ray]'``)."""
+    pool: Literal["process", "ray"] = "process"
+    """Where environment workers run: ``process``, local subprocesses; ``ray``, Ray actors on any node of the
+    cluster in ``$RAY_ADDRESS``, else a local Ray (``pip install 'empo2[ray]'``)."""
     max_workers: int | None = None
     """Most local environment workers a run may start (``train.tasks_per_batch × algo.num_generations``, checked at
     start); ``None`` = 8 per CPU core and one per 512 MiB of available memory. Set it where a node can take more."""
@@ -55,18 +57,19 @@ class PolicyConfig:
 
     model: str = "smollm2-135m"
     """Model: ``smollm2-135m`` (offline bundled default), a Hugging Face hub id, or a local path."""
-    dtype: str = "auto"
-    """``auto`` (float32 on CPU, bfloat16 on GPU), ``float32``, ``bfloat16`` or ``float16``."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Weight dtype; ``auto`` is float32 on CPU and bfloat16 on GPU."""
     device: str = "auto"
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    autocast: str = "none"
-    """Compute dtype for forward passes (``torch.autocast``): ``none``, ``bfloat16`` or ``float16``. Weights and
+    autocast: Literal["none", "bfloat16", "float16"] = "none"
+    """Compute dtype for forward passes (``torch.autocast``; ``none`` = the weights' dtype). Weights and
     optimizer state stay in ``dtype``: ``dtype=float32`` + ``autocast=bfloat16`` is fp32 master weights with bf16
-    compute. Full fine-tuning refuses non-float32 ``dtype`` (small updates would round to zero). On CPUs without
-    native bfloat16 (no AVX512-BF16/AMX) bfloat16 is slower; see benchmarks/results/iteration.json."""
+    compute. Full fine-tuning refuses non-float32 ``dtype`` (small updates would round to zero). CPUs without
+    native bfloat16 (no AVX512-BF16/AMX) run bfloat16 slower (docs/benchmarks.md)."""
     backend: str = "hf"
-    """Rollout generation: ``hf`` (the training model's ``generate``) or ``vllm`` (a colocated vLLM engine with
-    prefix caching, weights synced after every update; ``pip install 'empo2[vllm]'``, CUDA only)."""
+    """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf``, the training model's ``generate``;
+    ``vllm``, a colocated vLLM engine with prefix caching, weights synced after every update (``pip install
+    'empo2[vllm]'``, CUDA only)."""
     vllm_memory: float = 0.4
     """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest."""
     seeded_sampling: bool = False
@@ -110,7 +113,7 @@ class PolicyConfig:
     """Number of gold demonstrations (from other variations) in the prompt."""
     prefix_sharing: bool = True
     """Compute the token head that several prompts share (system prompt, task, demonstration) once, in generation
-    and in the update; ``False`` = every row runs its whole prompt (the older, slower path; same results)."""
+    and in the update; ``False`` = every row runs its whole prompt (slower; same results)."""
     reuse_heads: bool = True
     """With prefix sharing, a rollout's generation calls keep the previous step's head KV and compute only what
     follows its longest common prefix (the heads repeat across the steps of an episode). Same results up to float
@@ -128,14 +131,15 @@ class MemoryConfig:
     capacity: int = 1000
     """Tips kept per namespace."""
     eviction: str = "utility"
-    """``utility`` (lowest first), ``lru`` or ``fifo``."""
-    namespace: str = "task"
-    """``task`` or ``task_variation``."""
+    """Which tip leaves a full namespace (registry: ``empo2.memory.store.EVICTION_POLICIES``); ``utility`` evicts
+    the lowest utility first."""
+    namespace: Literal["task", "task_variation"] = "task"
+    """What tips are stored and retrieved per: the task, or the task and its variation."""
     dedup_threshold: float = 0.95
     """A new tip this similar to an existing one in its namespace is rejected as a duplicate (above 1: never)."""
     max_tip_words: int = 100
     """Tips longer than this many words are rejected (the reflection prompt asks for fewer)."""
-    entry_format: str = "tip"
+    entry_format: Literal["tip", "released"] = "tip"
     """What an entry's text (the text retrieval puts into the prompt) holds: ``tip``, the tip alone; ``released``, as
     the authors' code writes it: the tip + "; At that timestep, the specific action your took was <action>;
     Eventually you got the score <R>/100." (their wording, typo included), with the action of the step the tip is keyed
@@ -167,7 +171,7 @@ class AlgoConfig:
     num_generations: int = 8
     """Rollouts per task (the GRPO group G)."""
     advantage: str = "grpo"
-    """Advantage-estimator registry name, for algorithms that do not fix their own: ``grpo`` or ``gigpo``."""
+    """Advantage-estimator registry name (``empo2.algo.advantages``), for algorithms that do not fix their own."""
     gamma: float = 0.95
     """GiGPO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (paper: 0.95)."""
     step_advantage_weight: float = 1.0
@@ -176,7 +180,7 @@ class AlgoConfig:
     """GiGPO: ``None`` = anchor states grouped by their exact observation text (the reference default); a ratio in
     (0, 1] puts an observation in the first anchor group whose first observation is at least this similar (difflib
     ratio; the reference's option uses 0.95)."""
-    gigpo_normalization: str = "mean_norm"
+    gigpo_normalization: Literal["mean_norm", "mean_std_norm"] = "mean_norm"
     """GiGPO's normalisation of episode and step returns in their groups, for ``algo.name=gigpo`` and for
     ``algo.advantage=gigpo`` under EMPO² alike: ``mean_norm`` (default; the reference code's default and the stronger
     "GiGPO w/o std" of the EMPO² paper's WebShop table) subtracts the group mean; ``mean_std_norm`` also divides by
@@ -194,11 +198,12 @@ class AlgoConfig:
     """Dual-clip constant c for negative advantages (0 disables)."""
     delta: float = 0.01
     """Low-probability mask: drop tokens with π_θ(a|tip-free prompt) < δ (0 disables)."""
-    mask_granularity: str = "token"
-    """``token`` (paper) or ``sequence`` (released code: drop a response if any old log-prob < log δ)."""
+    mask_granularity: Literal["token", "sequence"] = "token"
+    """Where the δ mask acts: ``token`` (paper), or ``sequence`` (released code: drop a response if any old log-prob
+    < log δ)."""
     beta: float = 0.0
     """KL-to-reference coefficient (k3 estimator)."""
-    loss_type: str = "token_mean"
+    loss_type: Literal["token_mean", "sequence_mean"] = "token_mean"
     """Loss aggregation: ``token_mean`` (sum over tokens / tokens of the mini-batch; TRL's ``dapo``/``bnpo``) or
     ``sequence_mean`` (per-response mean, then mean over responses; TRL's ``grpo``). Either way the mean runs over
     every row of the mini-batch, zero-advantage rows included (the paper's 1/(N·T))."""
@@ -206,22 +211,22 @@ class AlgoConfig:
     """DAPO-style filtering: drop rows whose advantage is 0 before the mini-batches are cut, so they leave the loss's
     denominator and the iteration takes fewer optimizer steps; the informative tokens then weigh more in batches
     where many groups scored alike. Off (the paper): they are counted, only their compute is skipped."""
-    off_policy_ratio: str = "paper"
+    off_policy_ratio: Literal["paper", "tip_free"] = "paper"
     """``paper``: π_θ(a|s)/π_old(a|s,tips); ``tip_free``: tip-free prompt in both (pre-release variant)."""
     p_memory: float = 0.25
     """Probability of a memory rollout (``on_tips`` + ``off_tips``); released: 0.25."""
     p_off_policy: float = 0.17
     """Probability of an ``off_tips`` rollout (part of ``p_memory``); ``on_tips`` gets ``p_memory - p_off_policy``.
     Released defaults: on / on_tips / off_tips = 0.75 / 0.08 / 0.17."""
-    mode_granularity: str = "batch"
-    """Sample the mode once per ``batch`` or per ``group``."""
+    mode_granularity: Literal["batch", "group"] = "batch"
+    """How often the mode is sampled: once per batch, or once per group."""
     intrinsic_weight: float = 0.0
     """Weight w of the episode's novelty reward in the return (0 = off)."""
-    intrinsic_aggregation: str = "mean"
+    intrinsic_aggregation: Literal["mean", "sum"] = "mean"
     """How an episode's per-step novelty rewards become its intrinsic return: ``mean`` (default: a longer episode
     is not paid for its length) or ``sum``."""
-    intrinsic_schedule: str = "constant"
-    """``constant`` (w) or ``linear`` (from ``intrinsic_weight_start`` to ``intrinsic_weight_end``)."""
+    intrinsic_schedule: Literal["constant", "linear"] = "constant"
+    """``constant``: w at every iteration; ``linear``: from ``intrinsic_weight_start`` to ``intrinsic_weight_end``."""
     intrinsic_weight_start: float = 0.8
     """Weight at the first iteration under the ``linear`` schedule."""
     intrinsic_weight_end: float = 0.2
@@ -251,9 +256,8 @@ class TrainConfig:
     over the whole iteration. verl takes one step per ``ppo_mini_batch_size``, ~20–30 per iteration."""
     micro_batch_tokens: int = 1024
     """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up).
-    Peak RSS grows ~4 MB per token of budget for SmolLM2-135M + LoRA: 1024 peaked at ~4 GB, 4096 at ~12 GB. Speed
-    depends on how many rows share a prompt head in a micro-batch: 1024 was 1.4x faster on one 20-row mini-batch
-    (``benchmarks/iteration.py``) but 1.34x slower on the learning preset's shuffled 16-row mini-batches."""
+    Peak memory grows with it; speed depends on how many rows share a prompt head in a micro-batch
+    (``benchmarks/iteration.py``; docs/benchmarks.md)."""
     logprob_chunk_tokens: int = 1024
     """Response tokens whose full-vocabulary logits exist at once when computing log-probs (bounds update memory)."""
     gradient_checkpointing: bool = False

@@ -1,6 +1,6 @@
 """End-of-episode reflection: the prompt that asks the policy for ONE tip, and the parser that cleans its answer.
 
-The tip says what happened, what was learnt and how far the agent is from finishing (SPEC §1 step 4). The shown
+The tip says what happened, what was learnt and how far the agent is from finishing (the paper's tips). The shown
 trajectory is kept short (last few steps, truncated observations) because the default model has a small context.
 What a tip becomes in memory (``memory.entry_format``) is :func:`empo2.memory.entry.memory_entry`, re-exported here
 for the rollout.

@@ -1,4 +1,4 @@
-"""Advantage estimators (a registry, verl-style) and the return that feeds them (SPEC §1.5, §4).
+"""Advantage estimators (a registry, verl-style) and the return that feeds them (docs/fidelity.md, *Advantages*).
 
 Every estimator gets step-level data in one :class:`AdvantageInput` and gives one advantage per STEP::
 

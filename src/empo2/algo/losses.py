@@ -1,4 +1,5 @@
-"""Policy losses (a registry, verl-style): the EMPO² clipped surrogate with the low-probability mask (SPEC §2, §3).
+"""Policy losses (a registry, verl-style): the EMPO² clipped surrogate with the low-probability mask (the paper's
+masked GRPO objective and off-policy ratio, Liu et al. 2026; docs/fidelity.md, *The loss*).
 
 Per valid response token t of row i (objective, to be maximised)::
 
@@ -10,6 +11,12 @@ Per valid response token t of row i (objective, to be maximised)::
 
 ``token_mean``:    loss = Σ_{i,t} loss_t / Σ_{i,t} response_mask      (the paper's 1/(N·T); masked tokens count in T)
 ``sequence_mean``: loss = mean_i [ Σ_t loss_t / Σ_t response_mask ]   (rows with no valid token are left out)
+
+A registered loss is called as ``loss_fn(logp_new, logp_old, advantages, response_mask, algo, *, logp_ref, modes)``
+and reads its knobs from ``algo``, the run's ``algo`` config section (ε_low = ``epsilon``, ε_high =
+``epsilon_high``, c = ``dual_clip``, δ = ``delta``, ``mask_granularity``, β = ``beta``, ``loss_type``), so a new loss
+with a new knob reads it there and the update that calls it does not change. The section is checked when the config
+loads, so a loss does not check its knobs again.
 
 Which log-probs go where (the trainer's job; see :func:`behaviour_logp_for_ratio`):
 
@@ -31,8 +38,10 @@ non-finite, :func:`policy_loss` returns a zero loss whose gradient is exactly ze
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -42,7 +51,7 @@ LOG_RATIO_CLAMP = 20.0
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-"""Registry: loss name -> function with the signature of :func:`policy_loss`."""
+"""Registry: loss name -> function with the signature of :func:`policy_loss` (it reads its knobs from ``algo``)."""
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
@@ -80,15 +89,13 @@ def behaviour_logp_for_ratio(
     ``logp_old_with_tips`` are the behaviour log-probs recorded at rollout on the rollout prompt (which has tips for
     ``on_tips``/``off_tips``; for ``on`` it is simply the tip-free rollout prompt). ``logp_old_tip_free`` are
     old-policy log-probs of the same tokens recomputed on the tip-free prompt (needed only for ``off_tips`` with
-    ``variant="tip_free"``).
+    ``variant="tip_free"``). ``variant`` is ``algo.off_policy_ratio``.
 
     - ``on`` / ``on_tips``: rollout prompt == training prompt -> ``logp_old_with_tips``.
     - ``off_tips``, ``paper``:    ρ = π_θ(a|s,u) / π_old(a|s,u,tips) -> ``logp_old_with_tips``.
     - ``off_tips``, ``tip_free``: ρ = π_θ(a|s,u) / π_old(a|s,u)      -> ``logp_old_tip_free``.
     """
     _check_mode(mode)
-    if variant not in ("paper", "tip_free"):
-        raise ValueError(f"unknown off-policy ratio variant {variant!r}; use 'paper' or 'tip_free'")
     if mode == "off_tips" and variant == "tip_free":
         if logp_old_tip_free is None:
             raise ValueError("variant 'tip_free' needs logp_old_tip_free for off_tips rows")
@@ -102,32 +109,28 @@ def policy_loss(
     logp_old: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
+    algo: Any,
     *,
     logp_ref: torch.Tensor | None = None,
     modes: Sequence[str] | None = None,
-    epsilon: float = 0.2,
-    epsilon_high: float = 0.3,
-    dual_clip: float = 10.0,
-    delta: float = 0.01,
-    mask_granularity: str = "token",
-    beta: float = 0.0,
-    aggregation: str = "token_mean",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """EMPO² loss. logp_new/logp_old/logp_ref/response_mask [B, T]; advantages [B] or [B, T]; modes: B strings.
+    """EMPO² loss. logp_new/logp_old/logp_ref/response_mask [B, T]; advantages [B] or [B, T]; modes: B strings;
+    ``algo``: the ``algo`` config section (:class:`empo2.config_sections.AlgoConfig`), which holds the knobs.
 
     Returns ``(loss scalar, metrics)``; see the module docstring for the formula. Gradient flows through ``logp_new``
     only. Metrics (python floats): ratio_mean, ratio_max, clip_frac, dual_clip_frac, masked_frac, approx_kl, kl_ref,
     valid_tokens, kept_tokens, skipped, and loss_<mode> for each mode present in ``modes``.
     """
-    _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes, dual_clip, mask_granularity,
-                aggregation)
+    _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes)
+    epsilon, epsilon_high, dual_clip = algo.epsilon, algo.epsilon_high, algo.dual_clip
+    delta, beta, granularity, aggregation = algo.delta, algo.beta, algo.mask_granularity, algo.loss_type
     valid = response_mask.bool()  # [B, T]
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp_new)  # [B, T]
     adv = torch.where(valid, adv.to(logp_new.dtype), 0.0)  # [B, T]
 
     # Low-probability mask: on π_θ (token) or on the behaviour log-probs (sequence, released code).
     keep = valid  # [B, T]
-    if delta > 0 and mask_granularity == "token":
+    if delta > 0 and granularity == "token":
         keep = valid & (logp_new.detach() >= math.log(delta))  # π_θ(a_t) ≥ δ
     elif delta > 0:
         bad_row = (valid & ~(logp_old >= math.log(delta))).any(dim=1, keepdim=True)  # [B, 1]
@@ -207,7 +210,7 @@ def _check_mode(mode: str) -> None:
         raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
 
 
-def _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes, dual_clip, granularity, aggregation):
+def _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes):
     if logp_new.dim() != 2:
         raise ValueError(f"logp_new must be [B, T], got {tuple(logp_new.shape)}")
     for name, t in (("logp_old", logp_old), ("response_mask", response_mask), ("logp_ref", logp_ref)):
@@ -221,17 +224,17 @@ def _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes, 
             raise ValueError(f"modes has {len(modes)} entries for {logp_new.shape[0]} rows")
         for m in modes:
             _check_mode(m)
-    if 0 < dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1 (or 0 to disable), got {dual_clip}")
-    if granularity not in ("token", "sequence"):
-        raise ValueError(f"mask_granularity must be 'token' or 'sequence', got {granularity!r}")
-    if aggregation not in ("token_mean", "sequence_mean"):
-        raise ValueError(f"aggregation must be 'token_mean' or 'sequence_mean', got {aggregation!r}")
+
+
+def micro_batch_share(algo: Any, valid_tokens: int, rows: int, mini_tokens: float, mini_rows: float) -> float:
+    """The weight of a micro-batch's loss (a mean inside the micro-batch) so that the micro-batches of a mini-batch add
+    up to its mean over the whole mini-batch: its share of the tokens (``token_mean``) or of the rows
+    (``sequence_mean``)."""
+    return valid_tokens / max(mini_tokens, 1) if algo.loss_type == "token_mean" else rows / mini_rows
 
 
 @register_policy_loss("grpo")
-def grpo_loss(*args, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """``grpo``: :func:`policy_loss` without the low-probability mask (any ``delta`` passed in is replaced by 0)."""
-    kwargs["delta"] = 0.0
-    return policy_loss(*args, **kwargs)
+def grpo_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """``grpo``: :func:`policy_loss` without the low-probability mask (``algo.delta`` is taken as 0)."""
+    return policy_loss(logp_new, logp_old, advantages, response_mask, dataclasses.replace(algo, delta=0.0), **kwargs)
 

@@ -1,4 +1,5 @@
-"""Rollout-mode sampling (SPEC §1.2): ``on`` / ``on_tips`` / ``off_tips`` with configured probabilities.
+"""Rollout-mode sampling (the paper's three learning modes; docs/fidelity.md, *The loop*): ``on`` / ``on_tips`` /
+``off_tips`` with configured probabilities.
 
 - ``on``: roll out and train without memory.
 - ``on_tips``: roll out with retrieved tips and train on the same tip-conditioned prompt.
@@ -21,7 +22,9 @@ class ModeSampler:
     """Draw a mode per batch (one draw, repeated for every group) or per group (one draw each).
 
     ``probs``: mode -> probability, over a subset of :data:`MODES` (missing modes get 0); must sum to 1 (±1e-6,
-    then renormalised). Default config: ``{"on": 0.75, "on_tips": 0.08, "off_tips": 0.17}`` (the ``empo2`` entry of ``empo2.algo.registry``).
+    then renormalised). Default config: ``{"on": 0.75, "on_tips": 0.08, "off_tips": 0.17}`` (the ``empo2`` entry of
+    ``empo2.algo.registry``). ``granularity`` is ``algo.mode_granularity``: ``group`` draws per group, anything else
+    once per batch.
     """
 
     def __init__(self, probs: dict[str, float], seed: int = 0, granularity: str = "batch"):
@@ -31,8 +34,6 @@ class ModeSampler:
         p = np.array([float(probs.get(m, 0.0)) for m in MODES], dtype=np.float64)  # [3]
         if np.any(p < 0) or not np.all(np.isfinite(p)) or abs(p.sum() - 1.0) > 1e-6:
             raise ValueError(f"mode probabilities must be >= 0 and sum to 1, got {probs}")
-        if granularity not in ("batch", "group"):
-            raise ValueError(f"granularity must be 'batch' or 'group', got {granularity!r}")
         self.probs = {m: float(v) for m, v in zip(MODES, p / p.sum())}
         self.granularity = granularity
         self.seed = int(seed)
@@ -49,9 +50,9 @@ class ModeSampler:
         """Modes for the ``num_groups`` groups of one batch -> list of ``num_groups`` strings."""
         if num_groups < 0:
             raise ValueError("num_groups must be >= 0")
-        if self.granularity == "batch":
-            return self._draw(1) * num_groups
-        return self._draw(num_groups)
+        if self.granularity == "group":
+            return self._draw(num_groups)
+        return self._draw(1) * num_groups
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable state: probabilities, granularity, seed, and the position of the random stream."""

@@ -1,6 +1,6 @@
 """ScienceWorld (Wang et al., 2022) as a :class:`~empo2.envs.base.TextEnv`.
 
-One instance drives one JVM through the ``scienceworld`` package. Episodes follow the released EMPO² setup (SPEC §7):
+One instance drives one JVM through the ``scienceworld`` package. Episodes follow the released EMPO² setup:
 simplification ``easy``, per-task step caps, reward = score delta, success = the simulator finished the task with
 score 100. A timeout is never a success; a wrong focus (score −100) ends the episode.
 
@@ -41,7 +41,8 @@ UNPARSED = "No known action matches that input."
 AMBIGUOUS = "Ambiguous request"
 DEMO_OBS_CHARS = 160
 DEFAULT_JAVA_OPTIONS = "-Xmx1g -XX:+UseSerialGC"
-"""Measured here: JVM RSS 1.3 GB -> 0.4 GB and ~25% faster steps on 2 cores than the JVM defaults (G1, heap = RAM/4)."""
+"""A small heap and the serial collector: a worker's JVM holds far less memory and steps faster than with the JVM's
+defaults (G1, heap = RAM/4), measured in docs/benchmarks.md."""
 
 
 def compact_actions(actions: list[str], limit: int = 64) -> list[str]:
@@ -70,8 +71,8 @@ class ScienceWorldEnv:
 
     ``max_steps`` caps every task (``None`` = per-task defaults: 30; chemistry-mix 60;
     measure-melting-point-known-substance 120); ``step_caps`` overrides single tasks and wins over ``max_steps``.
-    ``valid_actions_in_info=False`` leaves ``info['valid_actions']`` empty: fetching the valid list is ~80% of a
-    step's cost (30–50 ms of ~40–60 ms); it is then fetched only when needed (correction, :meth:`valid_actions`).
+    ``valid_actions_in_info=False`` leaves ``info['valid_actions']`` empty: fetching the valid list is most of a
+    step's cost; it is then fetched only when needed (correction, :meth:`valid_actions`).
     ``java_options`` go to the JVM (through ``JAVA_TOOL_OPTIONS``, after any the user set there, so theirs win).
     """
 
@@ -113,7 +114,7 @@ class ScienceWorldEnv:
         self._task: str | None = None
         self._variation = -1
         self._history: list[str] = []  # simulator commands of the current episode, for restoring it
-        self._gold: list[str] | None = None  # None = not generated yet for this episode (it costs ~100 ms)
+        self._gold: list[str] | None = None  # None = not generated yet for this episode (it is costly)
         self._desc = ""
         self._targets: list[str] = []
         self._valid: list[str] | None = None  # None = not fetched for the current state yet

@@ -15,7 +15,7 @@ TASK_SETS: dict[str, list[str]] = {
                     "test-conductivity-of-unknown-substances"],
     "measurement": ["measure-melting-point-known-substance", "use-thermometer"],
 }
-"""The paper's six topics (SPEC §7); ``panel18`` is their union and ``all`` every task."""
+"""The paper's six topics (its ScienceWorld panel); ``panel18`` is their union and ``all`` every task."""
 TASK_SETS["panel18"] = [t for topic in list(TASK_SETS.values()) for t in topic]
 
 try:  # task names ship with the package as data; no JVM needed
@@ -45,7 +45,7 @@ def expand_tasks(names: list[str] | str) -> list[str]:
 
 
 def step_cap(task: str, max_steps: int | None = None, step_caps: dict[str, int] | None = None) -> int:
-    """Step cap of ``task``: ``step_caps[task]``, else ``max_steps``, else the released default (SPEC §7)."""
+    """Step cap of ``task``: ``step_caps[task]``, else ``max_steps``, else the released default (authors' code)."""
     if step_caps and task in step_caps:
         return step_caps[task]
     if max_steps is not None:

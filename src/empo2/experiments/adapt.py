@@ -1,4 +1,4 @@
-"""Out-of-distribution adaptation (SPEC §6): trials on unseen tasks that change memory only, never the weights.
+"""Out-of-distribution adaptation (paper: OOD tests): trials on unseen tasks that change memory only, never the weights.
 
 Two ways to remember between trials:
 

@@ -56,5 +56,5 @@ class Embedder:
 
 @lru_cache(maxsize=4)
 def get_embedder(name: str = DEFAULT_EMBEDDER) -> Embedder:
-    """A process-wide shared embedder (loading takes ~1 s)."""
+    """A process-wide shared embedder (loading it is slow)."""
     return Embedder(name)

@@ -110,7 +110,7 @@ _BLAS = None
 
 def blas_limit(threads: int | None):
     """Context limiting BLAS threads for the search products (single-threaded sgemv is faster and far steadier on a
-    busy machine; oversubscribed BLAS threads gave 100+ ms p99 spikes). A no-op without threadpoolctl."""
+    busy machine, where oversubscribed BLAS threads give latency spikes). A no-op without threadpoolctl."""
     global _BLAS
     if threads is None:
         return contextlib.nullcontext()

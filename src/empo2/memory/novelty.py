@@ -1,4 +1,4 @@
-"""Intrinsic novelty reward (SPEC §4): r_int = 1/n over a store of distinct state embeddings, per namespace.
+"""Intrinsic novelty reward (paper): r_int = 1/n over a store of distinct state embeddings, per namespace.
 
 Definition used here. Each namespace (a task) holds distinct states s_1..s_M (unit-norm embeddings of observations)
 and a visit count n_j for each. A batch of visits x_1..x_N is counted as a whole, together with the counts from before

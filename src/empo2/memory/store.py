@@ -1,4 +1,4 @@
-"""The tip memory: validated, de-duplicated tips keyed by the state they are about (SPEC §5).
+"""The tip memory: validated, de-duplicated tips keyed by the state they are about (the paper's memory M).
 
 One SQLite file per run (WAL journal; layout in :mod:`empo2.memory.schema`) is the source of truth; every write is
 its own transaction, so a killed process loses at most the write that was in flight. Opening a file runs SQLite's

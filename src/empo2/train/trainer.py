@@ -1,4 +1,4 @@
-"""The EMPO² / GRPO training loop (SPEC §1): sample tasks and a mode, roll out groups, reflect into memory,
+"""The EMPO² / GRPO training loop (paper's loop): sample tasks and a mode, roll out groups, reflect into memory,
 compute group advantages (with the novelty reward), and take clipped policy-gradient steps — with evaluation,
 atomic checkpoints, resume, metrics, TensorBoard and plots.
 """
@@ -54,6 +54,7 @@ log = logging.getLogger("empo2.train")
 class Trainer:
     def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console=None):
         self.cfg, self.run_dir, self.console = cfg, Path(run_dir), console
+        cfg.check_training()  # sampling the update's log-probs can score (the CLI also checks it before any file)
         self.algorithm = cfg.algorithm  # the registry entry: memory use, modes, loss, estimator
         self.use_memory = self.algorithm.uses_memory
         seed = cfg.train.seed

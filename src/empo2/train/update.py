@@ -1,5 +1,6 @@
-"""The policy update (SPEC §4): mini-batches of rollout rows, token-budgeted micro-batches, clipped policy-gradient
-loss, gradient clipping and one optimizer step per mini-batch — data parallel when ``dist`` spans several ranks."""
+"""The policy update (the paper's loss; docs/fidelity.md, *The loss*): mini-batches of rollout rows, token-budgeted
+micro-batches, the clipped policy-gradient loss, gradient clipping and one optimizer step per mini-batch — data
+parallel when ``dist`` spans several ranks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from contextlib import nullcontext
 
 import torch
 
-from empo2.algo.losses import behaviour_logp_for_ratio
+from empo2.algo.losses import behaviour_logp_for_ratio, micro_batch_share
 from empo2.config import Config
 from empo2.policy import prefix as px
 from empo2.policy.generate import scoring_temperature
@@ -107,16 +108,9 @@ class PolicyUpdate:
             with torch.no_grad(), self._reference(), autocast_context(self.model, self.cfg.policy.autocast):
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
                                                 temperature=self.temperature)
-        loss, metrics = self.loss_fn(
-            logp_new, logp_old, adv, mask, logp_ref=logp_ref, modes=[r.mode for r in batch],
-            epsilon=cfg.algo.epsilon, epsilon_high=cfg.algo.epsilon_high, dual_clip=cfg.algo.dual_clip,
-            delta=cfg.algo.delta, mask_granularity=cfg.algo.mask_granularity, beta=cfg.algo.beta,
-            aggregation=cfg.algo.loss_type,
-        )
-        # The loss is a mean inside the micro-batch; weight it by its share so the micro-batches of a mini-batch add
-        # up to the mean over the mini-batch (token_mean: share of tokens; sequence_mean: share of rows).
-        share = mask.sum().item() / max(mini_tokens, 1) if cfg.algo.loss_type == "token_mean" \
-            else len(batch) / mini_rows
+        loss, metrics = self.loss_fn(logp_new, logp_old, adv, mask, cfg.algo, logp_ref=logp_ref,
+                                     modes=[r.mode for r in batch])
+        share = micro_batch_share(cfg.algo, mask.sum().item(), len(batch), mini_tokens, mini_rows)
         ok = metrics.get("skipped", 0.0) == 0.0
         if ok:
             (loss * share).backward()
