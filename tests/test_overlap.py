@@ -18,8 +18,8 @@ from empo2.cli import main
 from empo2.config import MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.policy.loader import load_model
-from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.episode import Episode, Step, state_text
+from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.reflection import reflect
 from empo2.train.rollout import RolloutContext
 

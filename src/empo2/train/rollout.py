@@ -21,7 +21,7 @@ from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import reuse_heads
 from empo2.policy.seeded import row_seed
 from empo2.train.episode import MEMORY_MODES, Episode, Step, namespace_of, state_text
-from empo2.train.protocols import Embedder, EnvWorkers, MemorySync, Tokenizer, TipStore
+from empo2.train.protocols import Embedder, EnvWorkers, MemorySync, TipStore, Tokenizer
 
 
 @dataclass
