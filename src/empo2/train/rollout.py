@@ -58,10 +58,11 @@ ActionSource = Callable[[RolloutContext, list[int], list[Episode], list[list[int
 def model_actions(temperature: float, greedy: bool = False) -> ActionSource:
     """The policy as the action source: one batched generation for all active rows."""
 
-    def act(ctx: RolloutContext, active: list[int], episodes: list[Episode], prompts: list[list[int]]) -> list[Generation]:
+    def act(ctx: RolloutContext, active: list[int], episodes: list[Episode],
+            prompts: list[list[int]]) -> list[Generation]:
         pcfg = ctx.policy_cfg
         return generate(ctx, prompts, pcfg.max_completion_length, temperature=temperature, top_p=pcfg.top_p,
-                         top_k=pcfg.top_k, greedy=greedy, row_seeds=row_seeds(ctx, episodes))
+                        top_k=pcfg.top_k, greedy=greedy, row_seeds=row_seeds(ctx, episodes))
 
     return act
 
