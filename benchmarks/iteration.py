@@ -73,8 +73,7 @@ def bench_rollout(trainer, args, log) -> tuple[dict, list]:
 
     out, last = {}, None
     set_arm(trainer, True)  # untimed: fetches the demonstration and warms the allocator, for every arm alike
-    run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * max(args.rollout_generations), temperature=1.0,
-                 reflect=False)
+    run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * max(args.rollout_generations), temperature=1.0)
     for g in args.rollout_generations:
         runs = {"today": [], "no_reuse": [], "shared": []}
         for rnd in range(args.rounds):
@@ -84,7 +83,7 @@ def bench_rollout(trainer, args, log) -> tuple[dict, list]:
 
                 torch.manual_seed(args.seed + rnd)
                 t = time.perf_counter()
-                eps, st = run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * g, temperature=1.0, reflect=False)
+                eps, st = run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * g, temperature=1.0)
                 dt = time.perf_counter() - t
                 steps = sum(len(e.steps) for e in eps)
                 runs[arm].append({"seconds": dt, "steps": steps, "steps_per_s": steps / dt,
@@ -160,12 +159,12 @@ def bench_bf16_update(trainer, episodes, log) -> dict:
 
 
 class ReflectTimer:
-    """Times ``_reflect_and_update`` (the end-of-episode reflection) by wrapping it in this process."""
+    """Times ``reflect`` (the end-of-episode reflection the trainer calls) by wrapping it in this process."""
 
     def __init__(self):
-        import empo2.train.rollout as rollout_mod
+        import empo2.train.trainer as trainer_mod
 
-        self.seconds, orig = 0.0, rollout_mod._reflect_and_update
+        self.seconds, orig = 0.0, trainer_mod.reflect
 
         def wrapped(*a, **kw):
             t = time.perf_counter()
@@ -174,7 +173,7 @@ class ReflectTimer:
             finally:
                 self.seconds += time.perf_counter() - t
 
-        rollout_mod._reflect_and_update = wrapped
+        trainer_mod.reflect = wrapped
 
 
 def run_iteration(trainer, it: int, timer: ReflectTimer, label: str, log) -> dict:

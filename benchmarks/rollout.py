@@ -203,22 +203,21 @@ def bench_generation(args) -> dict:
 
 # ----------------------------------------------------------------------------------------------- 2. iteration
 class Probe:
-    """Wraps (in this process only) run_episodes / _reflect_and_update / the embedder to split the times further."""
+    """Wraps (in this process only) run_episodes / reflect / the embedder to split the times further."""
 
     def __init__(self):
-        import empo2.train.rollout as rollout_mod
         import empo2.train.trainer as trainer_mod
 
         self.last: dict = {}
         self.reflect_s = 0.0
-        orig_run, orig_reflect = trainer_mod.run_episodes, rollout_mod._reflect_and_update
+        orig_run, orig_reflect = trainer_mod.run_episodes, trainer_mod.reflect
 
         def run_episodes(ctx, specs, *a, **kw):
             self.reflect_s = 0.0
             episodes, stats = orig_run(ctx, specs, *a, **kw)
             steps = [s for ep in episodes for s in ep.steps]
             self.last = {
-                "stats": dict(stats), "reflect_s": self.reflect_s, "episodes": len(episodes),
+                "stats": dict(stats), "episodes": len(episodes),
                 "steps": len(steps), "steps_per_episode": [len(ep.steps) for ep in episodes],
                 "scores": [ep.score for ep in episodes],
                 "prompt_tokens_mean": statistics.mean(len(s.prompt_ids) for s in steps) if steps else 0.0,
@@ -235,7 +234,7 @@ class Probe:
                 self.reflect_s += time.perf_counter() - t
 
         trainer_mod.run_episodes = run_episodes
-        rollout_mod._reflect_and_update = reflect
+        trainer_mod.reflect = reflect
 
 
 def bench_iterations(args) -> dict:
@@ -272,8 +271,8 @@ def bench_iterations(args) -> dict:
                 row = {
                     "iteration": it, "warmup": it == 0, "modes": rec["modes"], "whole": whole,
                     "rollout": rec["time"]["rollout"], "generate": rec["time"]["generate"], "env": rec["time"]["env"],
-                    "memory": rec["time"]["memory"], "reflection": p["reflect_s"],
-                    "retrieval": rec["time"]["memory"] - p["reflect_s"], "update": rec["time"]["update"],
+                    "memory": rec["time"]["memory"], "reflection": probe.reflect_s,
+                    "retrieval": rec["time"]["memory"] - probe.reflect_s, "update": rec["time"]["update"],
                     "other": whole - rec["time"]["rollout"] - rec["time"]["update"],
                     "gen_tokens": p["stats"]["gen_tokens"], "prompt_tokens": p["stats"]["prompt_tokens"],
                     "prompt_tokens_mean": p["prompt_tokens_mean"], "steps": p["steps"],

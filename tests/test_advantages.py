@@ -19,6 +19,7 @@ from empo2.algo.advantages import (
     intrinsic_weight,
     register_advantage,
 )
+from empo2.config import AlgoConfig
 
 
 def grpo(returns, groups, scale_rewards=True, eps=1e-6, lengths=None):
@@ -147,12 +148,13 @@ def test_combine_returns():
 
 
 def test_intrinsic_weight_schedules():
-    assert intrinsic_weight(3, 10, "constant", weight=0.4) == 0.4
-    assert intrinsic_weight(0, 10, "constant") == 0.0
-    ws = [intrinsic_weight(i, 7, "linear", start=0.8, end=0.2) for i in range(9)]
+    assert intrinsic_weight(AlgoConfig(intrinsic_weight=0.4), 3, 10) == 0.4
+    assert intrinsic_weight(AlgoConfig(), 0, 10) == 0.0
+    linear = AlgoConfig(intrinsic_schedule="linear", intrinsic_weight_start=0.8, intrinsic_weight_end=0.2)
+    ws = [intrinsic_weight(linear, i, 7) for i in range(9)]
     assert ws[0] == pytest.approx(0.8) and ws[3] == pytest.approx(0.5) and ws[6] == pytest.approx(0.2)
     assert ws[7] == ws[8] == pytest.approx(0.2)  # stays at the end value
     assert all(a > b for a, b in zip(ws[:6], ws[1:7]))
-    assert intrinsic_weight(0, 1, "linear") == pytest.approx(0.8)
+    assert intrinsic_weight(AlgoConfig(intrinsic_schedule="linear"), 0, 1) == pytest.approx(0.8)
     with pytest.raises(ValueError):
-        intrinsic_weight(0, 10, "cosine")
+        intrinsic_weight(AlgoConfig(intrinsic_schedule="cosine"), 0, 10)

@@ -168,6 +168,7 @@ def test_rollout_and_reflection_call_a_backend_through_the_protocol(tmp_path, ti
     from empo2.envs.pool import EnvPool
     from empo2.memory.store import TipMemory
     from empo2.policy.loader import load_model
+    from empo2.train.reflection import reflect, tip_writers
     from empo2.train.rollout import RolloutContext, run_episodes
 
     assert inspect.signature(ProtocolBackend.generate) == inspect.signature(RolloutBackend.generate)
@@ -180,6 +181,7 @@ def test_rollout_and_reflection_call_a_backend_through_the_protocol(tmp_path, ti
         ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", policy, MemoryConfig(),
                              sampling_seed=3, backend=backend)
         episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, temperature=0.7)
+        reflect(ctx, episodes, tip_writers(episodes, ctx.memory_cfg))
     assert all(not ep.failed and ep.steps for ep in episodes), [ep.error for ep in episodes]
     assert all(len(s.logp_old) == len(s.response_ids) for ep in episodes for s in ep.steps)
     actions = [c for c in backend.calls if c["max_new_tokens"] == 6]

@@ -195,7 +195,8 @@ def test_crash_during_demonstration_marks_the_episode_failed():
     """The worker-call path of every rollout phase: a JVM killed before ``demonstration()`` fails that episode only,
     the worker is restarted, and the pool keeps serving (the user saw a WorkerError traceback end the run)."""
     from empo2.envs.pool import EnvPool
-    from empo2.train.rollout import Episode, call_worker
+    from empo2.train.episode import Episode
+    from empo2.train.rollout import call_worker
 
     with EnvPool("scienceworld", {}, size=1) as pool:
         pool.reset([(0, "find-animal", 0)])

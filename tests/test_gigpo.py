@@ -158,7 +158,7 @@ NEAR_IDENTICAL = [
 def _episodes(first: str, second: str):
     """Three rollouts of one group: all start in "start"; the second step answers ``first`` (A, C) or ``second``
     (B) and pays 1, 0 and 0.5, so merging the two observations changes every second-step advantage."""
-    from empo2.train.rollout import Episode, Step, state_text
+    from empo2.train.episode import Episode, Step, state_text
 
     def step(obs, reward):
         return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, state_text(obs), state_observation=obs)
@@ -170,7 +170,7 @@ def _episodes(first: str, second: str):
 @pytest.mark.parametrize("first, second", NEAR_IDENTICAL)
 @pytest.mark.parametrize("mode", MODES)
 def test_near_identical_observations_are_distinct_anchors_unless_similarity_is_asked(first, second, mode):
-    from empo2.train.rollout import state_text
+    from empo2.train.episode import state_text
 
     assert first != second and state_text(first) == state_text(second)  # the memory/novelty key cannot tell them
     eps = _episodes(first, second)
@@ -196,7 +196,7 @@ def test_input_from_episodes_step_rewards_add_up_to_the_return(aggregation):
     """The trainer's conversion: step rewards (with the weighted novelty reward) sum to the episode's return, and
     the state keys are the observations the steps answered, verbatim."""
     from empo2.algo.advantages import combine_returns
-    from empo2.train.rollout import Episode, Step
+    from empo2.train.episode import Episode, Step
 
     def step(obs, reward, intrinsic):
         return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, " ".join(obs.split()), state_observation=obs,
@@ -256,7 +256,8 @@ def test_rollout_records_the_observation_each_action_answered():
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
     from empo2.policy.generate import Generation
-    from empo2.train.rollout import RolloutContext, run_episodes, state_text
+    from empo2.train.episode import state_text
+    from empo2.train.rollout import RolloutContext, run_episodes
 
     kwargs = make_env_kwargs(EnvConfig(name="webshop", max_steps=3))
     pool = EnvPool("webshop", kwargs, size=2)
@@ -266,7 +267,7 @@ def test_rollout_records_the_observation_each_action_answered():
         ctx = RolloutContext(None, None, pool, None, None, "webshop", cfg, None)
         script = ["search[shirt]", "click[next >]", "click[< prev]"]
         act = lambda ctx, active, eps, prompts: [Generation([], [], script[len(e.steps)]) for e in eps]  # noqa: E731
-        episodes, _ = run_episodes(ctx, [("webshop", 0, 0, "on")] * 2, temperature=1.0, reflect=False, actions=act)
+        episodes, _ = run_episodes(ctx, [("webshop", 0, 0, "on")] * 2, temperature=1.0, actions=act)
     finally:
         pool.close()
     for i, ep in enumerate(episodes):

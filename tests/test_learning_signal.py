@@ -12,7 +12,9 @@ import torch
 from empo2.config import MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.policy.generate import generate_batch
-from empo2.train.rollout import Episode, RolloutContext, Step, _reflect_and_update, state_text
+from empo2.train.episode import Episode, Step, state_text
+from empo2.train.reflection import reflect
+from empo2.train.rollout import RolloutContext
 
 
 def test_generation_ignores_the_models_own_sampling_defaults(smollm):
@@ -54,7 +56,7 @@ def test_tips_are_keyed_by_the_state_where_each_episode_ended(tmp_path, smollm, 
     hallway = "This room is called the hallway. In it, you see: a picture, a door to the kitchen."
     episodes = [_episode("find-animal", [hallway, kitchen], 8.0), _episode("find-animal", [hallway, outside], 25.0)]
     torch.manual_seed(0)
-    _reflect_and_update(ctx, episodes, reflect=True)
+    reflect(ctx, episodes, episodes)
     tips = {t.key_text: t for t in memory.all_tips()}
     assert set(tips) <= {state_text(kitchen), state_text(outside)} and len(tips) == 2, [e.tip_rejected for e in episodes]
     # retrieval now ranks by the state: a query in the kitchen finds the kitchen tip first, outside the outside tip

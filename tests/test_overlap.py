@@ -18,8 +18,10 @@ from empo2.cli import main
 from empo2.config import MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.policy.loader import load_model
+from empo2.train.episode import Episode, Step, state_text
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
-from empo2.train.rollout import Episode, RolloutContext, Step, _reflect_and_update, state_text
+from empo2.train.reflection import reflect
+from empo2.train.rollout import RolloutContext
 
 ROOMS = ["This room is called the kitchen. In it, you see: a fridge, a stove, a sink.",
          "This area is called the outside. In it, you see: a fence, a frog, a tree, a bee hive.",
@@ -72,7 +74,8 @@ def test_background_reflection_writes_the_tips_of_the_weights_that_played(tmp_pa
         return ctx
 
     blocking = context("blocking")
-    _reflect_and_update(blocking, _episodes(), reflect=True)
+    episodes = _episodes()
+    reflect(blocking, episodes, episodes)
 
     overlap = context("overlap")
     base = dict(model.named_parameters())
@@ -83,7 +86,7 @@ def test_background_reflection_writes_the_tips_of_the_weights_that_played(tmp_pa
     assert all(snap[n].data_ptr() == base[n].data_ptr() for n in frozen)  # frozen weights shared …
     assert all(snap[n].data_ptr() != base[n].data_ptr() for n in lora)  # … trainable ones owned
     episodes = _episodes()
-    pending = reflection.start(overlap, episodes, reflect=True)
+    pending = reflection.start(overlap, episodes, episodes)
     _perturb(model, 0.5)  # the update runs while the tips are written
     reflection.finish(overlap, episodes, pending)
     reflection.close()
@@ -95,7 +98,8 @@ def test_background_reflection_writes_the_tips_of_the_weights_that_played(tmp_pa
 
     # the check can fail: reflecting with the weights after the update writes other tips
     after = context("after")
-    _reflect_and_update(after, _episodes(), reflect=True)
+    episodes = _episodes()
+    reflect(after, episodes, episodes)
     assert [t.text for t in after.memory.all_tips()] != [t.text for t in blocking.memory.all_tips()]
     for ctx in (blocking, overlap, after):
         ctx.memory.close()

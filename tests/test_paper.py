@@ -20,7 +20,7 @@ from empo2.cli import _policy_context, build_parser, main
 from empo2.policy.loader import load_model
 from empo2.experiments import adapt
 from empo2.train.checkpoint import latest_checkpoint
-from empo2.train.evaluate import play_split
+from empo2.train.evaluate import EvalPlan, play_split
 from empo2.experiments.report import method_label
 
 from signal_env import checksum_room
@@ -158,7 +158,7 @@ def test_reflections_are_shown_and_weight_changes_are_caught(tiny_model):
         for k in range(4):
             buffer.push(f"webshop#{variation}", f"reflection {k}")
         assert not buffer.push("webshop#0", "  ")  # empty reflections are not kept
-        episodes = play_split(ctx, ["webshop"], "test", 1, None, 0.4, 1, with_memory=True)
+        episodes = play_split(ctx, ["webshop"], EvalPlan("test", 1, None, 0.4, 1, with_memory=True))
         assert episodes[0].steps and all(s.tips == ["reflection 1", "reflection 2", "reflection 3"]
                                          for s in episodes[0].steps)  # the last 3, oldest first, at every step
 

@@ -198,7 +198,7 @@ def _policy_context(args, with_memory_path: Path | None):
 
 def cmd_eval(args) -> int:
     from empo2.envs.factory import env_label, resolve_tasks
-    from empo2.train.evaluate import evaluate, markdown_table, write_eval_tables
+    from empo2.train.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
 
     if not args.run and not args.model:
         raise _config_error("give --run RUN_DIR or --model NAME")
@@ -208,8 +208,8 @@ def cmd_eval(args) -> int:
     cfg, ctx = _policy_context(args, mem_path)
     try:
         tasks = resolve_tasks(cfg.env)
-        result = evaluate(ctx, tasks, args.split, args.variations, None, args.temperature, args.batch,
-                          with_memory=args.with_memory)
+        plan = EvalPlan(args.split, args.variations, None, args.temperature, args.batch, args.with_memory)
+        result = evaluate(ctx, tasks, plan)
     finally:
         ctx.pool.close()
     out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))

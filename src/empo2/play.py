@@ -56,7 +56,7 @@ def play(args) -> int:
     with EnvPool(cfg.env.name, make_env_kwargs(cfg.env), 1) as pool:
         ctx = RolloutContext(model, tokenizer, pool, None, None, cfg.env.name, pcfg, cfg.memory)
         episodes, _ = run_episodes(ctx, [(task, args.variation, 0, "on")], temperature=args.temperature,
-                                   greedy=args.temperature == 0, reflect=False,
+                                   greedy=args.temperature == 0,
                                    actions=None if args.policy == "model" else scripted, on_step=show)
     ep = episodes[0]
     if ep.failed:

@@ -74,12 +74,12 @@ class AdvantageInput:
 
     @classmethod
     def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
-                      intrinsic_aggregation: str = "sum") -> "AdvantageInput":
+                      intrinsic_aggregation: str = "mean") -> "AdvantageInput":
         """From rollout episodes (plain data: ``task``, ``variation``, ``group``, ``steps`` with ``reward``,
-        ``intrinsic`` and ``state_observation``). Step reward = r_t + w·r_int_t (``mean`` aggregation:
-        w·r_int_t / T_i, so the step rewards add up to the episode's return); state key = the observation the step
-        answered, exactly as the environment wrote it (not ``state_text``, which folds whitespace and cuts long
-        observations, so two distinct states could share an anchor group)."""
+        ``intrinsic`` and ``state_observation``). Step reward = r_t + w·r_int_t (``mean`` aggregation, as the
+        config's default: w·r_int_t / T_i, so the step rewards add up to the episode's return); state key = the
+        observation the step answered, exactly as the environment wrote it (not ``state_text``, which folds
+        whitespace and cuts long observations, so two distinct states could share an anchor group)."""
         rewards = []
         for ep in episodes:
             w = intrinsic_weight / max(len(ep.steps), 1) if intrinsic_aggregation == "mean" else intrinsic_weight
@@ -202,35 +202,31 @@ def _checked(inp: AdvantageInput) -> AdvantageInput:
     return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options)
 
 
-def combine_returns(extrinsic, intrinsic_sums, weight: float) -> np.ndarray:
-    """R = R_ext + w · Σ_t r_int.
+def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:
+    """R = R_ext + w · R_int.
 
-    extrinsic [N], intrinsic_sums [N] (per-trajectory sum of novelty rewards), weight w -> R [N] float64.
+    extrinsic [N], intrinsic_returns [N] (each episode's intrinsic return: the mean or the sum of its steps' novelty
+    rewards, ``algo.intrinsic_aggregation``, see ``Episode.intrinsic_return``), weight w -> R [N] float64.
     """
     ext = _as_numpy(extrinsic, np.float64)  # [N]
-    intr = _as_numpy(intrinsic_sums, np.float64)  # [N]
+    intr = _as_numpy(intrinsic_returns, np.float64)  # [N]
     if ext.shape != intr.shape:
-        raise ValueError(f"extrinsic {ext.shape} and intrinsic_sums {intr.shape} must have the same length")
+        raise ValueError(f"extrinsic {ext.shape} and intrinsic_returns {intr.shape} must have the same length")
     return ext + float(weight) * intr
 
 
-def intrinsic_weight(
-    iteration: int,
-    total_iterations: int,
-    schedule: str = "constant",
-    weight: float = 0.0,
-    start: float = 0.8,
-    end: float = 0.2,
-) -> float:
-    """Weight w of the intrinsic reward at ``iteration`` (0-based) of ``total_iterations``.
+def intrinsic_weight(algo, iteration: int, total_iterations: int) -> float:
+    """Weight w of the intrinsic reward at ``iteration`` (0-based) of ``total_iterations``, from an ``AlgoConfig``.
 
-    - ``constant``: ``weight`` (0 = intrinsic reward off).
-    - ``linear``: ``start`` at iteration 0, ``end`` at iteration ``total_iterations - 1`` and after, linear in between
-      (``weight`` is ignored; the config fields are ``intrinsic_weight_start`` / ``intrinsic_weight_end``).
+    - ``algo.intrinsic_schedule = constant``: ``algo.intrinsic_weight`` (0 = intrinsic reward off).
+    - ``linear``: ``algo.intrinsic_weight_start`` at iteration 0, ``algo.intrinsic_weight_end`` at iteration
+      ``total_iterations - 1`` and after, linear in between (``algo.intrinsic_weight`` is ignored).
     """
+    schedule = algo.intrinsic_schedule
     if schedule == "constant":
-        return float(weight)
+        return float(algo.intrinsic_weight)
     if schedule == "linear":
+        start, end = algo.intrinsic_weight_start, algo.intrinsic_weight_end
         span = max(int(total_iterations) - 1, 1)
         frac = min(max(iteration / span, 0.0), 1.0)
         return float(start + (end - start) * frac)

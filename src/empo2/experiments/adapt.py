@@ -23,10 +23,12 @@ import torch
 
 from empo2.config import ConfigError
 from empo2.envs.factory import env_label
-from empo2.train.evaluate import play_split, summarise
+from empo2.train.evaluate import EvalPlan, play_split, summarise
 from empo2.experiments.report import method_label
 from empo2.memory.reflexion import REFLEXION_BUFFER, ReflexionBuffer
-from empo2.train.rollout import Episode, RolloutContext, write_tips
+from empo2.train.episode import Episode
+from empo2.train.reflection import write_tips
+from empo2.train.rollout import RolloutContext
 
 PRESETS: dict[str, tuple[str, str]] = {
     "bio1-to-bio2": ("biology1", "biology2"),
@@ -87,12 +89,12 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
     """
     before = parameter_checksum(ctx.model)
     out = []
+    plan = EvalPlan(split, variations, None, temperature, batch, with_memory=True)
     for trial in range(trials):
-        episodes = play_split(ctx, tasks, split, variations, None, temperature, batch, with_memory=True,
-                              reflect=baseline == "memory")
+        episodes = play_split(ctx, tasks, plan, reflect=baseline == "memory")
         if baseline == "reflexion":
             _remember_failures(ctx, episodes)
-        result = summarise(episodes, tasks, split, temperature, with_memory=True)
+        result = summarise(episodes, tasks, plan)
         out.append({"trial": trial, **result["summary"], "per_task": result["per_task"],
                     "memory_size": ctx.memory.stats()["tips"]})
         say(f"trial {trial}: mean score {out[-1]['score_mean']:.1f}, success {out[-1]['success_rate']:.2f} "

@@ -128,6 +128,16 @@ class Dist:
             for p in params:
                 torch.distributed.broadcast(p.data, src=0)
 
+    def whole_batch(self, batch):
+        """A training :class:`~empo2.train.batch.Batch` as rank 0 reports it: every rank's episodes (the others' as
+        :func:`light_episode`), rollout stats, advantage and loss metrics (:func:`merge_stats`); on one rank, the
+        batch itself."""
+        if not self.enabled:
+            return batch
+        episodes = gather_episodes(self, batch.episodes)
+        stats, adv, losses = merge_stats(self, batch.stats, batch.advantage_metrics, batch.losses)
+        return dataclasses.replace(batch, episodes=episodes, stats=stats, advantage_metrics=adv, losses=losses)
+
     def seed_iteration(self, seed: int, iteration: int) -> None:
         """Per-rank, per-iteration seeds for python/numpy/torch: ranks draw different streams, and a resumed run
         draws what the uninterrupted one would have (no per-rank RNG state in checkpoints)."""

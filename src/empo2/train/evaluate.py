@@ -6,61 +6,76 @@ Writes ``eval/<tag>.json`` and ``eval/<tag>.md`` (a per-task table).
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from empo2.train.distributed import gather_episodes
-from empo2.train.rollout import Episode, RolloutContext, run_episodes
+from empo2.train.distributed import Dist, gather_episodes
+from empo2.train.episode import Episode
+from empo2.train.reflection import reflect as reflect_into_memory
+from empo2.train.rollout import RolloutContext, run_episodes
 
 
-def evaluate(
-    ctx: RolloutContext,
-    tasks: list[str],
-    split: str,
-    variations_per_task: int,
-    episodes_per_task: int | None,
-    temperature: float,
-    batch_size: int,
-    with_memory: bool = False,
-    reflect: bool = False,
-    dist=None,
-) -> dict[str, Any]:
-    """Play the first ``variations_per_task`` variations of ``split`` for every task, ``batch_size`` at a time.
+@dataclass(frozen=True)
+class EvalPlan:
+    """Which episodes an evaluation plays, and how."""
 
-    With a data-parallel ``dist`` (:class:`empo2.train.distributed.Dist`) each rank plays its share of every chunk
-    of ``batch_size × ranks`` episodes and the result covers all of them.
+    split: str
+    variations_per_task: int
+    """The first this many variations of ``split`` for every task."""
+    episodes_per_task: int | None
+    """A further cap per task (``None``: every one of those variations)."""
+    temperature: float
+    batch_size: int
+    """Episodes played at once (per rank)."""
+    with_memory: bool = False
+    """Play ``on_tips`` (retrieve from memory) instead of ``on``."""
+
+    @classmethod
+    def from_config(cls, cfg, batch_size: int, with_memory: bool = False) -> "EvalPlan":
+        """The evaluation a training run does (``env.eval_split``, ``env.eval_variations``,
+        ``train.eval_episodes_per_task``, ``policy.eval_temperature``)."""
+        return cls(cfg.env.eval_split, cfg.env.eval_variations, cfg.train.eval_episodes_per_task,
+                   cfg.policy.eval_temperature, batch_size, with_memory)
+
+
+def evaluate(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
+             dist: Dist | None = None) -> dict[str, Any]:
+    """Play ``plan`` for every task, ``plan.batch_size`` at a time, and summarise the scores.
+
+    With a data-parallel ``dist`` each rank plays its share of every chunk of ``batch_size × ranks`` episodes and the
+    result covers all of them.
     """
-    episodes = play_split(ctx, tasks, split, variations_per_task, episodes_per_task, temperature, batch_size,
-                          with_memory, reflect, dist)
-    return summarise(episodes, tasks, split, temperature, with_memory)
+    return summarise(play_split(ctx, tasks, plan, reflect, dist), tasks, plan)
 
 
-def play_split(ctx: RolloutContext, tasks: list[str], split: str, variations_per_task: int,
-               episodes_per_task: int | None, temperature: float, batch_size: int, with_memory: bool = False,
-               reflect: bool = False, dist=None) -> list[Episode]:
-    """The episodes of :func:`evaluate` (one per task variation, in task order)."""
+def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
+               dist: Dist | None = None) -> list[Episode]:
+    """The episodes of :func:`evaluate` (one per task variation, in task order). Where ``ctx`` has a memory, each
+    chunk's tip uses are recorded and, with ``reflect``, every episode writes a tip."""
     specs = []
     for task in tasks:
-        variations = list(ctx.pool.call(0, "variations", task, split, retries=1))[:variations_per_task]
-        if episodes_per_task is not None:
-            variations = variations[:episodes_per_task]
-        specs += [(task, v, len(specs) + k, "on_tips" if with_memory else "on") for k, v in enumerate(variations)]
+        variations = list(ctx.pool.call(0, "variations", task, plan.split, retries=1))[:plan.variations_per_task]
+        if plan.episodes_per_task is not None:
+            variations = variations[:plan.episodes_per_task]
+        specs += [(task, v, len(specs) + k, "on_tips" if plan.with_memory else "on") for k, v in enumerate(variations)]
     ranks = dist.world_size if dist is not None else 1
     episodes = []
-    for start in range(0, len(specs), batch_size * ranks):  # every rank runs as many batches (memory sync)
-        chunk = specs[start:start + batch_size * ranks]
-        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=temperature,
-                              reflect=reflect)
+    step = plan.batch_size * ranks
+    for start in range(0, len(specs), step):  # every rank runs as many batches (memory sync)
+        chunk = specs[start:start + step]
+        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=plan.temperature)
+        if ctx.memory is not None:
+            reflect_into_memory(ctx, eps, eps if reflect else [])
         episodes += eps
     if ranks > 1:
         episodes = gather_episodes(dist, episodes)
     return episodes
 
 
-def summarise(episodes: list[Episode], tasks: list[str], split: str, temperature: float,
-              with_memory: bool) -> dict[str, Any]:
+def summarise(episodes: list[Episode], tasks: list[str], plan: EvalPlan) -> dict[str, Any]:
     """Per-task and overall mean score / success rate of played episodes (the result :func:`evaluate` returns)."""
     per_task = {}
     for task in tasks:
@@ -72,7 +87,7 @@ def summarise(episodes: list[Episode], tasks: list[str], split: str, temperature
                               "accepted_rate": _accepted(mine)}
     scores = [ep.score for ep in episodes]
     return {
-        "split": split, "with_memory": with_memory, "temperature": temperature,
+        "split": plan.split, "with_memory": plan.with_memory, "temperature": plan.temperature,
         "summary": {"episodes": len(episodes), "score_mean": float(np.mean(scores)) if scores else 0.0,
                     "success_rate": float(np.mean([e.success for e in episodes])) if episodes else 0.0,
                     "failed_episodes": sum(e.failed for e in episodes), "accepted_rate": _accepted(episodes)},

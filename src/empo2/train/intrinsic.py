@@ -5,17 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from empo2.train.rollout import Episode, state_text
+from empo2.train.distributed import Dist, gather_in_order
+from empo2.train.episode import Episode, state_text
 
 
-def novelty_rewards(novelty, embedder, episodes: list[Episode], gather=None) -> None:
+def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | None = None) -> None:
     """Fill ``Step.intrinsic`` with the novelty reward of the state each step reached, within its task's namespace:
     1/(n_before + n_batch) for a state visited n_before times before this batch and n_batch times in it, all of this
     batch's visits counted together (see :mod:`empo2.memory.novelty`). A state an episode loops in earns less at every
     visit than one it sees once, and the rewards do not depend on the order of ``episodes``.
 
-    ``gather(per_episode_values, fn)`` (data parallel) runs ``fn`` on every rank's episodes in global order and returns
-    this rank's results, so the visit counts see the whole batch and stay identical on every rank.
+    With a data-parallel ``dist`` the counts are taken over every rank's episodes in global order
+    (:func:`~empo2.train.distributed.gather_in_order`), so they see the whole batch and stay identical on every rank.
     """
     texts = [state_text(s.observation) for ep in episodes for s in ep.steps]
     # Each distinct text is embedded once, in sorted order: the same text then has bit-identical embeddings (a
@@ -27,7 +28,8 @@ def novelty_rewards(novelty, embedder, episodes: list[Episode], gather=None) -> 
     bounds = np.cumsum([0] + [len(ep.steps) for ep in episodes])
     per_episode = [(ep.task, embs[a:b]) for ep, a, b in zip(episodes, bounds[:-1], bounds[1:])]  # [steps_i, dim]
     fn = _novelty_fn(novelty)
-    for ep, rewards in zip(episodes, gather(per_episode, fn) if gather is not None else fn(per_episode)):
+    rewards_per_episode = gather_in_order(dist, episodes, per_episode, fn) if dist is not None else fn(per_episode)
+    for ep, rewards in zip(episodes, rewards_per_episode):
         for s, r in zip(ep.steps, rewards):
             s.intrinsic = float(r)
 

@@ -9,8 +9,8 @@ weights under the thread. So the thread generates with weights that stay put:
   (with LoRA a few MB; with full fine-tuning a whole second model), refreshed before every reflection.
 
 Memory is written on the main thread, in the blocking path's order, so both paths end an iteration with the same
-memory (tests/test_overlap.py). Whether it pays depends on the hardware: on a small CPU both halves want the same cores
-(no gain; docs/benchmarks.md), on a GPU the reflection's small decoding steps fill the update's gaps.
+memory (tests/test_overlap.py). Whether it pays depends on the hardware: on a CPU with few cores both halves want the
+same cores, on a GPU the reflection's small decoding steps fill the update's gaps.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from functools import partial
 import torch
 
 from empo2.policy.generate import generate_batch
-from empo2.train.rollout import (Episode, RolloutContext, memory_ops, memory_plan, reflection_job,
-                                 write_memory_ops)
+from empo2.train.episode import Episode
+from empo2.train.reflection import memory_ops, memory_plan, reflection_job, write_memory_ops
+from empo2.train.rollout import RolloutContext
 
 
 def overlap_wanted(setting: bool | None, model: torch.nn.Module, backend) -> bool:
@@ -50,9 +51,10 @@ class BackgroundReflection:
         self.snapshot, self._pairs = (None, []) if backend is not None else _snapshot(model)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="empo2-reflect")
 
-    def start(self, ctx: RolloutContext, episodes: list[Episode], reflect: bool | None = None) -> PendingReflection:
-        """Call before the update: takes the weights that played ``episodes`` and starts generating their tips."""
-        uses, writers = memory_plan(ctx, episodes, reflect)
+    def start(self, ctx: RolloutContext, episodes: list[Episode], writers: list[Episode]) -> PendingReflection:
+        """Call before the update: takes the weights that played ``episodes`` and starts generating the tips of
+        ``writers`` (as :func:`~empo2.train.reflection.reflect`)."""
+        uses, writers = memory_plan(episodes, writers)
         job = reflection_job(ctx, writers)  # prompts and seeds are read here, on the caller's thread
         with torch.no_grad():
             for mine, theirs in self._pairs:

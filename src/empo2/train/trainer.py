@@ -1,6 +1,25 @@
-"""The EMPO² / GRPO training loop (paper's loop): sample tasks and a mode, roll out groups, reflect into memory,
-compute group advantages (with the novelty reward), and take clipped policy-gradient steps — with evaluation,
-atomic checkpoints, resume, metrics, TensorBoard and plots.
+"""The EMPO² / GRPO / GiGPO training loop, with evaluation, atomic checkpoints, resume and metrics.
+
+One :meth:`Trainer.iteration` is one iteration of the paper's loop (EMPO², Liu et al., ICLR 2026, arXiv 2602.23008:
+the Method section and its figure of the three learning modes), one call per step:
+
+1. sample (``_sample``): a batch of tasks u ~ p(U), each rolled out G times (the GRPO group), and a learning mode per
+   batch or group, ``on`` / ``on_tips`` / ``off_tips`` (the three modes; ``TaskSampler``, ``ModeSampler``).
+2. roll out (``_roll_out``): a ~ π_θ(·|s_t, u), or a ~ π_θ(·|s_t, u, tips_t) with tips_t = Retr(s_t; M) in the
+   memory modes (the memory-augmented prompt; :func:`empo2.train.rollout.run_episodes`).
+3. reflect (``_reflect``): at an episode's end the policy writes a tip into the memory M, the non-parametric update
+   (:func:`empo2.train.reflection.reflect`; beside the update with :mod:`empo2.train.overlap`).
+4. novelty (``_novelty``): the intrinsic reward r_int = 1/n of each state reached, n the number of similar states
+   seen (the state-novelty reward; :func:`empo2.train.intrinsic.novelty_rewards`).
+5. returns and advantages (``_advantages``): R = R_ext + w·R_int and GRPO's group-normalised advantage
+   A_i = (R_i − mean_G R) / (std_G R + ε), or GiGPO's (:func:`empo2.algo.advantages.compute_advantages`).
+6. update (``_update``): the modified GRPO loss, a clipped ratio ρ (for ``off_tips`` π_θ(a|s,u) / π_θold(a|s,u,tips)),
+   the low-probability mask 1[π_θ(a|s,u) ≥ δ] and β·D_KL (:class:`empo2.train.update.PolicyUpdate`, ``algo.losses``).
+7. sync (``_sync``): tips generated beside the update are written, a separate rollout backend takes the new weights.
+8. record (``_record``): samples, warnings, one line of ``metrics.jsonl`` (:func:`empo2.train.batch.iteration_record`).
+
+:meth:`Trainer.train` evaluates without memory on held-out variations (:mod:`empo2.train.evaluate`);
+``docs/fidelity.md`` says where each step follows the paper, where the released code, and where neither.
 """
 
 from __future__ import annotations
@@ -11,7 +30,6 @@ import random
 import shutil
 import time
 import zlib
-from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -20,8 +38,7 @@ import numpy as np
 import torch
 
 from empo2 import signals
-from empo2.algo.advantages import (AdvantageInput, AdvantageOptions, combine_returns, compute_advantages,
-                                   intrinsic_weight)
+from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages, intrinsic_weight
 from empo2.algo.losses import get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config, ConfigError
@@ -38,12 +55,15 @@ from empo2.policy.prefix import configure_model
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
-from empo2.train.evaluate import evaluate, write_eval_tables
+from empo2.train.batch import Batch, batch_env_steps, iteration_record, no_signal_warnings
+from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
-from empo2.train.metrics import MetricsLog, iteration_line, peak_rss_gb, plot_run, reset_peak_rss, trackers
+from empo2.train.metrics import MetricsLog, iteration_line, plot_run, reset_peak_rss, trackers
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.resume import align_memory, pick_checkpoint, truncate_samples
-from empo2.train.rollout import Episode, RolloutContext, episode_record, run_episodes
+from empo2.train.episode import Episode, episode_record
+from empo2.train.reflection import reflect, tip_writers
+from empo2.train.rollout import RolloutContext, run_episodes, timed
 from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler
 from empo2.train.update import PolicyUpdate
@@ -232,111 +252,94 @@ class Trainer:
         return final
 
     def iteration(self, it: int, progress=None) -> dict[str, Any]:
+        """One iteration of the paper's loop, one call per step (the module docstring maps them to the paper)."""
+        batch = self._sample(it)
+        self._roll_out(batch, progress)
+        self._reflect(batch)
+        self._novelty(batch)
+        self._advantages(batch)
+        self._update(batch, progress)
+        self._sync(batch)
+        return self._record(batch)
+
+    def _sample(self, it: int) -> Batch:
+        """Tasks and a mode per group: the same global batch on every rank; this rank's groups, G rollouts each."""
         cfg = self.cfg
-        G = cfg.algo.num_generations
         self.dist.seed_iteration(cfg.train.seed, it)
-        picks = self.task_sampler.sample(cfg.train.tasks_per_batch)  # the same global batch on every rank
+        picks = self.task_sampler.sample(cfg.train.tasks_per_batch)
         modes = self.mode_sampler.sample(len(picks))
         specs = [(task, var, g, modes[g]) for g, (task, var) in enumerate(picks) if self.dist.owns(g)
-                 for _ in range(G)]
+                 for _ in range(cfg.algo.num_generations)]
+        return Batch(it, modes, specs)
+
+    def _roll_out(self, batch: Batch, progress) -> None:
+        """Play every rollout to the end (with tips retrieved in the memory modes)."""
+        cfg, it = self.cfg, batch.iteration
         self.ctx.sampling_seed = row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
         reset_peak_rss()
         signals.set_phase("the rollout", where=f"iteration {it}")
-        t0 = time.perf_counter()
-        cb = partial(_rollout_progress, progress, it)
-        with autocast_context(self.model, self.cfg.policy.autocast):
-            episodes, rstats = run_episodes(self.ctx, specs, temperature=cfg.policy.temperature, reflect=None
-                                            if self.use_memory else False, progress=cb,
-                                            write_memory=self.reflection is None)
-        # overlap_reflection: this iteration's tips are written on another thread while the update trains
-        pending = self.reflection.start(self.ctx, episodes) if self.reflection is not None else None
-        t_rollout = time.perf_counter() - t0
+        with timed(batch.seconds, "rollout"), autocast_context(self.model, cfg.policy.autocast):
+            batch.episodes, batch.stats = run_episodes(self.ctx, batch.specs, temperature=cfg.policy.temperature,
+                                                       progress=partial(_rollout_progress, progress, it))
+
+    def _reflect(self, batch: Batch) -> None:
+        """Each finished episode writes its tip into memory (memory algorithms only); with ``overlap_reflection``
+        the tips are generated on another thread while the update trains, and written by :meth:`_sync`."""
+        if self.memory is None:
+            return
+        writers = tip_writers(batch.episodes, self.cfg.memory)
+        with timed(batch.seconds, "rollout"):
+            if self.reflection is not None:
+                batch.pending = self.reflection.start(self.ctx, batch.episodes, writers)
+                return
+            with timed(batch.stats, "memory_time"), autocast_context(self.model, self.cfg.policy.autocast):
+                reflect(self.ctx, batch.episodes, writers)
+
+    def _novelty(self, batch: Batch) -> None:
+        """The intrinsic weight of this iteration and, where it is on, every step's novelty reward."""
+        batch.intrinsic_weight = intrinsic_weight(self.cfg.algo, batch.iteration, self.cfg.train.iterations)
+        if batch.intrinsic_weight > 0:  # counted over the whole batch, over every rank's episodes
+            novelty_rewards(self.novelty, self.embedder, batch.episodes, self.dist)
+
+    def _advantages(self, batch: Batch) -> None:
+        """Returns and per-step advantages of the episodes that ran (a streak of lost episodes stops the run)."""
+        episodes = batch.episodes
         if self.env_failures.update([ep.error if ep.failed else None for ep in episodes], self.run_dir):
             self._say(f"[warning] {sum(ep.failed for ep in episodes)} episode(s) lost to a crashed environment "
                       "worker (restarted); they are left out of this update")
+        algo = self.cfg.algo
+        inputs = AdvantageInput.from_episodes(batch.ran, batch.returns(algo.intrinsic_aggregation),
+                                              batch.intrinsic_weight, AdvantageOptions.from_config(algo),
+                                              algo.intrinsic_aggregation)
+        batch.advantages, batch.advantage_metrics = compute_advantages(self.algorithm.estimator(algo), inputs)
 
-        w = intrinsic_weight(it, cfg.train.iterations, cfg.algo.intrinsic_schedule, cfg.algo.intrinsic_weight,
-                             cfg.algo.intrinsic_weight_start, cfg.algo.intrinsic_weight_end)
-        if w > 0:
-            novelty_rewards(self.novelty, self.embedder, episodes,
-                            gather=(lambda values, fn: dp.gather_in_order(self.dist, episodes, values, fn)))
-        ok = [ep for ep in episodes if not ep.failed]
-        intrinsic = [ep.intrinsic_return(cfg.algo.intrinsic_aggregation) for ep in ok]
-        returns = combine_returns([ep.extrinsic_return for ep in ok], intrinsic, w)
-        inputs = AdvantageInput.from_episodes(ok, returns, w, AdvantageOptions.from_config(cfg.algo),
-                                              cfg.algo.intrinsic_aggregation)
-        adv, adv_metrics = compute_advantages(self.algorithm.estimator(cfg.algo), inputs)  # one value per step
-        signals.set_phase("the update", where=f"iteration {it}")
-        t0 = time.perf_counter()
-        rows = update_rows(ok, adv)
-        loss_metrics = self.update(rows, progress) if self.algorithm.updates_weights else {}
-        t_update = time.perf_counter() - t0
-        if pending is not None:  # the memory is written before the iteration ends, as on the blocking path
-            t0 = time.perf_counter()
-            self.reflection.finish(self.ctx, episodes, pending)
-            rstats["memory_time"] += time.perf_counter() - t0
-        if self.ctx.backend is not None and loss_metrics.get("optimizer_steps"):
-            t0 = time.perf_counter()
-            self.ctx.backend.sync_weights(self.model)  # the next rollouts sample from the updated policy
-            t_update += time.perf_counter() - t0
-        self._write_samples(it, episodes)
-        if self.dist.enabled:  # rank 0 reports the whole batch: every rank's episodes, stats and losses
-            episodes = dp.gather_episodes(self.dist, episodes)
-            ok = [ep for ep in episodes if not ep.failed]
-            intrinsic = [ep.intrinsic_return(cfg.algo.intrinsic_aggregation) for ep in ok]
-            returns = combine_returns([ep.extrinsic_return for ep in ok], intrinsic, w)
-            rstats, adv_metrics, loss_metrics = dp.merge_stats(self.dist, rstats, adv_metrics, loss_metrics)
+    def _update(self, batch: Batch, progress) -> None:
+        """The algorithm's policy-gradient steps on every generated action of the episodes that ran."""
+        signals.set_phase("the update", where=f"iteration {batch.iteration}")
+        with timed(batch.seconds, "update"):
+            rows = update_rows(batch.ran, batch.advantages)
+            batch.losses = self.update(rows, progress) if self.algorithm.updates_weights else {}
 
-        self._warn_if_stuck(adv_metrics, episodes)
-        record = self._record(it, modes, episodes, ok, returns, intrinsic, w, adv_metrics, loss_metrics, rstats)
-        self.env_steps += record["train"]["env_steps"]  # this iteration's steps, counted once in the record
-        record["env_steps"] = self.env_steps
-        record["time"].update(rollout=t_rollout, update=t_update)
-        record["tokens_per_s"]["update"] = loss_metrics.get("tokens", 0) / max(t_update, 1e-9)
-        return record
+    def _sync(self, batch: Batch) -> None:
+        """Memory and the rollout backend catch up with the update: tips generated beside it are written, and a
+        separate backend (vLLM) takes the new weights, so the next rollouts sample from the updated policy."""
+        if batch.pending is not None:
+            with timed(batch.stats, "memory_time"):
+                self.reflection.finish(self.ctx, batch.episodes, batch.pending)
+        if self.ctx.backend is not None and batch.losses.get("optimizer_steps"):
+            with timed(batch.seconds, "update"):
+                self.ctx.backend.sync_weights(self.model)
 
-    def _warn_if_stuck(self, adv_metrics: dict[str, Any], episodes: list[Episode]) -> None:
-        """Say when the run has no learning signal: zero advantage everywhere, or an agent that hardly acts."""
-        self.zero_adv_streak = self.zero_adv_streak + 1 if adv_metrics["zero_adv_groups"] == adv_metrics["groups"] \
-            else 0
-        if self.zero_adv_streak >= self.cfg.train.zero_adv_warn_iters:
-            self._say(f"[warning] {self.zero_adv_streak} iterations in a row with zero advantage in every group: "
-                      "no learning signal (all rollouts of each task scored the same). Consider more generations, "
-                      "easier tasks, memory rollouts or the intrinsic reward.")
-        accepted = _mean([s.accepted for ep in episodes for s in ep.steps])
-        if accepted < 0.5:
-            self._say(f"[warning] only {accepted:.0%} of this iteration's actions were accepted by the environment: "
-                      "the agent hardly acts, so returns carry little signal (see env.action_cutoff).")
-
-    def _record(self, it, modes, episodes, ok, returns, intrinsic, w, adv_metrics, loss_metrics,
-                rstats) -> dict[str, Any]:
-        """The iteration's metrics record (one line of metrics.jsonl); the caller adds the rollout and update times
-        and the update's tokens/s."""
-        scores = [ep.score for ep in episodes]
-        return {
-            "iteration": it,
-            "env_steps": None,  # the running total, filled in by the caller
-            "modes": modes,
-            "mode_counts": dict(Counter(modes)),
-            "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
-                      "success_rate": float(np.mean([ep.success for ep in episodes])),
-                      "return_mean": float(np.mean(returns)) if len(ok) else 0.0,
-                      "intrinsic_mean": _mean(intrinsic),
-                      "accepted_rate": _mean([s.accepted for ep in episodes for s in ep.steps]),
-                      "intrinsic_weight": w, "failed_episodes": len(episodes) - len(ok),
-                      "steps_mean": float(np.mean([len(ep.steps) for ep in episodes])),
-                      "env_steps": sum(len(ep.steps) for ep in episodes)},
-            "advantage": adv_metrics,
-            "loss": loss_metrics,
-            "memory": {"size": self.memory.stats()["tips"] if self.memory is not None else 0,
-                       "added": sum(1 for ep in episodes if ep.tip_written),
-                       "rejected": sum(1 for ep in episodes if ep.tip_rejected),
-                       "rejected_reasons": dict(Counter(ep.tip_rejected for ep in episodes if ep.tip_rejected)),
-                       "tips_used_per_step": _mean([len(s.tip_ids) for ep in episodes for s in ep.steps])},
-            "time": {"memory": rstats["memory_time"], "generate": rstats["gen_time"], "env": rstats["env_time"]},
-            "tokens_per_s": {"generate": rstats["gen_tokens"] / max(rstats["gen_time"], 1e-9)},
-            "long_prompts": rstats["long_prompts"], "memory_peak_rss_gb": peak_rss_gb(),
-        }
+    def _record(self, batch: Batch) -> dict[str, Any]:
+        """Samples of this rank's episodes, the warnings, and the metrics record of the whole batch."""
+        self._write_samples(batch.iteration, batch.episodes)
+        whole = self.dist.whole_batch(batch)  # rank 0 reports every rank's episodes, stats and losses
+        self.zero_adv_streak, warnings = no_signal_warnings(whole, self.zero_adv_streak, self.cfg.train)
+        for text in warnings:
+            self._say(text)
+        self.env_steps += batch_env_steps(whole)
+        memory_size = self.memory.stats()["tips"] if self.memory is not None else 0
+        return iteration_record(whole, self.cfg.algo.intrinsic_aggregation, memory_size, self.env_steps)
 
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False) -> dict[str, Any]:
@@ -344,9 +347,8 @@ class Trainer:
         self.ctx.sampling_seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling \
             else None
         with autocast_context(self.model, self.cfg.policy.autocast):
-            result = evaluate(self.ctx, self.task_names, cfg.env.eval_split, cfg.env.eval_variations,
-                              cfg.train.eval_episodes_per_task, cfg.policy.eval_temperature, self.pool_size,
-                              with_memory=with_memory, dist=self.dist)
+            result = evaluate(self.ctx, self.task_names, EvalPlan.from_config(cfg, self.pool_size, with_memory),
+                              dist=self.dist)
         if self.dist.is_main:
             write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg))
         return result
@@ -396,6 +398,3 @@ def _rollout_progress(progress, it: int, done: int, total: int) -> None:
     if done == total:  # every episode has ended: the end-of-episode reflection follows
         signals.set_phase("the reflection", keep_where=True)
 
-
-def _mean(values: list[float]) -> float:
-    return float(np.mean(values)) if values else 0.0

@@ -1,0 +1,110 @@
+"""One iteration's batch as the steps of :meth:`empo2.train.trainer.Trainer.iteration` fill it in, and the metrics
+record (one line of ``metrics.jsonl``) made from it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from empo2.algo.advantages import combine_returns
+from empo2.train.episode import Episode
+from empo2.train.metrics import peak_rss_gb
+from empo2.train.overlap import PendingReflection
+
+
+@dataclass
+class Batch:
+    """What one iteration has produced so far; each step of the loop fills in its own fields."""
+
+    iteration: int
+    modes: list[str]
+    """The mode of each group of the global batch (the same on every rank)."""
+    specs: list[tuple[str, int, int, str]]
+    """This rank's rollouts, G per group: (task, variation, group, mode)."""
+    episodes: list[Episode] = field(default_factory=list)
+    stats: dict[str, float] = field(default_factory=dict)
+    """The rollout's times and token counts (:func:`~empo2.train.rollout.run_episodes`); the memory time includes
+    the reflection's."""
+    pending: PendingReflection | None = None
+    """Tips being generated beside the update (``memory.overlap_reflection``); written by the sync step."""
+    intrinsic_weight: float = 0.0
+    advantages: list[np.ndarray] = field(default_factory=list)
+    """One array per episode of :attr:`ran`: each step's advantage."""
+    advantage_metrics: dict[str, float] = field(default_factory=dict)
+    losses: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "update": 0.0})
+    """Wall time of the rollout (with the reflection or its start) and of the update (with the backend sync)."""
+
+    @property
+    def ran(self) -> list[Episode]:
+        """The episodes that ran to the end: one lost to a crashed environment worker is left out of the update."""
+        return [ep for ep in self.episodes if not ep.failed]
+
+    def intrinsic_returns(self, aggregation: str) -> list[float]:
+        """Each episode of :attr:`ran`'s intrinsic return (``algo.intrinsic_aggregation``)."""
+        return [ep.intrinsic_return(aggregation) for ep in self.ran]
+
+    def returns(self, aggregation: str) -> np.ndarray:
+        """Each episode of :attr:`ran`'s return R = R_ext + w · R_int [N] float64."""
+        return combine_returns([ep.extrinsic_return for ep in self.ran], self.intrinsic_returns(aggregation),
+                               self.intrinsic_weight)
+
+
+def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps: int) -> dict[str, Any]:
+    """The metrics record of ``batch`` (the whole batch, on rank 0); ``env_steps`` is the run's running total."""
+    episodes, ran, stats = batch.episodes, batch.ran, batch.stats
+    scores = [ep.score for ep in episodes]
+    return {
+        "iteration": batch.iteration,
+        "env_steps": env_steps,
+        "modes": batch.modes,
+        "mode_counts": dict(Counter(batch.modes)),
+        "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
+                  "success_rate": float(np.mean([ep.success for ep in episodes])),
+                  "return_mean": float(np.mean(batch.returns(aggregation))) if len(ran) else 0.0,
+                  "intrinsic_mean": mean_or_zero(batch.intrinsic_returns(aggregation)),
+                  "accepted_rate": mean_or_zero([s.accepted for ep in episodes for s in ep.steps]),
+                  "intrinsic_weight": batch.intrinsic_weight, "failed_episodes": len(episodes) - len(ran),
+                  "steps_mean": float(np.mean([len(ep.steps) for ep in episodes])),
+                  "env_steps": batch_env_steps(batch)},
+        "advantage": batch.advantage_metrics,
+        "loss": batch.losses,
+        "memory": {"size": memory_size,
+                   "added": sum(1 for ep in episodes if ep.tip_written),
+                   "rejected": sum(1 for ep in episodes if ep.tip_rejected),
+                   "rejected_reasons": dict(Counter(ep.tip_rejected for ep in episodes if ep.tip_rejected)),
+                   "tips_used_per_step": mean_or_zero([len(s.tip_ids) for ep in episodes for s in ep.steps])},
+        "time": {"memory": stats["memory_time"], "generate": stats["gen_time"], "env": stats["env_time"],
+                 "rollout": batch.seconds["rollout"], "update": batch.seconds["update"]},
+        "tokens_per_s": {"generate": stats["gen_tokens"] / max(stats["gen_time"], 1e-9),
+                         "update": batch.losses.get("tokens", 0) / max(batch.seconds["update"], 1e-9)},
+        "long_prompts": stats["long_prompts"], "memory_peak_rss_gb": peak_rss_gb(),
+    }
+
+
+def no_signal_warnings(batch: Batch, zero_adv_streak: int, train_cfg) -> tuple[int, list[str]]:
+    """The warnings to show when the run has no learning signal: zero advantage in every group for
+    ``train.zero_adv_warn_iters`` iterations in a row, or an agent that hardly acts. Returns the new streak too."""
+    metrics, warnings = batch.advantage_metrics, []
+    zero_adv_streak = zero_adv_streak + 1 if metrics["zero_adv_groups"] == metrics["groups"] else 0
+    if zero_adv_streak >= train_cfg.zero_adv_warn_iters:
+        warnings.append(f"[warning] {zero_adv_streak} iterations in a row with zero advantage in every group: "
+                        "no learning signal (all rollouts of each task scored the same). Consider more generations, "
+                        "easier tasks, memory rollouts or the intrinsic reward.")
+    accepted = mean_or_zero([s.accepted for ep in batch.episodes for s in ep.steps])
+    if accepted < 0.5:
+        warnings.append(f"[warning] only {accepted:.0%} of this iteration's actions were accepted by the "
+                        "environment: the agent hardly acts, so returns carry little signal (see env.action_cutoff).")
+    return zero_adv_streak, warnings
+
+
+def batch_env_steps(batch: Batch) -> int:
+    """Environment steps of all the batch's episodes (the run's budget this iteration spent)."""
+    return sum(len(ep.steps) for ep in batch.episodes)
+
+
+def mean_or_zero(values: list[float]) -> float:
+    return float(np.mean(values)) if values else 0.0
