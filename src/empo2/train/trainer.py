@@ -384,6 +384,8 @@ class Trainer:
     def close(self) -> None:
         if self.reflection is not None:
             self.reflection.close()
+        if getattr(self.ctx.backend, "close", None) is not None:  # a separate engine (vLLM) frees its memory
+            self.ctx.backend.close()
         self.pool.close()
         if self.metrics is not None:
             self.metrics.close()
