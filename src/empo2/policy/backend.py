@@ -24,13 +24,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation, generate_batch
 
 BACKENDS = ("hf", "vllm")
-
-
-class BackendError(RuntimeError):
-    """A rollout backend that cannot be used here (e.g. vLLM not installed); the CLI exits with code 2."""
 
 
 class RolloutBackend(Protocol):

@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 
-from empo2.policy.backend import BackendError
+from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation
 
 

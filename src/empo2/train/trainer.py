@@ -347,7 +347,7 @@ class Trainer:
                               cfg.train.eval_episodes_per_task, cfg.policy.eval_temperature, self.pool_size,
                               with_memory=with_memory, dist=self.dist)
         if self.dist.is_main:
-            write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg))
+            write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg.env))
         return result
 
     def save(self, it: int) -> Path | None:
