@@ -32,6 +32,7 @@ def child(batches: int) -> dict:
     from empo2.allocator import active
     from empo2.policy.loader import load_model
     from empo2.policy.logprobs import response_logprobs
+    from empo2.policy.prefix import ComputeOptions
 
     torch.manual_seed(0)
     model, tok = load_model("smollm2-135m", device="cpu")
@@ -47,7 +48,7 @@ def child(batches: int) -> dict:
             head = rand(450)
             prompts = [head + rand(150 + 20 * i) for i in range(4)]
             logp, _ = response_logprobs(model, prompts, [rand(12) for _ in prompts], tok.pad_token_id,
-                                        prefix_sharing=share)
+                                        options=ComputeOptions(prefix_sharing=share))
             logp.sum().backward()
         seconds["shared" if share else "padded"] = time.perf_counter() - t
         peak = peak or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6

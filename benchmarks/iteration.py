@@ -48,14 +48,21 @@ def uptime() -> str:
 
 
 def set_arm(trainer, share: bool, dtype: str = "float32", reuse: bool = True) -> None:
-    """Switch a trainer between today's path and the shared one (config and the model's compute options)."""
-    from empo2.policy.prefix import ComputeOptions, attach_options
+    """Put an arm on a loaded trainer (the model, optimizer and environments are shared by all arms): its own config
+    (prefix sharing, head reuse, autocast), the compute options built from it, and the parts that take them: the
+    rollout context's options and a new ``PolicyUpdate``."""
+    import copy
 
-    trainer.cfg.policy.prefix_sharing = share
-    trainer.cfg.policy.reuse_heads = reuse
-    trainer.cfg.policy.autocast = "none" if dtype == "float32" else dtype
-    attach_options(trainer.model, ComputeOptions(prefix_sharing=share, compute_dtype=dtype, reuse_heads=reuse,
-                                                 logprob_chunk_tokens=trainer.cfg.train.logprob_chunk_tokens))
+    from empo2.policy.prefix import compute_options
+    from empo2.train.update import PolicyUpdate
+
+    cfg = copy.deepcopy(trainer.cfg)
+    cfg.policy.prefix_sharing, cfg.policy.reuse_heads = share, reuse
+    cfg.policy.autocast = "none" if dtype == "float32" else dtype
+    trainer.cfg, trainer.compute = cfg, compute_options(cfg.policy, cfg.train)
+    trainer.ctx.policy_cfg, trainer.ctx.compute = cfg.policy, trainer.compute
+    trainer.update = PolicyUpdate(cfg, trainer.model, trainer.tokenizer, trainer.optimizer, trainer.loss_fn,
+                                  trainer.dist, trainer.compute)
 
 
 def make_trainer(tmp: Path, name: str, args, extra: list[str]):

@@ -70,18 +70,19 @@ def main() -> None:
     res = {"benchmark": "quick_ratios", "uptime_start": uptime(), "budget": args.budget, "generation": {}}
 
     def generate(steps, share, dtype="float32"):
-        px.attach_options(model, px.ComputeOptions(prefix_sharing=share, compute_dtype=dtype))
+        options = px.ComputeOptions(prefix_sharing=share, compute_dtype=dtype)
         torch.manual_seed(0)
-        return [generate_batch(model, tok, p, 16, temperature=1.0) for p in steps]
+        return [generate_batch(model, tok, p, 16, temperature=1.0, options=options) for p in steps]
 
     def update(prompts, responses, share):
-        px.attach_options(model, px.ComputeOptions(prefix_sharing=share))
+        options = px.ComputeOptions(prefix_sharing=share)
         batches = shared_micro_batches(prompts, responses, args.budget) if share else \
             list(micro_batches(prompts, responses, args.budget))
         model.train()
         reset_peak_rss()
         for b in batches:
-            lp, mask = response_logprobs(model, [prompts[i] for i in b], [responses[i] for i in b], tok.pad_token_id)
+            lp, mask = response_logprobs(model, [prompts[i] for i in b], [responses[i] for i in b], tok.pad_token_id,
+                                         options=options)
             (lp * mask).sum().backward()
         model.zero_grad(set_to_none=True)
         model.eval()

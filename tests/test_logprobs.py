@@ -237,13 +237,13 @@ def test_behaviour_logprobs_are_of_the_tempered_distribution(shared, seeded):
     from empo2.policy.generate import generate_batch
 
     model = tiny_lm(seed=3, initializer_range=0.2).eval()  # peaked logits: T = 0.7 and T = 1 differ by ~0.1-1
-    px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
+    options = px.ComputeOptions(prefix_sharing=shared, min_shared_tokens=8)
     prompts = _shared_prompts()
     assert px.plan_layout(prompts, 8) is not None  # with sharing on, the rows do share heads
     seeds = list(range(40, 40 + len(prompts))) if seeded else None
-    gens = generate_batch(model, Tok(), prompts, 8, temperature=0.7, generator_seed=5, prefix_sharing=shared,
-                          row_seeds=seeds)
-    greedy = generate_batch(model, Tok(), prompts, 8, greedy=True, prefix_sharing=shared)
+    gens = generate_batch(model, Tok(), prompts, 8, temperature=0.7, generator_seed=5, row_seeds=seeds,
+                          options=options)
+    greedy = generate_batch(model, Tok(), prompts, 8, greedy=True, options=options)
     moved = 0.0
     for p, g, gg in zip(prompts, gens, greedy):
         want = reference_logp(model, p, g.ids, temperature=0.7)
@@ -269,11 +269,11 @@ def test_on_policy_update_ratio_is_one_at_the_sampling_temperature():
     from empo2.train.update import PolicyUpdate
 
     base = tiny_lm(seed=4, initializer_range=0.2).eval()
-    px.attach_options(base, px.ComputeOptions(min_shared_tokens=8))
+    options = px.ComputeOptions(min_shared_tokens=8)
     prompts = _shared_prompts(seed=12)
     tips = [7, 8, 9, 10, 11]  # the "tips" an off_tips row's rollout prompt has and its training prompt lacks
-    gens = generate_batch(base, Tok(), prompts, 6, temperature=0.7, generator_seed=2)
-    off = generate_batch(base, Tok(), [tips + prompts[0]], 6, temperature=0.7, generator_seed=3)[0]
+    gens = generate_batch(base, Tok(), prompts, 6, temperature=0.7, generator_seed=2, options=options)
+    off = generate_batch(base, Tok(), [tips + prompts[0]], 6, temperature=0.7, generator_seed=3, options=options)[0]
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     cfg = Config.load("configs/scienceworld_cpu.yaml", [
         "algo.name=empo2", "policy.temperature=0.7", "algo.beta=0.04", "algo.off_policy_ratio=tip_free",
@@ -289,7 +289,7 @@ def test_on_policy_update_ratio_is_one_at_the_sampling_temperature():
         return loss(logp_new, logp_old, adv, mask, algo, **kwargs)
 
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    metrics = PolicyUpdate(cfg, model, Tok(), optimizer, spy, Dist())(rows)
+    metrics = PolicyUpdate(cfg, model, Tok(), optimizer, spy, Dist(), options)(rows)
     assert metrics["optimizer_steps"] == 1 and len(seen) == 1  # one micro-batch, before the only step
     new, old, ref, mask = seen[0]
     assert float(((new - old).exp()[mask] - 1).abs().max()) < 1e-5

@@ -21,6 +21,9 @@ from empo2.policy.generate import generate_batch
 from empo2.policy.logprobs import response_logprobs
 
 PAD = 0
+SHARED = px.ComputeOptions(min_shared_tokens=8)
+"""Prefix sharing with heads of 8 tokens or more (the tiny models' prompts are short)."""
+PLAIN = px.ComputeOptions(prefix_sharing=False)
 
 
 def tiny_lm(seed=0):
@@ -74,12 +77,12 @@ def test_shared_logprobs_equal_plain_values_and_grads(seed):
     model = tiny_lm(seed)
     prompts, responses = shared_rows(seed)
     model.zero_grad()
-    plain, mask = response_logprobs(model, prompts, responses, PAD, prefix_sharing=False)
+    plain, mask = response_logprobs(model, prompts, responses, PAD, options=PLAIN)
     (plain * mask).sum().backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
-    px.attach_options(model, px.ComputeOptions(prefix_sharing=True, min_shared_tokens=8, logprob_chunk_tokens=7))
-    shared, mask2 = response_logprobs(model, prompts, responses, PAD)
+    options = px.ComputeOptions(prefix_sharing=True, min_shared_tokens=8, logprob_chunk_tokens=7)
+    shared, mask2 = response_logprobs(model, prompts, responses, PAD, options=options)
     assert torch.equal(mask, mask2)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
     (shared * mask).sum().backward()
@@ -101,25 +104,23 @@ def test_shared_logprobs_gpt2_absolute_positions():
                                       bos_token_id=1, eos_token_id=1)).eval()
     prompts, responses = shared_rows(3)
     with torch.no_grad():
-        plain, _ = response_logprobs(gpt2, prompts, responses, PAD, prefix_sharing=False)
-        px.attach_options(gpt2, px.ComputeOptions(min_shared_tokens=8))
-        shared, _ = response_logprobs(gpt2, prompts, responses, PAD)
+        plain, _ = response_logprobs(gpt2, prompts, responses, PAD, options=PLAIN)
+        shared, _ = response_logprobs(gpt2, prompts, responses, PAD, options=SHARED)
     torch.testing.assert_close(shared, plain, atol=1e-5, rtol=0)
 
 
 def test_shared_greedy_generation_equals_plain_tiny():
     model = tiny_lm(2)
-    px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
     prompts, _ = shared_rows(4)
-    shared = generate_batch(model, Tok(), prompts, 12, greedy=True)
-    plain = generate_batch(model, Tok(), prompts, 12, greedy=True, prefix_sharing=False)
+    shared = generate_batch(model, Tok(), prompts, 12, greedy=True, options=SHARED)
+    plain = generate_batch(model, Tok(), prompts, 12, greedy=True, options=PLAIN)
     assert [s.ids for s in shared] == [p.ids for p in plain]
     for s, p in zip(shared, plain):
         np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-5)
     # behaviour log-probs of a sampled run equal a plain forward's at the sampling temperature (log-softmax(logits
     # / T); top-p filtering is not in them, which is why training refuses top-p)
-    sampled = generate_batch(model, Tok(), prompts, 6, temperature=0.7, top_p=0.9, generator_seed=5)
-    lp, _ = response_logprobs(model, prompts, [s.ids for s in sampled], PAD, temperature=0.7, prefix_sharing=False)
+    sampled = generate_batch(model, Tok(), prompts, 6, temperature=0.7, top_p=0.9, generator_seed=5, options=SHARED)
+    lp, _ = response_logprobs(model, prompts, [s.ids for s in sampled], PAD, temperature=0.7, options=PLAIN)
     for i, s in enumerate(sampled):
         np.testing.assert_allclose(s.logprobs, lp[i, : len(s.ids)].detach().numpy(), atol=1e-5)
 
@@ -154,7 +155,6 @@ def test_reused_heads_generate_the_same_and_skip_known_tokens():
     """Inside ``reuse_heads`` a generation call runs only what follows the previous call's heads (the next steps of
     the same episodes), and greedy tokens and behaviour log-probs equal a fresh computation."""
     model = tiny_lm(5)
-    px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
     g = torch.Generator().manual_seed(5)
     rand = lambda n: torch.randint(3, 256, (n,), generator=g).tolist()  # noqa: E731
     head, other = rand(40), rand(30)
@@ -164,11 +164,14 @@ def test_reused_heads_generate_the_same_and_skip_known_tokens():
     fed = []
     model.model.embed_tokens.register_forward_hook(lambda _m, inputs, _o: fed.append(int(inputs[0].numel())))
 
+    memo = px.HeadMemo()
+
     def play(reuse: bool):
         fed.clear()
-        with px.reuse_heads(model) if reuse else contextlib.nullcontext():
-            calls = [generate_batch(model, Tok(), prompts, 6, greedy=True) for prompts in (step0, step1, step2)]
-            assert px.reusing_heads(model) == reuse
+        with memo.reuse(SHARED) if reuse else contextlib.nullcontext():
+            calls = [generate_batch(model, Tok(), prompts, 6, greedy=True, options=SHARED, heads=memo)
+                     for prompts in (step0, step1, step2)]
+            assert memo.active == reuse
         return calls, sum(fed)
 
     fresh, fresh_tokens = play(False)
@@ -179,11 +182,50 @@ def test_reused_heads_generate_the_same_and_skip_known_tokens():
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
     # step 1 skips both heads (40 + 30 tokens); step 2 (a lone row, its own head) the 40 of its group head
     assert fresh_tokens - reused_tokens == 40 + 30 + 40, (fresh_tokens, reused_tokens)
-    assert not px.reusing_heads(model)  # the memo ends with the block
-    with px.reuse_heads(model):
+    assert not memo.active  # the memo ends with the block
+    with memo.reuse(SHARED):
+        assert memo.active
+        with memo.reuse(SHARED):  # a nested block keeps the outer one's memo
+            assert memo.active
+        assert memo.active
         with torch.enable_grad():  # training forwards never read the memo
-            out, _ = response_logprobs(model, step1, [[5, 6]] * len(step1), PAD)
+            out, _ = response_logprobs(model, step1, [[5, 6]] * len(step1), PAD, options=SHARED)
         assert out.requires_grad
+    for off in (PLAIN, px.ComputeOptions(reuse_heads=False)):  # options that turn reuse off leave the memo off
+        with memo.reuse(off):
+            assert not memo.active
+
+
+def test_compute_options_travel_as_arguments_and_nothing_is_set_on_the_model():
+    """A rollout's head memo and an optimizer step's shared heads live in objects the calls are given: the model's
+    attributes are the same objects after generating, scoring and a backward as before. The options come from the
+    config once (``compute_options``), and an update built from a config keeps its choice."""
+    from empo2.algo.losses import get_policy_loss
+    from empo2.config import Config
+    from empo2.train.distributed import Dist
+    from empo2.train.update import PolicyUpdate
+
+    model = tiny_lm(1)
+    before = {name: dict(vars(module)) for name, module in model.named_modules()}
+    prompts, responses = shared_rows(1)
+    memo = px.HeadMemo()
+    with memo.reuse(SHARED):
+        generate_batch(model, Tok(), prompts, 4, greedy=True, options=SHARED, heads=memo)
+        assert {len(ids) for ids, _ in memo.heads} == {22, 30, 16}  # the call's heads: two shared, one row's own
+    with px.heads_once_per_step(prompts, 8) as heads:
+        lp, mask = response_logprobs(model, prompts, responses, PAD, options=SHARED, step_heads=heads)
+        (lp * mask).sum().backward()
+    for name, module in model.named_modules():
+        assert vars(module).keys() == before[name].keys(), name
+        assert all(vars(module)[k] is v for k, v in before[name].items() if k != "training"), name
+
+    cfg = Config.load(None, ["policy.prefix_sharing=false", "policy.autocast=bfloat16", "policy.reuse_heads=false",
+                             "train.logprob_chunk_tokens=64"])
+    assert px.compute_options(cfg.policy, cfg.train) == px.ComputeOptions(
+        prefix_sharing=False, compute_dtype="bfloat16", logprob_chunk_tokens=64, reuse_heads=False)
+    update = PolicyUpdate(cfg, model, Tok(), None, get_policy_loss("grpo"), Dist())
+    cfg.policy.prefix_sharing = True  # a config changed after the update was built does not switch it
+    assert update.shared is False and update.options.prefix_sharing is False
 
 
 def test_shared_micro_batches_cover_rows_within_budget():
@@ -224,21 +266,21 @@ def test_heads_once_per_step_give_each_micro_batch_the_same_log_probs_and_the_st
 
     model = tiny_lm(seed)
     prompts, responses = shared_rows(seed, heads=(40, 25), per_head=5, tail=(1, 20))
-    plain, mask = response_logprobs(model, prompts, responses, PAD, prefix_sharing=False)
+    plain, mask = response_logprobs(model, prompts, responses, PAD, options=PLAIN)
     (plain * mask).sum().backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
 
-    px.attach_options(model, px.ComputeOptions(prefix_sharing=True, min_shared_tokens=8))
     runs = []
     original = px._head_kv
     monkeypatch.setattr(px, "_head_kv", lambda *a: runs.append(len(a[1])) or original(*a))
     batches = shared_micro_batches(prompts, responses, 80, min_shared=8, step_heads=True)
     assert len(batches) >= 4  # the heads are shared across micro-batches, not only within one
-    with px.heads_once_per_step(model, prompts, min_shared=8) as heads:
+    with px.heads_once_per_step(prompts, min_shared=8) as heads:
         assert sorted(len(h) for h in heads.heads) == [25, 40]
         for batch in batches:
-            lp, m = response_logprobs(model, [prompts[i] for i in batch], [responses[i] for i in batch], PAD)
+            lp, m = response_logprobs(model, [prompts[i] for i in batch], [responses[i] for i in batch], PAD,
+                                      options=SHARED, step_heads=heads)
             torch.testing.assert_close(lp, plain[batch][:, : lp.shape[1]].detach(), atol=1e-5, rtol=0)
             if m.any():  # a micro-batch of empty responses has no graph
                 (lp * m).sum().backward()
@@ -256,10 +298,10 @@ def test_bfloat16_autocast_ratio_stays_near_one():
     model = tiny_lm(3)
     prompts, _ = shared_rows(6)
     for dtype, median_bound, max_bound in (("bfloat16", 1e-2, 0.1), ("float32", 1e-5, 1e-4)):
-        px.attach_options(model, px.ComputeOptions(compute_dtype=dtype, min_shared_tokens=8))
-        gens = generate_batch(model, Tok(), prompts, 8, temperature=1.0, generator_seed=1)
+        options = px.ComputeOptions(compute_dtype=dtype, min_shared_tokens=8)
+        gens = generate_batch(model, Tok(), prompts, 8, temperature=1.0, generator_seed=1, options=options)
         model.train()
-        new, mask = response_logprobs(model, prompts, [g.ids for g in gens], PAD)
+        new, mask = response_logprobs(model, prompts, [g.ids for g in gens], PAD, options=options)
         model.eval()
         assert new.dtype == torch.float32 and all(p.dtype == torch.float32 for p in model.parameters())
         old = torch.zeros_like(new)
@@ -306,8 +348,8 @@ def test_shared_greedy_generation_equals_plain_smollm(smollm):
                              "observation": "This room is called the kitchen."})
     prompts = [render_prompt_ids(tok, p, 2, 1024) for p in (base, base, rollout)]
     assert px.worth_sharing(px.plan_groups(prompts))
-    shared = generate_batch(model, tok, prompts, 8, greedy=True, prefix_sharing=True)
-    plain = generate_batch(model, tok, prompts, 8, greedy=True, prefix_sharing=False)
+    shared = generate_batch(model, tok, prompts, 8, greedy=True, options=px.DEFAULT_OPTIONS)
+    plain = generate_batch(model, tok, prompts, 8, greedy=True, options=PLAIN)
     assert [s.ids for s in shared] == [p.ids for p in plain]
     for s, p in zip(shared, plain):
         np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)
@@ -329,7 +371,6 @@ def test_gradient_checkpointing_update_equals_stored_activations(lora):
     before, after, layer_calls = None, {}, {}
     for checkpointing in (False, True):
         model = tiny_lm(3)
-        px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
         if checkpointing:
             enable_gradient_checkpointing(model, "tiny")
         if lora:  # after checkpointing, as Trainer._adapt does; B starts at 0, so the step moves it
@@ -344,11 +385,9 @@ def test_gradient_checkpointing_update_equals_stored_activations(lora):
         # the attention inside a layer also runs when backward replays the layer
         attention = next(m for name, m in model.named_modules() if name.endswith("layers.0.self_attn"))
         attention.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
-        update = PolicyUpdate(cfg, model, Tok(), optimizer, get_policy_loss("grpo"), Dist())
+        update = PolicyUpdate(cfg, model, Tok(), optimizer, get_policy_loss("grpo"), Dist(), SHARED)
         assert update.shared is not checkpointing
-        cfg.policy.prefix_sharing = False  # read at every use: a switched config switches the update
-        assert update.shared is False
-        cfg.policy.prefix_sharing = True
+        assert update.options == SHARED and update.train_options.prefix_sharing is not checkpointing
         metrics = update(rows)
         assert metrics["optimizer_steps"] == 1
         after[checkpointing] = {n: p.detach().clone() for n, p in model.named_parameters()}

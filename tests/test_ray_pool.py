@@ -10,7 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")  # in the dev extra; skipped (= not tested) only where Ray is not installed
 
-from empo2.envs.pool import Failure  # noqa: E402
+from empo2.envs.failures import Failure  # noqa: E402
 from empo2.envs.ray_pool import RayEnvPool  # noqa: E402
 
 TASK = "find-animal"

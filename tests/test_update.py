@@ -14,12 +14,11 @@ import torch
 
 from empo2.algo.losses import get_policy_loss
 from empo2.config import Config
-from empo2.policy import prefix as px
 from empo2.policy.logprobs import shared_micro_batches
 from empo2.train.distributed import Dist
 from empo2.train.rows import UpdateRow
 from empo2.train.update import PolicyUpdate, token_batches
-from test_prefix_sharing import Tok, shared_rows, tiny_lm
+from test_prefix_sharing import SHARED, Tok, shared_rows, tiny_lm
 
 
 def _config(*overrides: str) -> Config:
@@ -61,14 +60,13 @@ def test_zero_advantage_rows_stay_in_the_token_mean(drop):
     """One step over all rows with SGD(lr=1): the weights move by exactly the reference gradient, whose denominator
     counts the zero-advantage rows' tokens (or, with ``drop_zero_advantage_rows``, leaves them out)."""
     model = tiny_lm(4)
-    px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
     advantages = [0.0, 1.5, 0.0, -0.7, 0.0, 0.0, 2.0]
     rows = _rows(model, advantages)
     expected = _reference_gradient(model, rows, count_zero_rows=not drop)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     cfg = _config("train.mini_batch_size=0", f"algo.drop_zero_advantage_rows={drop}")
     update = PolicyUpdate(cfg, model, Tok(), torch.optim.SGD(model.parameters(), lr=1.0), get_policy_loss("grpo"),
-                          Dist())
+                          Dist(), SHARED)
     metrics = update(rows)
     assert metrics["optimizer_steps"] == 1
     assert metrics["rows"] == (3 if drop else len(rows)) and metrics["computed_rows"] == 3
@@ -83,30 +81,29 @@ def test_mini_batches_are_cut_over_all_rows_and_each_takes_its_step():
     """Mini-batches of 2 over 6 rows, 4 of them with advantage 0: 3 optimizer steps (also for a mini-batch of zero
     rows alone, whose zero gradient still moves AdamW's moments), as if every row had been computed."""
     model = tiny_lm(5)
-    px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
     rows = _rows(model, [0.0, 1.0, 0.0, 0.0, -1.0, 0.0])
     random.seed(0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
     metrics = PolicyUpdate(_config("train.mini_batch_size=2"), model, Tok(), optimizer, get_policy_loss("grpo"),
-                           Dist())(rows)
+                           Dist(), SHARED)(rows)
     assert metrics["optimizer_steps"] == 3 and metrics["rows"] == 6 and metrics["computed_rows"] == 2
     assert metrics["response_tokens"] == sum(len(r.response) for r in rows)
     assert {int(optimizer.state[p]["step"]) for p in model.parameters()} == {3}
 
     dropped = PolicyUpdate(_config("train.mini_batch_size=2", "algo.drop_zero_advantage_rows=true"), model, Tok(),
-                           torch.optim.AdamW(model.parameters(), lr=1e-3), get_policy_loss("grpo"), Dist())(rows)
+                           torch.optim.AdamW(model.parameters(), lr=1e-3), get_policy_loss("grpo"), Dist(),
+                           SHARED)(rows)
     assert dropped["optimizer_steps"] == 1 and dropped["rows"] == 2
 
 
 def test_a_batch_without_signal_changes_nothing_on_a_fresh_optimizer():
     """All advantages 0 on a fresh AdamW: the steps are taken, but zero moments move no weight."""
     model = tiny_lm(6)
-    px.attach_options(model, px.ComputeOptions(min_shared_tokens=8))
     rows = _rows(model, [0.0] * 7)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), weight_decay=0.0)
     metrics = PolicyUpdate(_config("train.mini_batch_size=0"), model, Tok(), optimizer, get_policy_loss("grpo"),
-                           Dist())(rows)
+                           Dist(), SHARED)(rows)
     assert metrics["optimizer_steps"] == 1 and metrics["computed_rows"] == 0 and metrics["tokens"] == 0
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
 

@@ -53,8 +53,10 @@ def _prompts(tok) -> list[list[int]]:
 def _hf_greedy(model, tok, prompts, n) -> list[list[int]]:
     """HF ``generate`` on the left-padded batch: the plain reference, not the project's shared-head decoding loop."""
     from empo2.policy.generate import generate_batch
+    from empo2.policy.prefix import ComputeOptions
 
-    return [g.ids for g in generate_batch(model, tok, prompts, n, greedy=True, prefix_sharing=False)]
+    padded = ComputeOptions(prefix_sharing=False)
+    return [g.ids for g in generate_batch(model, tok, prompts, n, greedy=True, options=padded)]
 
 
 def _float64_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> list[float]:

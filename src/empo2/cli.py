@@ -84,7 +84,7 @@ def cmd_train(args) -> int:
     if not args.resume and main_rank:  # a fresh run: no stale memory, checkpoints or metrics from the previous one
         start_run_folder(run_dir, args.overwrite)
     console.print("[bold]empo2 train[/bold] " + escape(  # names and paths are the user's text, not markup
-        f"algo={method_label(cfg)} env={env_label(cfg)} tasks={_tasks_text(cfg)} model={cfg.policy.model} "
+        f"algo={method_label(cfg)} env={env_label(cfg.env)} tasks={_tasks_text(cfg)} model={cfg.policy.model} "
         f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} malloc={allocator.active()} → {run_dir}"))
     signals.set_phase("the start of the run (model, environment workers)")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
@@ -213,7 +213,7 @@ def cmd_eval(args) -> int:
     finally:
         ctx.pool.close()
     out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
-    label = env_label(cfg)
+    label = env_label(cfg.env)
     js, md = write_eval_tables(result, out, f"eval_{args.split}{'_memory' if args.with_memory else ''}", label)
     print(markdown_table(result, label))
     print(json.dumps({"json": str(js), "markdown": str(md), **result["summary"]}))

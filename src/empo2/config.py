@@ -30,12 +30,8 @@ from typing import Any
 
 import yaml
 
-from empo2.config_bounds import MAX_CONFIG_BYTES, check_bounds, check_choices, check_size, shown
+from empo2.config_bounds import MAX_CONFIG_BYTES, ConfigError, check_bounds, check_choices, check_size, shown
 from empo2.config_sections import AlgoConfig, EnvConfig, MemoryConfig, PolicyConfig, TrainConfig  # noqa: F401
-
-
-class ConfigError(ValueError):
-    """A user error in a config file or override; the CLI prints it and exits with code 2."""
 
 
 @dataclass

@@ -17,6 +17,12 @@ import typing
 from dataclasses import fields
 from typing import Any, Literal
 
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the CLI prints it and exits with code 2 (re-exported by
+    :mod:`empo2.config`, where callers import it from)."""
+
+
 MAX_TEXT = 4096
 """Characters of one string field or list item (Linux paths are at most 4096 bytes)."""
 MAX_ITEMS = 1000
@@ -152,7 +158,5 @@ def check_worker_count(workers: int, env, what: str) -> None:
                      f"set env.max_workers={workers} if the machine can take it")
 
 
-def _error(message: str):
-    from empo2.config import ConfigError
-
+def _error(message: str) -> ConfigError:
     return ConfigError(message)

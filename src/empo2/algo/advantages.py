@@ -17,7 +17,8 @@ GRPO broadcasts one group-normalised value per episode to all of its steps::
 
 A group of one rollout, or a group whose returns are all equal (up to :data:`EQUAL_RTOL`), gets exactly 0 (no
 learning signal); such groups are counted in ``metrics["zero_adv_groups"]`` because their rollouts cost compute and
-teach nothing. GiGPO (episode + anchor-state step groups) lives in :mod:`empo2.algo.gigpo`.
+teach nothing. GiGPO (episode + anchor-state step groups) lives in :mod:`empo2.algo.gigpo`; the built-in estimators
+are registered by :mod:`empo2.algo.registry`, which importing any module of ``empo2.algo`` loads.
 """
 
 from __future__ import annotations
@@ -232,5 +233,3 @@ def intrinsic_weight(algo, iteration: int, total_iterations: int) -> float:
         return float(start + (end - start) * frac)
     raise ValueError(f"unknown intrinsic schedule {schedule!r}; use 'constant' or 'linear'")
 
-
-from empo2.algo import gigpo as _gigpo  # noqa: E402,F401  (registers "gigpo")

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from empo2.algo import gigpo  # noqa: F401 - registers the "gigpo" advantage estimator
 from empo2.algo.modes import MODES
 
 

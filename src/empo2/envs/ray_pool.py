@@ -18,7 +18,7 @@ from typing import Any
 import psutil
 
 from empo2.envs.base import EnvError, StepResult
-from empo2.envs.pool import Failure, WorkerError, failed_step
+from empo2.envs.failures import Failure, WorkerError, failed_step
 
 
 class _EnvActor:

@@ -125,7 +125,7 @@ def finish(out: Path, tasks: list[str], trials: list[dict[str, Any]], checksum: 
     method = "reflexion" if baseline == "reflexion" else (f"{method_label(cfg)} + tips" if run else "base model + tips")
     report = adaptation_report(trials, tasks=tasks, preset=preset,
                                pair="→".join(PRESETS[preset]) if preset else None, method=method,
-                               label=env_label(cfg), run=run, model=cfg.policy.model, split=split,
+                               label=env_label(cfg.env), run=run, model=cfg.policy.model, split=split,
                                weights_sha256=checksum, weights_unchanged=True)
     for path in write_adaptation(out, report):
         print(f"wrote {path}")

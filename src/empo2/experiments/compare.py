@@ -64,7 +64,8 @@ def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overri
     plans = plan_runs(config, algos, seeds, out, overrides, check)
     say(f"empo2 compare: {', '.join(algos)} × seeds {seeds} = {len(plans)} runs → {out}")
     failed = run_all(plans, config, overrides)
-    meta = {"config": config, "overrides": overrides, "algos": algos, "seeds": seeds, "label": env_label(plans[0].cfg)}
+    meta = {"config": config, "overrides": overrides, "algos": algos, "seeds": seeds,
+            "label": env_label(plans[0].cfg.env)}
     write_summary(plans, out, meta, algos)
     say((out / "summary.md").read_text())
     say(f"comparison folder: {out}  (summary.md, summary.json, curves.png, runs/)")

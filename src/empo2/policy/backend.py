@@ -24,13 +24,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation, generate_batch
+from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions
 
 BACKENDS = ("hf", "vllm")
-
-
-class BackendError(RuntimeError):
-    """A rollout backend that cannot be used here (e.g. vLLM not installed); the CLI exits with code 2."""
 
 
 class RolloutBackend(Protocol):
@@ -43,13 +41,13 @@ class RolloutBackend(Protocol):
 class HFBackend:
     """Generation with the training model (Hugging Face ``generate``); weights are shared, so syncing is free."""
 
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, options: ComputeOptions = DEFAULT_OPTIONS):
+        self.model, self.tokenizer, self.options = model, tokenizer, options
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
                  top_k: int = 0, greedy: bool = False, row_seeds: list[int] | None = None) -> list[Generation]:
         return generate_batch(self.model, self.tokenizer, prompts, max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, greedy=greedy, row_seeds=row_seeds)
+                              top_p=top_p, top_k=top_k, greedy=greedy, row_seeds=row_seeds, options=self.options)
 
     def sync_weights(self, model) -> None:
         self.model = model

@@ -54,31 +54,33 @@ def generate_batch(
     greedy: bool = False,
     generator_seed: int | None = None,
     top_k: int = 0,
-    prefix_sharing: bool | None = None,
     row_seeds: list[int] | None = None,
+    *,
+    options: px.ComputeOptions = px.DEFAULT_OPTIONS,
+    heads: px.HeadMemo | None = None,
 ) -> list[Generation]:
     """Generate one completion per prompt (token-id lists), all in one batched call.
 
     Only the sampling settings given here apply: the model's own generation defaults (a repetition penalty, top-k,
     n-gram blocking — Qwen2.5-Instruct ships some) are overridden, so the sampled distribution is the tempered
-    policy whose log-probs the update uses. ``prefix_sharing`` overrides the model's compute options
-    (:func:`empo2.policy.prefix.attach_options`). ``row_seeds`` (one per prompt) samples each row from its own random
+    policy whose log-probs the update uses. ``row_seeds`` (one per prompt) samples each row from its own random
     stream (:mod:`empo2.policy.seeded`), so a row's tokens do not depend on the rest of the batch.
+    ``options``: prefix sharing, compute dtype and the shortest head worth sharing. ``heads``: a rollout's memo of the
+    previous call's heads (used inside :meth:`empo2.policy.prefix.HeadMemo.reuse`).
     """
     if not prompts:
         return []
-    options = px.options_of(model)
-    share = options.prefix_sharing if prefix_sharing is None else prefix_sharing
     if generator_seed is not None:
         torch.manual_seed(generator_seed)
     do_sample = not greedy and temperature > 0
     scoring = scoring_temperature(temperature, greedy)
     with px.autocast(model, options):
-        groups = px.plan_layout(prompts, options.min_shared_tokens, own_heads=px.reusing_heads(model)) \
-            if share else None
+        reusing = heads is not None and heads.active
+        groups = px.plan_layout(prompts, options.min_shared_tokens, own_heads=reusing) \
+            if options.prefix_sharing else None
         if groups:
             new_tokens, token_logp = _decode_shared(model, tokenizer, prompts, groups, max_new_tokens,
-                                                    temperature if do_sample else 0.0, top_p, top_k, row_seeds)
+                                                    temperature if do_sample else 0.0, top_p, top_k, row_seeds, heads)
         else:
             new_tokens, logits = _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample,
                                                   temperature, top_p, top_k, row_seeds)
@@ -128,16 +130,19 @@ def _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample, tempe
     return new_tokens, torch.stack(out.logits, dim=1)  # [B, N, V] raw: before temperature and the seeded noise
 
 
-def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperature, top_p, top_k, row_seeds=None):
-    """Decode on top of the groups' shared heads; ``temperature == 0`` means greedy; ``row_seeds`` samples each row
-    from its own stream (:class:`empo2.policy.seeded.SeededSampler`, the same draws as the padded path).
+def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperature, top_p, top_k, row_seeds=None,
+                   heads=None):
+    """Decode on top of the groups' shared heads (starting from ``heads``, a rollout's :class:`HeadMemo`, if given);
+    ``temperature == 0`` means greedy; ``row_seeds`` samples each row from its own stream
+    (:class:`empo2.policy.seeded.SeededSampler`, the same draws as the padded path).
 
     Returns ``(tokens [B, N], logp [B, N])``, log-probs at :func:`scoring_temperature`; rows that finished keep
     receiving the pad token (as in ``generate``).
     """
     device = next(model.parameters()).device
     ids, mask, pos = px.tail_batch(prompts, groups, tokenizer.pad_token_id, device)  # [B, S] each
-    cache, head_mask = px.head_cache(model, prompts, groups, room=ids.shape[1] + max_new_tokens)  # head_mask [B, H]
+    cache, head_mask = px.head_cache(model, prompts, groups, room=ids.shape[1] + max_new_tokens,  # head_mask [B, H]
+                                     memo=heads)
     mask = torch.cat([head_mask, mask], dim=1)  # [B, H + S]
     next_pos = torch.tensor([len(p) for p in prompts], device=device)  # [B]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)

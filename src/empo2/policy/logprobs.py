@@ -42,13 +42,15 @@ def response_logprobs(
     pad_token_id: int,
     *,
     temperature: float = 1.0,
-    prefix_sharing: bool | None = None,
+    options: px.ComputeOptions = px.DEFAULT_OPTIONS,
+    step_heads: px.StepHeads | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log π(r_t | prompt, r_<t) for every response token.
 
     prompt_ids: B lists of token ids (each non-empty); response_ids: B lists (may be empty).
     ``temperature`` divides the logits (use the sampling temperature so the log-probs match the behaviour policy).
-    ``prefix_sharing`` overrides the model's compute options (:func:`empo2.policy.prefix.attach_options`).
+    ``options``: prefix sharing, compute dtype, log-prob chunk size, the shortest head worth sharing.
+    ``step_heads``: the optimizer step's heads (:func:`empo2.policy.prefix.heads_once_per_step`), used with grad on.
     Returns ``(logp [B, R] float32, mask [B, R] bool)`` on the model's device, R = longest response; padded
     positions have ``logp = 0`` and ``mask = False``.
     """
@@ -63,11 +65,9 @@ def response_logprobs(
     if b == 0 or r_len == 0:
         return torch.zeros(b, r_len, device=device), torch.zeros(b, r_len, dtype=torch.bool, device=device)
 
-    options = px.options_of(model)
-    share = options.prefix_sharing if prefix_sharing is None else prefix_sharing
-    step = px.step_heads(model)
-    groups = None if not share else step.layout(prompt_ids, options.min_shared_tokens) if step is not None \
-        else px.plan_layout(prompt_ids, options.min_shared_tokens)
+    step = step_heads if torch.is_grad_enabled() else None  # a no-grad pass (reference log-probs) runs its own heads
+    groups = None if not options.prefix_sharing else step.layout(prompt_ids, options.min_shared_tokens) \
+        if step is not None else px.plan_layout(prompt_ids, options.min_shared_tokens)
     resp = torch.full((b, r_len), pad_token_id, dtype=torch.long)  # [B, R]
     mask = torch.zeros((b, r_len), dtype=torch.bool)  # [B, R]
     for i, r in enumerate(response_ids):
@@ -76,7 +76,7 @@ def response_logprobs(
     resp, mask = resp.to(device), mask.to(device)
     with px.autocast(model, options):
         if groups:
-            kwargs = _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id)
+            kwargs = _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id, step)
         else:
             kwargs = _padded_inputs(prompt_ids, resp, mask, p_len, pad_token_id, device)
         logp = _response_logp(model, kwargs, resp, mask, temperature, options.logprob_chunk_tokens)
@@ -97,9 +97,10 @@ def _padded_inputs(prompt_ids, resp, mask, p_len: int, pad_token_id: int, device
     return dict(input_ids=ids, attention_mask=attn, position_ids=position_ids, use_cache=False)
 
 
-def _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id: int) -> dict:
-    """Heads once (with grad) as a KV cache; tails LEFT-padded, then responses RIGHT-padded, on top of it."""
-    cache, head_mask = px.head_cache(model, prompt_ids, groups)  # head_mask [B, H]
+def _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id: int, step=None) -> dict:
+    """Heads once (with grad; from the step's heads ``step`` if given) as a KV cache; tails LEFT-padded, then
+    responses RIGHT-padded, on top of it."""
+    cache, head_mask = px.head_cache(model, prompt_ids, groups, step=step)  # head_mask [B, H]
     ids, tail_mask, pos = px.tail_batch(prompt_ids, groups, pad_token_id, resp.device)  # [B, S] each
     lengths = torch.tensor([len(p) for p in prompt_ids], device=resp.device)  # [B]
     resp_pos = lengths[:, None] + torch.arange(resp.shape[1], device=resp.device)  # [B, R]

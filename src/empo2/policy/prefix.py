@@ -14,8 +14,9 @@ exactly the keys and positions it would see in an unpadded single-row forward.
 Across the steps of a rollout the heads repeat too: inside :func:`reuse_heads` (weights fixed), each generation
 call keeps the heads it computed, and the next call runs only what follows the longest cached prefix of a new head.
 
-The per-model compute options (prefix sharing on/off, bfloat16 autocast, log-prob chunk size) live here too: they
-are attached to the model object, so ``generate_batch`` / ``response_logprobs`` keep their signatures.
+The compute options (prefix sharing on/off, bfloat16 autocast, log-prob chunk size) live here too, as a
+:class:`ComputeOptions` that generation and log-prob calls take as an argument, next to the caches they may use: a
+rollout's :class:`HeadMemo` and an optimizer step's :class:`StepHeads`.
 """
 
 from __future__ import annotations
@@ -40,49 +41,49 @@ class ComputeOptions:
     min_shared_tokens: int = 16
     """A head shorter than this is not worth a separate forward; such rows run unshared."""
     reuse_heads: bool = True
-    """Rollouts keep the previous generation call's head KV (:func:`reuse_heads`); set from ``policy.reuse_heads``."""
+    """Rollouts keep the previous generation call's head KV (:meth:`HeadMemo.reuse`); from ``policy.reuse_heads``."""
+
+    def __post_init__(self):
+        if self.compute_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, not {self.compute_dtype!r}")
 
 
 DEFAULT_OPTIONS = ComputeOptions()
-_ATTR = "_empo2_compute_options"
-_HEADS = "_empo2_head_memo"
-_STEP_HEADS = "_empo2_step_heads"
 
 
-def attach_options(model: torch.nn.Module, options: ComputeOptions) -> None:
-    """Make ``options`` the compute options of ``model`` (read by generation and log-prob code)."""
-    if options.compute_dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, not {options.compute_dtype!r}")
-    object.__setattr__(model, _ATTR, options)
+def compute_options(policy_cfg, train_cfg) -> ComputeOptions:
+    """The compute options of a run's config (``policy.prefix_sharing``, ``policy.autocast``, ``policy.reuse_heads``,
+    ``train.logprob_chunk_tokens``)."""
+    compute = {"none": "float32"}.get(policy_cfg.autocast, policy_cfg.autocast)
+    return ComputeOptions(prefix_sharing=policy_cfg.prefix_sharing, compute_dtype=compute,
+                          logprob_chunk_tokens=train_cfg.logprob_chunk_tokens, reuse_heads=policy_cfg.reuse_heads)
 
 
-def configure_model(model: torch.nn.Module, cfg) -> None:
-    """Attach the compute options of a run's config (``policy.prefix_sharing``, ``policy.autocast``,
-    ``train.logprob_chunk_tokens``) to its model."""
-    compute = {"none": "float32"}.get(cfg.policy.autocast, cfg.policy.autocast)
-    attach_options(model, ComputeOptions(prefix_sharing=cfg.policy.prefix_sharing, compute_dtype=compute,
-                                         logprob_chunk_tokens=cfg.train.logprob_chunk_tokens,
-                                         reuse_heads=cfg.policy.reuse_heads))
+class HeadMemo:
+    """The heads one generation call computed, for the next call of the same rollout (:meth:`reuse`); a rollout's
+    generation calls pass it to :func:`empo2.policy.generate.generate_batch`."""
 
+    def __init__(self):
+        self.heads: list | None = None
+        """``[(head ids, per-layer KV)]`` of the last call; ``None`` outside :meth:`reuse`."""
 
-@contextlib.contextmanager
-def reuse_heads(model: torch.nn.Module):
-    """Within this block, generation reuses the KV of heads computed by the previous generation call (the weights
-    must not change inside it: one rollout). Memory: the heads of one call, which that call held anyway. A no-op
-    when the model's options turn prefix sharing or head reuse off."""
-    options = options_of(model)
-    if model is None or not (options.prefix_sharing and options.reuse_heads) or reusing_heads(model):
-        yield
-        return
-    object.__setattr__(model, _HEADS, [])
-    try:
-        yield
-    finally:
-        object.__delattr__(model, _HEADS)
+    @property
+    def active(self) -> bool:
+        return self.heads is not None
 
-
-def reusing_heads(model: torch.nn.Module) -> bool:
-    return getattr(model, _HEADS, None) is not None
+    @contextlib.contextmanager
+    def reuse(self, options: ComputeOptions):
+        """Within this block, generation reuses the KV of heads computed by the previous generation call (the
+        weights must not change inside it: one rollout). Memory: the heads of one call, which that call held anyway.
+        A no-op when ``options`` turn prefix sharing or head reuse off, or inside another such block."""
+        if not (options.prefix_sharing and options.reuse_heads) or self.active:
+            yield
+            return
+        self.heads = []
+        try:
+            yield
+        finally:
+            self.heads = None
 
 
 class StepHeads:
@@ -138,9 +139,10 @@ class StepHeads:
 
 
 @contextlib.contextmanager
-def heads_once_per_step(model: torch.nn.Module, prompts: Sequence[Sequence[int]], min_shared: int = 16):
-    """Within this block (the micro-batches of one optimizer step), each head that rows of ``prompts`` share runs
-    forward once, at its first use. The micro-batches' backward passes stop at leaf copies of its KV and add up their
+def heads_once_per_step(prompts: Sequence[Sequence[int]], min_shared: int = 16):
+    """Within this block (the micro-batches of one optimizer step, each passing the yielded store to
+    :func:`empo2.policy.logprobs.response_logprobs`), each head that rows of ``prompts`` share runs forward once, at
+    its first use. The micro-batches' backward passes stop at leaf copies of its KV and add up their
     gradients there; leaving the block runs the head's backward once with the sum. The gradient is the same as
     running the head in every micro-batch (the gradient of a sum is the sum of the gradients), for one head forward
     and backward per step instead of one per micro-batch. Yields the :class:`StepHeads` (None when nothing is shared)."""
@@ -149,21 +151,8 @@ def heads_once_per_step(model: torch.nn.Module, prompts: Sequence[Sequence[int]]
         yield None
         return
     store = StepHeads(heads)
-    object.__setattr__(model, _STEP_HEADS, store)
-    try:
-        yield store
-    finally:
-        object.__delattr__(model, _STEP_HEADS)
+    yield store
     store.backward()  # not reached when a micro-batch raised
-
-
-def step_heads(model: torch.nn.Module) -> StepHeads | None:
-    """The heads of the optimizer step in progress, when grad is on inside :func:`heads_once_per_step`."""
-    return getattr(model, _STEP_HEADS, None) if torch.is_grad_enabled() else None
-
-
-def options_of(model: torch.nn.Module) -> ComputeOptions:
-    return getattr(model, _ATTR, None) or DEFAULT_OPTIONS
 
 
 def autocast(model: torch.nn.Module, options: ComputeOptions):
@@ -301,17 +290,21 @@ def _layer_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(cache.key_cache[i], cache.value_cache[i]) for i in range(len(cache.key_cache))]  # transformers 4.x
 
 
-def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[int], int]], room: int = 0):
+def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[int], int]], room: int = 0,
+               memo: HeadMemo | None = None, step: StepHeads | None = None):
     """Run each group's head once and lay it out for all rows: returns ``(cache, head_mask [B, H])``.
 
     Autograd flows through the copies, so with grad enabled the head's parameters get the sum of every row's
     gradient, as if each row had run it. ``room``: tokens the cache will grow by without copying (:func:`make_cache`).
+    Without grad, heads start from a rollout's ``memo`` (inside :meth:`HeadMemo.reuse`); with grad, from the
+    optimizer step's ``step`` heads: a training forward never reads a rollout's memo, nor generation a step's heads.
     """
     device = next(model.parameters()).device
     b, width = len(prompts), max(head for _, head in groups)
     head_mask = torch.zeros((b, width), dtype=torch.long, device=device)  # [B, H]
-    memo = getattr(model, _HEADS, None) if not torch.is_grad_enabled() else None
-    step = step_heads(model)
+    grad = torch.is_grad_enabled()
+    memo = memo.heads if memo is not None and not grad else None
+    step = step if grad else None
     computed = []
     per_group = []
     for rows, head in groups:

@@ -30,7 +30,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from empo2.policy.backend import BackendError
+from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation
 
 

@@ -60,7 +60,7 @@ class BackgroundReflection:
             for mine, theirs in self._pairs:
                 mine.copy_(theirs)
         generate = self.backend.generate if self.backend is not None else partial(generate_batch, self.snapshot,
-                                                                                  ctx.tokenizer)
+                                                                                  ctx.tokenizer, options=ctx.compute)
         return PendingReflection(uses, writers, self._worker.submit(self._run, job, generate))
 
     def _run(self, job, generate) -> list[str]:

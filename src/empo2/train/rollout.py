@@ -18,7 +18,7 @@ from empo2.config_sections import MemoryConfig, PolicyConfig
 from empo2.envs.pool import WorkerError
 from empo2.policy.backend import RolloutBackend
 from empo2.policy.generate import Generation, generate_batch
-from empo2.policy.prefix import reuse_heads
+from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions, HeadMemo
 from empo2.policy.seeded import row_seed
 from empo2.train.episode import MEMORY_MODES, Episode, Step, namespace_of, state_text
 from empo2.train.protocols import Embedder, EnvWorkers, MemorySync, TipStore, Tokenizer
@@ -49,6 +49,10 @@ class RolloutContext:
     demonstrations: dict = field(default_factory=dict)
     """(task, variation, shots) → demonstration text, fetched once for all workers (a ScienceWorld worker plays the
     gold trajectories to write one, and the G rollouts of a group ask for the same one)."""
+    compute: ComputeOptions = DEFAULT_OPTIONS
+    """How ``model`` generates: prefix sharing, head reuse, compute dtype (``empo2.policy.prefix.compute_options``)."""
+    heads: HeadMemo = field(default_factory=HeadMemo)
+    """The prompt heads the last generation call of the rollout in progress computed, for its next call."""
 
 
 ActionSource = Callable[[RolloutContext, list[int], list[Episode], list[list[int]]], list[Generation]]
@@ -92,7 +96,7 @@ def run_episodes(
         episodes.append(Episode(task=t, variation=v, group=g, mode=m, member=members[g]))
     with timed(stats, "env_time"):
         parts = _reset(ctx, episodes)
-    with reuse_heads(ctx.model):  # weights are fixed during a rollout: last step's prompt heads stay valid
+    with ctx.heads.reuse(ctx.compute):  # weights are fixed during a rollout: last step's prompt heads stay valid
         _play(ctx, episodes, parts, actions, stats, progress, on_step)
     return episodes, stats
 
@@ -238,7 +242,8 @@ def generate(ctx: RolloutContext, prompts: list[list[int]], max_new_tokens: int,
     """One batched generation with the rollout backend, or with the model itself (HF)."""
     if ctx.backend is not None:
         return ctx.backend.generate(prompts, max_new_tokens, **kwargs)
-    return generate_batch(ctx.model, ctx.tokenizer, prompts, max_new_tokens, **kwargs)
+    return generate_batch(ctx.model, ctx.tokenizer, prompts, max_new_tokens, options=ctx.compute, heads=ctx.heads,
+                          **kwargs)
 
 
 def row_seeds(ctx: RolloutContext, episodes: list[Episode], turn: int | None = None) -> list[int] | None:

@@ -51,7 +51,7 @@ from empo2.memory.store import TipMemory
 from empo2.policy.backend import check_backend, make_backend
 from empo2.policy.loader import (autocast_context, check_precision, enable_gradient_checkpointing, load_model,
                                  resolve_model_path)
-from empo2.policy.prefix import configure_model
+from empo2.policy.prefix import compute_options
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
@@ -88,7 +88,7 @@ class Trainer:
 
         self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
         self.model = self._adapt(self.model)
-        configure_model(self.model, cfg)  # prefix sharing, compute dtype, log-prob chunks
+        self.compute = compute_options(cfg.policy, cfg.train)  # prefix sharing, compute dtype, log-prob chunks
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay,
@@ -129,9 +129,11 @@ class Trainer:
         if resume:
             self._restore()
         self.dist.broadcast_params([p for p in self.model.parameters() if p.requires_grad])
-        self.update = PolicyUpdate(cfg, self.model, self.tokenizer, self.optimizer, self.loss_fn, self.dist)
+        self.update = PolicyUpdate(cfg, self.model, self.tokenizer, self.optimizer, self.loss_fn, self.dist,
+                                   self.compute)
         self.ctx = RolloutContext(self.model, self.tokenizer, self.pool, self.embedder, self.memory, cfg.env.name,
-                                  cfg.policy, cfg.memory, step_counter=self.resumed_step_counter)
+                                  cfg.policy, cfg.memory, step_counter=self.resumed_step_counter,
+                                  compute=self.compute)
         if self.dist.enabled and self.memory is not None:
             self.ctx.memory_sync = dp.memory_sync(self.dist)
         if cfg.policy.backend != "hf":  # HF generates with self.model itself: nothing to build or sync
@@ -350,7 +352,7 @@ class Trainer:
             result = evaluate(self.ctx, self.task_names, EvalPlan.from_config(cfg, self.pool_size, with_memory),
                               dist=self.dist)
         if self.dist.is_main:
-            write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg))
+            write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg.env))
         return result
 
     def save(self, it: int) -> Path | None:

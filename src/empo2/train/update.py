@@ -4,6 +4,7 @@ parallel when ``dist`` spans several ranks."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections import Counter
@@ -26,16 +27,17 @@ log = logging.getLogger("empo2.train")
 class PolicyUpdate:
     """Owns nothing: the trainer's model, tokenizer, optimizer, loss and ``dist``, applied to a list of rows."""
 
-    def __init__(self, cfg: Config, model, tokenizer, optimizer, loss_fn, dist):
+    def __init__(self, cfg: Config, model, tokenizer, optimizer, loss_fn, dist,
+                 options: px.ComputeOptions | None = None):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.optimizer, self.loss_fn, self.dist = optimizer, loss_fn, dist
-
-    @property
-    def shared(self) -> bool:
-        """Prefix sharing in the update, read from the config at every use (the benchmarks switch it on a built
-        trainer). A checkpointed layer runs without the shared head's KV cache (transformers drops it; replaying
-        would append to it twice), so with gradient checkpointing every row runs its whole prompt."""
-        return self.cfg.policy.prefix_sharing and not self.cfg.train.gradient_checkpointing
+        self.options = options or px.compute_options(cfg.policy, cfg.train)
+        """Compute options of the forwards without grad (reference and tip-free log-probs)."""
+        # A checkpointed layer runs without the shared head's KV cache (transformers drops it; replaying would append
+        # to it twice), so with gradient checkpointing every training row runs its whole prompt.
+        self.shared = self.options.prefix_sharing and not cfg.train.gradient_checkpointing
+        """Prefix sharing in the training forwards."""
+        self.train_options = dataclasses.replace(self.options, prefix_sharing=self.shared)
 
     def __call__(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
         """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
@@ -69,12 +71,12 @@ class PolicyUpdate:
                 live = [r for r in mini if _has_gradient(r, cfg.algo.beta)]
                 ok = True
                 # each shared prompt head runs once per step (forward and backward), not once per micro-batch
-                min_shared = px.options_of(model).min_shared_tokens
-                heads = px.heads_once_per_step(model, [r.train_prompt for r in live], min_shared) \
+                min_shared = self.options.min_shared_tokens
+                heads = px.heads_once_per_step([r.train_prompt for r in live], min_shared) \
                     if self.shared and live else nullcontext()
-                with heads:
+                with heads as step_heads:
                     for batch in token_batches(live, cfg.train.micro_batch_tokens, self.shared, min_shared):
-                        metrics, batch_ok = self._backward(batch, tokens, count)
+                        metrics, batch_ok = self._backward(batch, tokens, count, step_heads)
                         ok &= batch_ok
                         sums.update(metrics)
                         n_mb += 1
@@ -92,22 +94,24 @@ class PolicyUpdate:
                    tokens=processed, optimizer_steps=steps, skipped_steps=skipped)
         return out
 
-    def _backward(self, batch: list[UpdateRow], mini_tokens: float, mini_rows: float) -> tuple[dict[str, float], bool]:
+    def _backward(self, batch: list[UpdateRow], mini_tokens: float, mini_rows: float,
+                  step_heads: px.StepHeads | None = None) -> tuple[dict[str, float], bool]:
         """Loss and backward of one micro-batch, weighted by its share of the mini-batch (its response tokens and
-        rows over all ranks)."""
+        rows over all ranks); ``step_heads``: the optimizer step's shared heads."""
         cfg = self.cfg
         prompts = [r.train_prompt for r in batch]
         responses = [r.response for r in batch]
         with autocast_context(self.model, self.cfg.policy.autocast):
             logp_new, mask = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
-                                               temperature=self.temperature, prefix_sharing=self.shared)
+                                               temperature=self.temperature, options=self.train_options,
+                                               step_heads=step_heads)
         logp_old = _pad([r.logp_old for r in batch], logp_new.shape[1]).to(logp_new.device)
         adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=logp_new.device)
         logp_ref = None
         if cfg.algo.beta > 0:
             with torch.no_grad(), self._reference(), autocast_context(self.model, self.cfg.policy.autocast):
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
-                                                temperature=self.temperature)
+                                                temperature=self.temperature, options=self.options)
         loss, metrics = self.loss_fn(logp_new, logp_old, adv, mask, cfg.algo, logp_ref=logp_ref,
                                      modes=[r.mode for r in batch])
         share = micro_batch_share(cfg.algo, mask.sum().item(), len(batch), mini_tokens, mini_rows)
@@ -151,7 +155,7 @@ class PolicyUpdate:
             if r.mode == "off_tips":
                 with autocast_context(self.model, self.cfg.policy.autocast):
                     lp, _ = response_logprobs(self.model, [r.train_prompt], [r.response], self.tokenizer.pad_token_id,
-                                              temperature=self.temperature)
+                                              temperature=self.temperature, options=self.options)
                 r.logp_old = behaviour_logp_for_ratio("off_tips", torch.tensor(r.logp_old), lp[0],
                                                       variant="tip_free").tolist()
 
