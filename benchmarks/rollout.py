@@ -197,7 +197,7 @@ def bench_generation(args) -> dict:
                       "one_by_one_tokens": median([r["tokens"] for r in runs["one_by_one"]])}
         if greedy:
             out[label]["identical_greedy_outputs"] = bool(same_outputs)
-    del model
+    model = None  # frees the weights; run() is not called after this
     return out
 
 

@@ -12,9 +12,8 @@ import platform
 import random
 import statistics
 import time
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 from empo2.envs.webshop import WebShopEnv
 from empo2.envs.webshop.search import SearchEngine

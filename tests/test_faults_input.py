@@ -233,7 +233,7 @@ def test_eval_batch_beyond_the_machine_exits_2(tmp_path, fake_model):
 def test_every_numeric_field_has_bounds():
     cfg = Config()
     for section in cfg.SECTIONS:
-        for key, value in getattr(cfg, section).__dict__.items():
+        for key, _value in getattr(cfg, section).__dict__.items():
             hint = str(type(getattr(cfg, section)).__dataclass_fields__[key].type)
             if hint.startswith("int"):
                 assert f"{section}.{key}" in INT_BOUNDS, key

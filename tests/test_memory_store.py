@@ -239,7 +239,7 @@ def test_unicode_round_trips(tmp_path, embedder):
     path = tmp_path / "m.sqlite"
     with TipMemory(path, embedder=embedder) as mem:
         ids = {}
-        for i, t in enumerate(texts):
+        for t in texts:
             res = mem.add("名前空間 ✓", t, embedder.encode([t])[0], key_text=f"état {t}")
             assert res.ok, res
             ids[res.id] = t

@@ -17,12 +17,11 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from empo2.cli import _policy_context, build_parser, main
-from empo2.policy.loader import load_model
 from empo2.experiments import adapt
+from empo2.experiments.report import method_label
+from empo2.policy.loader import load_model
 from empo2.train.checkpoint import latest_checkpoint
 from empo2.train.evaluate import EvalPlan, play_split
-from empo2.experiments.report import method_label
-
 from signal_env import checksum_room
 
 WEBSHOP = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "policy.max_completion_length=8",

@@ -22,7 +22,6 @@ from safetensors.torch import load_file
 
 from empo2.cli import main
 from empo2.memory.store import TipMemory
-
 from signal_env import checksum_room
 
 pytestmark = pytest.mark.slow  # real simulators / end-to-end runs: `pytest -m "not slow"` skips them

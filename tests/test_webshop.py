@@ -12,8 +12,7 @@ import pytest
 
 from empo2.envs.base import EnvError, TextEnv
 from empo2.envs.webshop import WebShopEnv, load_catalog
-from empo2.envs.webshop.catalog import OFFICIAL_FILES, parse_options, parse_pricing
-from empo2.envs.webshop.catalog import Product
+from empo2.envs.webshop.catalog import OFFICIAL_FILES, Product, parse_options, parse_pricing
 from empo2.envs.webshop.goals import Goal
 from empo2.envs.webshop.reward import attribute_matches, normalize_color, option_matches, title_nouns, type_reward
 from empo2.envs.webshop.search import analyze

@@ -48,10 +48,10 @@ def cmd_train(args) -> int:
     from empo2 import allocator, signals
     from empo2.config import Config
     from empo2.envs.factory import env_label
+    from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
     from empo2.progress import ProgressBar
     from empo2.train.distributed import env_rank
-    from empo2.experiments.report import method_label
     from empo2.train.runlock import check_new_run_folder, start_run_folder
     from empo2.train.trainer import Trainer
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from empo2.envs.actions import clean_action
 from empo2.envs.registry import get_env_spec
 
+
 @dataclass
 class PromptParts:
     """Everything a step's prompt is made of. ``history`` is [(action, observation after it)] oldest first."""
@@ -28,7 +29,7 @@ class PromptParts:
     """Environment facts for the current step (ScienceWorld: focus targets, inventory)."""
     tips: tuple[str, ...] = ()
 
-    def without_tips(self) -> "PromptParts":
+    def without_tips(self) -> PromptParts:
         return replace(self, tips=())
 
 

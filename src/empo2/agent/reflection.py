@@ -9,7 +9,7 @@ for the rollout.
 from __future__ import annotations
 
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from empo2.memory.entry import memory_entry
 

@@ -23,8 +23,8 @@ are registered by :mod:`empo2.algo.registry`, which importing any module of ``em
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ class AdvantageOptions:
     sample std + ``eps``); ``scale_rewards`` is GRPO's switch and does not apply."""
 
     @classmethod
-    def from_config(cls, algo) -> "AdvantageOptions":
+    def from_config(cls, algo) -> AdvantageOptions:
         """From an ``AlgoConfig`` (``algo.scale_rewards``, ``adv_eps``, ``gamma``, ``step_*``, ``gigpo_*``)."""
         return cls(scale_rewards=algo.scale_rewards, eps=algo.adv_eps, gamma=algo.gamma,
                    step_advantage_weight=algo.step_advantage_weight, step_similarity=algo.step_similarity,
@@ -75,7 +75,7 @@ class AdvantageInput:
 
     @classmethod
     def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
-                      intrinsic_aggregation: str = "mean") -> "AdvantageInput":
+                      intrinsic_aggregation: str = "mean") -> AdvantageInput:
         """From rollout episodes (plain data: ``task``, ``variation``, ``group``, ``steps`` with ``reward``,
         ``intrinsic`` and ``state_observation``). Step reward = r_t + w·r_int_t (``mean`` aggregation, as the
         config's default: w·r_int_t / T_i, so the step rewards add up to the episode's return); state key = the
@@ -91,7 +91,7 @@ class AdvantageInput:
 
     @classmethod
     def from_returns(cls, returns, group_ids, lengths: Sequence[int] | None = None,
-                     options: AdvantageOptions | None = None) -> "AdvantageInput":
+                     options: AdvantageOptions | None = None) -> AdvantageInput:
         """Episode-level data only: step rewards are 0 except the return on the last step; keys are unique."""
         r = _as_numpy(returns, np.float64)
         lengths = [1] * len(r) if lengths is None else list(lengths)

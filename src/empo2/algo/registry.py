@@ -11,8 +11,9 @@ branch on the algorithm's name. Adding an algorithm is one call::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from empo2.algo import gigpo  # noqa: F401 - registers the "gigpo" advantage estimator
 from empo2.algo.modes import MODES

@@ -136,7 +136,7 @@ class EnvPool:
         A crash restarts the worker and raises :class:`WorkerError`, after ``retries`` more tries on the fresh
         worker (only for calls that do not depend on the episode state, such as ``variations``).
         """
-        for attempt in range(retries + 1):
+        for _attempt in range(retries + 1):
             kind, payload = self._request({i: (method, args)})[i]
             if kind != "crash":
                 return payload
@@ -170,7 +170,7 @@ class EnvPool:
                 self._kill(slot)
         _kill_tree(self._all_procs)
 
-    def __enter__(self) -> "EnvPool":
+    def __enter__(self) -> EnvPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -117,7 +117,7 @@ class RayEnvPool:
             if actor is not None:
                 self._stop(i)
 
-    def __enter__(self) -> "RayEnvPool":
+    def __enter__(self) -> RayEnvPool:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,8 +12,9 @@ so ``import empo2.envs`` starts no JVM and loads no WebShop catalog.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from empo2.envs.base import EnvError
 

@@ -326,7 +326,7 @@ class ScienceWorldEnv:
         except Exception:
             proc.kill()
 
-    def __enter__(self) -> "ScienceWorldEnv":
+    def __enter__(self) -> ScienceWorldEnv:
         return self
 
     def __exit__(self, *exc) -> None:

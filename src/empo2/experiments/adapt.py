@@ -15,18 +15,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from empo2.config import ConfigError
 from empo2.envs.factory import env_label
-from empo2.train.evaluate import EvalPlan, play_split, summarise
 from empo2.experiments.report import method_label
 from empo2.memory.reflexion import REFLEXION_BUFFER, ReflexionBuffer
 from empo2.train.episode import Episode
+from empo2.train.evaluate import EvalPlan, play_split, summarise
 from empo2.train.reflection import write_tips
 from empo2.train.rollout import RolloutContext
 

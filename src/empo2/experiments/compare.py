@@ -27,9 +27,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from empo2.config import Config, ConfigError
 from empo2.signals import set_phase

@@ -25,7 +25,8 @@ returns and the group-relative advantage is not manufactured from processing ord
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 

@@ -11,18 +11,47 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
 from .index import EVICTION_POLICIES, NamespaceIndex
-from .schema import (APPLICATION_ID, SCHEMA_VERSION, SQLITE_MAGIC, AddResult, Tip, backup_to, blob, bump, check_header,
-                     check_integrity, create_schema, delete_tips, fetch_tips, insert_tip, new_meta, read_embeddings,
-                     existing_sidecars, open_connection, read_schema, read_stats, remove_new_sidecars, select_tips,
-                     transaction)
-from .validate import (REJECTION_REASONS, DimensionMismatchError, MemoryStoreError, as_matrix, check_settings,
-                       check_tip_text, json_line)
+from .schema import (
+    APPLICATION_ID,
+    SCHEMA_VERSION,
+    SQLITE_MAGIC,
+    AddResult,
+    Tip,
+    backup_to,
+    blob,
+    bump,
+    check_header,
+    check_integrity,
+    create_schema,
+    delete_tips,
+    existing_sidecars,
+    fetch_tips,
+    insert_tip,
+    new_meta,
+    open_connection,
+    read_embeddings,
+    read_schema,
+    read_stats,
+    remove_new_sidecars,
+    select_tips,
+    transaction,
+)
+from .validate import (
+    REJECTION_REASONS,
+    DimensionMismatchError,
+    MemoryStoreError,
+    as_matrix,
+    check_settings,
+    check_tip_text,
+    json_line,
+)
 
 __all__ = ["TipMemory", "Tip", "AddResult", "MemoryStoreError", "DimensionMismatchError", "check_tip_text",
            "json_line", "EVICTION_POLICIES", "REJECTION_REASONS", "SCHEMA_VERSION", "APPLICATION_ID", "SQLITE_MAGIC"]
@@ -151,7 +180,7 @@ class TipMemory:
                 if self.read_only:
                     remove_new_sidecars(self.path, self._sidecars)
 
-    def __enter__(self) -> "TipMemory":
+    def __enter__(self) -> TipMemory:
         return self
 
     def __exit__(self, *exc: Any) -> None:

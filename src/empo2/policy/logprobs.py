@@ -20,7 +20,7 @@ Works with grad enabled (training) and under ``torch.no_grad()`` (behaviour / re
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint

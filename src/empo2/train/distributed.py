@@ -24,9 +24,10 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -34,7 +34,7 @@ class EvalPlan:
     """Play ``on_tips`` (retrieve from memory) instead of ``on``."""
 
     @classmethod
-    def from_config(cls, cfg, batch_size: int, with_memory: bool = False) -> "EvalPlan":
+    def from_config(cls, cfg, batch_size: int, with_memory: bool = False) -> EvalPlan:
         """The evaluation a training run does (``env.eval_split``, ``env.eval_variations``,
         ``train.eval_episodes_per_task``, ``policy.eval_temperature``)."""
         return cls(cfg.env.eval_split, cfg.env.eval_variations, cfg.train.eval_episodes_per_task,

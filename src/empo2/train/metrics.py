@@ -8,8 +8,9 @@ import json
 import math
 import os
 import resource
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from empo2.config import ConfigError
 

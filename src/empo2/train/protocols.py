@@ -4,7 +4,8 @@ real ones are :class:`~empo2.envs.pool.EnvPool`, :class:`~empo2.memory.embedder.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 

@@ -5,7 +5,7 @@ applied in global order (:mod:`empo2.train.distributed`), so every rank's copy o
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from empo2.agent.reflection import memory_entry, parse_tip, reflection_messages
 from empo2.config_sections import MemoryConfig

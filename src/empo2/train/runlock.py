@@ -38,7 +38,7 @@ class RunLock:
         self._fh = None
         self._created = False
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         self._created = not self.run_dir.exists()
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +84,7 @@ class RunLock:
             (self.run_dir / RUN_MARKER).unlink(missing_ok=True)
             self.run_dir.rmdir()
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:

@@ -49,20 +49,25 @@ from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
 from empo2.policy.backend import check_backend, make_backend
-from empo2.policy.loader import (autocast_context, check_precision, enable_gradient_checkpointing, load_model,
-                                 resolve_model_path)
+from empo2.policy.loader import (
+    autocast_context,
+    check_precision,
+    enable_gradient_checkpointing,
+    load_model,
+    resolve_model_path,
+)
 from empo2.policy.prefix import compute_options
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
 from empo2.train.batch import Batch, batch_env_steps, iteration_record, no_signal_warnings
+from empo2.train.episode import Episode, episode_record
 from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
 from empo2.train.metrics import MetricsLog, iteration_line, plot_run, reset_peak_rss, trackers
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
-from empo2.train.resume import align_memory, pick_checkpoint, truncate_samples
-from empo2.train.episode import Episode, episode_record
 from empo2.train.reflection import reflect, tip_writers
+from empo2.train.resume import align_memory, pick_checkpoint, truncate_samples
 from empo2.train.rollout import RolloutContext, run_episodes, timed
 from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler

@@ -25,26 +25,14 @@ from rapidfuzz import fuzz, utils
 from empo2.envs.webshop.catalog import Product
 from empo2.envs.webshop.goals import Goal
 
-COLOR_SET = (
-    "alabaster apricot aqua ash asphalt azure banana beige black blue blush bordeaux bronze brown burgundy camel camo "
-    "caramel champagne charcoal cheetah chestnut chocolate christmas coffee cognac copper coral cranberry cream crystal "
-    "dark denim eggplant elephant espresso fuchsia gold granite grape graphite grass gray green grey heather indigo "
-    "ivory ivy khaki lavender lemon leopard light lilac lime magenta maroon mauve merlot metallic mint mocha multicolor "
-    "mushroom mustard natural navy nude olive orange peach pewter pink plum purple rainbow red rose royal rust sand "
-    "sapphire seashell silver skull slate steel stone stonewash sunflower tan taupe teal tiger turquoise violet walnut "
-    "wheat white wine yellow").split()
+COLOR_SET = ["alabaster", "apricot", "aqua", "ash", "asphalt", "azure", "banana", "beige", "black", "blue", "blush", "bordeaux", "bronze", "brown", "burgundy", "camel", "camo", "caramel", "champagne", "charcoal", "cheetah", "chestnut", "chocolate", "christmas", "coffee", "cognac", "copper", "coral", "cranberry", "cream", "crystal", "dark", "denim", "eggplant", "elephant", "espresso", "fuchsia", "gold", "granite", "grape", "graphite", "grass", "gray", "green", "grey", "heather", "indigo", "ivory", "ivy", "khaki", "lavender", "lemon", "leopard", "light", "lilac", "lime", "magenta", "maroon", "mauve", "merlot", "metallic", "mint", "mocha", "multicolor", "mushroom", "mustard", "natural", "navy", "nude", "olive", "orange", "peach", "pewter", "pink", "plum", "purple", "rainbow", "red", "rose", "royal", "rust", "sand", "sapphire", "seashell", "silver", "skull", "slate", "steel", "stone", "stonewash", "sunflower", "tan", "taupe", "teal", "tiger", "turquoise", "violet", "walnut", "wheat", "white", "wine", "yellow"]
 """The original's colour list, in its order (the first colour found wins)."""
 
 _STOP = frozenset(
-    "a an and are as at be but by for from if in into is it its of on or such that the their then there these they "
-    "this to was will with without your you our we i me my up out new all any each per plus set".split())
+    ["a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "from", "if", "in", "into", "is", "it", "its", "of", "on", "or", "such", "that", "the", "their", "then", "there", "these", "they", "this", "to", "was", "will", "with", "without", "your", "you", "our", "we", "i", "me", "my", "up", "out", "new", "all", "any", "each", "per", "plus", "set"])
 _ADJECTIVES = frozenset(
-    "classic premium everyday ultra advanced original deluxe essential pro daily signature best great good high low "
-    "large small medium big mini extra super soft hard heavy light lightweight portable wireless organic natural "
-    "fresh free non long short wide slim thin thick adjustable waterproof durable comfortable cute casual elegant "
-    "modern vintage professional compatible multi full half double single easy quick perfect sexy warm cool hot "
-    "cold dry wet clean pure real true fast slow strong womens mens unisex kids".split())
-_UNITS = frozenset("oz fl ml l g kg lb lbs inch inches in cm mm ft pcs pc count ct pack packs x".split())
+    ["classic", "premium", "everyday", "ultra", "advanced", "original", "deluxe", "essential", "pro", "daily", "signature", "best", "great", "good", "high", "low", "large", "small", "medium", "big", "mini", "extra", "super", "soft", "hard", "heavy", "light", "lightweight", "portable", "wireless", "organic", "natural", "fresh", "free", "non", "long", "short", "wide", "slim", "thin", "thick", "adjustable", "waterproof", "durable", "comfortable", "cute", "casual", "elegant", "modern", "vintage", "professional", "compatible", "multi", "full", "half", "double", "single", "easy", "quick", "perfect", "sexy", "warm", "cool", "hot", "cold", "dry", "wet", "clean", "pure", "real", "true", "fast", "slow", "strong", "womens", "mens", "unisex", "kids"])
+_UNITS = frozenset(["oz", "fl", "ml", "l", "g", "kg", "lb", "lbs", "inch", "inches", "in", "cm", "mm", "ft", "pcs", "pc", "count", "ct", "pack", "packs", "x"])
 _WORD = re.compile(r"[a-z]+")
 
 
@@ -89,9 +77,7 @@ def attribute_matches(product: Product, goal: Goal) -> int:
     """Goal attributes found in the product's attributes (fuzzy) or its title / bullets / description (substring)."""
     n = 0
     for g_attr in goal.attributes:
-        if any(_fuzz(p_attr, g_attr) > 85 for p_attr in product.attributes):
-            n += 1
-        elif (g_attr in product.title.lower() or g_attr in " ".join(product.bullets).lower()
+        if any(_fuzz(p_attr, g_attr) > 85 for p_attr in product.attributes) or (g_attr in product.title.lower() or g_attr in " ".join(product.bullets).lower()
               or g_attr in product.description.lower()):
             n += 1
     return n

@@ -19,8 +19,7 @@ from empo2.envs.webshop.catalog import Product
 TOP_N = 50
 PAGE_SIZE = 10
 LUCENE_STOPWORDS = frozenset(
-    "a an and are as at be but by for if in into is it no not of on or such that the their then there these they "
-    "this to was will with".split())
+    ["a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "if", "in", "into", "is", "it", "no", "not", "of", "on", "or", "such", "that", "the", "their", "then", "there", "these", "they", "this", "to", "was", "will", "with"])
 _TOKEN = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")
 
 
