@@ -17,41 +17,15 @@ from typing import Any
 
 import numpy as np
 
+# isort: off
 from .index import EVICTION_POLICIES, NamespaceIndex
-from .schema import (
-    APPLICATION_ID,
-    SCHEMA_VERSION,
-    SQLITE_MAGIC,
-    AddResult,
-    Tip,
-    backup_to,
-    blob,
-    bump,
-    check_header,
-    check_integrity,
-    create_schema,
-    delete_tips,
-    existing_sidecars,
-    fetch_tips,
-    insert_tip,
-    new_meta,
-    open_connection,
-    read_embeddings,
-    read_schema,
-    read_stats,
-    remove_new_sidecars,
-    select_tips,
-    transaction,
-)
-from .validate import (
-    REJECTION_REASONS,
-    DimensionMismatchError,
-    MemoryStoreError,
-    as_matrix,
-    check_settings,
-    check_tip_text,
-    json_line,
-)
+from .schema import (APPLICATION_ID, SCHEMA_VERSION, SQLITE_MAGIC, AddResult, Tip, backup_to, blob, bump, check_header,
+                     check_integrity, create_schema, delete_tips, existing_sidecars, fetch_tips, insert_tip, new_meta,
+                     open_connection, read_embeddings, read_schema, read_stats, remove_new_sidecars, select_tips,
+                     transaction)
+from .validate import (REJECTION_REASONS, DimensionMismatchError, MemoryStoreError, as_matrix, check_settings,
+                       check_tip_text, json_line)
+# isort: on
 
 __all__ = ["TipMemory", "Tip", "AddResult", "MemoryStoreError", "DimensionMismatchError", "check_tip_text",
            "json_line", "EVICTION_POLICIES", "REJECTION_REASONS", "SCHEMA_VERSION", "APPLICATION_ID", "SQLITE_MAGIC"]
@@ -415,10 +389,7 @@ class TipMemory:
         return len(tips)
 
     def copy_to(self, path: str | Path) -> Path:
-        """A consistent copy of the database (SQLite online backup) at ``path``, e.g. to seed another run.
-
-        Refuses to overwrite an existing non-empty file.
-        """
+        """A consistent copy of the database (SQLite online backup) at ``path``; refuses an existing non-empty file."""
         dest = Path(path)
         if dest.exists() and dest.stat().st_size > 0:
             raise MemoryStoreError(f"{dest} already exists; not overwriting it")

@@ -3,14 +3,16 @@ record (one line of ``metrics.jsonl``) made from it."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from empo2.algo.advantages import combine_returns
-from empo2.train.episode import Episode
+from empo2.train.episode import Episode, episode_record
 from empo2.train.metrics import peak_rss_gb
 from empo2.train.overlap import PendingReflection
 
@@ -99,6 +101,15 @@ def no_signal_warnings(batch: Batch, zero_adv_streak: int, train_cfg) -> tuple[i
         warnings.append(f"[warning] only {accepted:.0%} of this iteration's actions were accepted by the "
                         "environment: the agent hardly acts, so returns carry little signal (see env.action_cutoff).")
     return zero_adv_streak, warnings
+
+
+def append_samples(path: Path, batch: Batch, n: int, tokenizer) -> None:
+    """Append the first ``n`` episodes of ``batch`` to ``trajectories.jsonl`` (prompts and responses as text)."""
+    if n <= 0:
+        return
+    with open(path, "a") as fh:
+        for ep in batch.episodes[:n]:
+            fh.write(json.dumps({"iteration": batch.iteration, **episode_record(ep, tokenizer)}) + "\n")
 
 
 def batch_env_steps(batch: Batch) -> int:

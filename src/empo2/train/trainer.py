@@ -48,20 +48,14 @@ from empo2.memory import open_tip_memory
 from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
+from empo2.policy import loader
 from empo2.policy.backend import check_backend, make_backend
-from empo2.policy.loader import (
-    autocast_context,
-    check_precision,
-    enable_gradient_checkpointing,
-    load_model,
-    resolve_model_path,
-)
+from empo2.policy.loader import autocast_context, load_model
 from empo2.policy.prefix import compute_options
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
-from empo2.train.batch import Batch, batch_env_steps, iteration_record, no_signal_warnings
-from empo2.train.episode import Episode, episode_record
+from empo2.train.batch import Batch, append_samples, batch_env_steps, iteration_record, no_signal_warnings
 from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
 from empo2.train.metrics import MetricsLog, iteration_line, plot_run, reset_peak_rss, trackers
@@ -84,7 +78,7 @@ class Trainer:
         self.use_memory = self.algorithm.uses_memory
         seed = cfg.train.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
-        check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
+        loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
         check_backend(cfg.policy.backend)
         self.dist = dp.init_from_env()
         if cfg.train.tasks_per_batch < self.dist.world_size:
@@ -143,7 +137,7 @@ class Trainer:
             self.ctx.memory_sync = dp.memory_sync(self.dist)
         if cfg.policy.backend != "hf":  # HF generates with self.model itself: nothing to build or sync
             self.ctx.backend = make_backend(cfg.policy.backend, self.model, self.tokenizer,
-                                            resolve_model_path(cfg.policy.model),
+                                            loader.resolve_model_path(cfg.policy.model),
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed)
             self.ctx.backend.sync_weights(self.model)
         self.reflection = None
@@ -154,7 +148,7 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------- setup
     def _adapt(self, model):
         if self.cfg.train.gradient_checkpointing:
-            enable_gradient_checkpointing(model, self.cfg.policy.model)
+            loader.enable_gradient_checkpointing(model, self.cfg.policy.model)
         if not self.cfg.policy.lora:
             for p in model.parameters():
                 p.requires_grad_(True)
@@ -339,7 +333,8 @@ class Trainer:
 
     def _record(self, batch: Batch) -> dict[str, Any]:
         """Samples of this rank's episodes, the warnings, and the metrics record of the whole batch."""
-        self._write_samples(batch.iteration, batch.episodes)
+        if self.dist.is_main:  # rank 0 writes samples of its own (full) episodes
+            append_samples(self.run_dir / "trajectories.jsonl", batch, self.cfg.train.sample_trajectories, self.tokenizer)
         whole = self.dist.whole_batch(batch)  # rank 0 reports every rank's episodes, stats and losses
         self.zero_adv_streak, warnings = no_signal_warnings(whole, self.zero_adv_streak, self.cfg.train)
         for text in warnings:
@@ -371,14 +366,6 @@ class Trainer:
         copy = self.memory.copy_to if self.memory is not None else None
         return ckpt.save_checkpoint(self.run_dir, it, self.model, self.optimizer, state, copy,
                                     self.cfg.train.keep_checkpoints)
-
-    def _write_samples(self, it: int, episodes: list[Episode]) -> None:
-        n = self.cfg.train.sample_trajectories
-        if n <= 0 or not self.dist.is_main:  # rank 0 writes samples of its own (full) episodes
-            return
-        with open(self.run_dir / "trajectories.jsonl", "a") as fh:
-            for ep in episodes[:n]:
-                fh.write(json.dumps({"iteration": it, **episode_record(ep, self.tokenizer)}) + "\n")
 
     def _say(self, text: str) -> None:
         if not self.dist.is_main:
