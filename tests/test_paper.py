@@ -16,7 +16,7 @@ import pytest
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from empo2.cli import _policy_context, build_parser, main
+from empo2.cli import build_parser, main, policy_context
 from empo2.experiments import adapt
 from empo2.experiments.report import method_label
 from empo2.policy.loader import load_model
@@ -150,7 +150,7 @@ def _ctx_args(**kw):
 
 
 def test_reflections_are_shown_and_weight_changes_are_caught(tiny_model):
-    cfg, ctx = _policy_context(_ctx_args(model=tiny_model, env="webshop"), None)
+    cfg, ctx = policy_context(_ctx_args(model=tiny_model, env="webshop"), None)
     try:
         buffer = adapt.use_reflexion(ctx)
         variation = list(ctx.pool.call(0, "variations", "webshop", "test"))[0]

@@ -133,13 +133,13 @@ def test_cache_with_room_appends_in_place_and_holds_the_same_keys():
     g = torch.Generator().manual_seed(7)
     layers = [(torch.randn(2, 2, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)) for _ in range(2)]
     roomy, plain = px.make_cache(model, layers, room=3), px.make_cache(model, layers)
-    buffers = [layer._keys.data_ptr() for layer in roomy.layers]
+    buffers = [layer.keys.data_ptr() for layer in roomy.layers]  # a layer's keys are a view from its buffer's start
     for step in range(5):  # appends 1..3 fit, 4 and 5 grow the buffers
         new = [(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)) for _ in range(2)]
         for i, (k, v) in enumerate(new):
             for cache in (roomy, plain):
                 cache.update(k, v, i)
-        same_buffers = [layer._keys.data_ptr() for layer in roomy.layers] == buffers
+        same_buffers = [layer.keys.data_ptr() for layer in roomy.layers] == buffers
         assert same_buffers == (step < 3), step
         for a, b in zip(roomy.layers, plain.layers):
             assert a.keys.shape[2] == b.keys.shape[2] == 6 + step
@@ -272,8 +272,8 @@ def test_heads_once_per_step_give_each_micro_batch_the_same_log_probs_and_the_st
     model.zero_grad()
 
     runs = []
-    original = px._head_kv
-    monkeypatch.setattr(px, "_head_kv", lambda *a: runs.append(len(a[1])) or original(*a))
+    original = px.head_kv
+    monkeypatch.setattr(px, "head_kv", lambda *a: runs.append(len(a[1])) or original(*a))
     batches = shared_micro_batches(prompts, responses, 80, min_shared=8, step_heads=True)
     assert len(batches) >= 4  # the heads are shared across micro-batches, not only within one
     with px.heads_once_per_step(prompts, min_shared=8) as heads:

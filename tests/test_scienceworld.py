@@ -40,7 +40,13 @@ def play_gold(env, task, variation):
 
 def test_protocol_and_task_sets(env):
     assert isinstance(env, TextEnv)
-    sim_names = set(env._sim.get_task_names())
+    import scienceworld
+
+    simulator = scienceworld.ScienceWorldEnv("", envStepLimit=10)  # the simulator's own list, from its own JVM
+    try:
+        sim_names = set(simulator.get_task_names())
+    finally:
+        simulator.close()
     assert len(env.task_names()) == 30 and set(env.task_names()) == sim_names
     assert len(TASK_SETS["panel18"]) == 18 and set(TASK_SETS["panel18"]) <= sim_names
     topics = ["chemistry", "classification", "biology1", "biology2", "electricity", "measurement"]

@@ -46,35 +46,17 @@ def cmd_train(args) -> int:
     from rich.markup import escape
 
     from empo2 import allocator, signals
-    from empo2.config import Config
     from empo2.envs.factory import env_label
     from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
     from empo2.progress import ProgressBar
     from empo2.train.distributed import env_rank
-    from empo2.train.runlock import check_new_run_folder, start_run_folder
+    from empo2.train.runlock import start_run_folder
     from empo2.train.trainer import Trainer
 
     main_rank = env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
     console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
-    if args.resume:
-        run_dir = Path(args.resume)
-        saved = run_dir / "config.yaml"
-        if not saved.is_file():
-            raise _config_error(f"{run_dir} is not a run folder (no config.yaml)")
-        cfg = Config.load(saved, args.overrides)
-        from empo2.train.resume import check_same_run
-
-        check_same_run(Config.load(saved), cfg, run_dir)  # another G, model, task list … is another run: exit 2
-    else:
-        overrides = list(args.overrides)
-        if args.algo:
-            overrides.append(f"algo.name={args.algo}")
-        if args.output_dir:
-            overrides.append(f"train.output_dir={args.output_dir}")
-        cfg = Config.load(args.config, overrides)
-        run_dir = Path(cfg.train.output_dir)
-        check_new_run_folder(run_dir, args.overwrite)
+    cfg, run_dir = _train_config(args)
     check_run_inputs(cfg)
     if main_rank:  # the ranks of one data-parallel run are one owner: rank 0 holds the folder's lock
         _own_run_folder(args, run_dir)
@@ -105,6 +87,33 @@ def cmd_train(args) -> int:
                   markup=False)
     print(json.dumps({"run": str(run_dir), "final_eval": final["summary"]}))
     return 0
+
+
+def _train_config(args):
+    """The run's config and folder: a resumed run's saved config with the flags' overrides (refused when they make it
+    another run), or a new run's config file with its overrides."""
+    from empo2.config import Config
+    from empo2.train.runlock import check_new_run_folder
+
+    if args.resume:
+        run_dir = Path(args.resume)
+        saved = run_dir / "config.yaml"
+        if not saved.is_file():
+            raise _config_error(f"{run_dir} is not a run folder (no config.yaml)")
+        cfg = Config.load(saved, args.overrides)
+        from empo2.train.resume import check_same_run
+
+        check_same_run(Config.load(saved), cfg, run_dir)  # another G, model, task list … is another run: exit 2
+        return cfg, run_dir
+    overrides = list(args.overrides)
+    if args.algo:
+        overrides.append(f"algo.name={args.algo}")
+    if args.output_dir:
+        overrides.append(f"train.output_dir={args.output_dir}")
+    cfg = Config.load(args.config, overrides)
+    run_dir = Path(cfg.train.output_dir)
+    check_new_run_folder(run_dir, args.overwrite)
+    return cfg, run_dir
 
 
 def check_run_inputs(cfg) -> None:
@@ -153,7 +162,7 @@ def cmd_compare(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- eval/adapt
-def _policy_context(args, with_memory_path: Path | None):
+def policy_context(args, with_memory_path: Path | None):
     """Model (a run's last checkpoint, or a plain model), pool and embedder for eval/adapt."""
     from empo2.config import Config
     from empo2.config_bounds import check_worker_count
@@ -205,7 +214,7 @@ def cmd_eval(args) -> int:
     mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
     if args.with_memory and mem_path is None:
         raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
-    cfg, ctx = _policy_context(args, mem_path)
+    cfg, ctx = policy_context(args, mem_path)
     try:
         tasks = resolve_tasks(cfg.env)
         plan = EvalPlan(args.split, args.variations, None, args.temperature, args.batch, args.with_memory)
@@ -234,7 +243,7 @@ def cmd_adapt(args) -> int:
     if any(p.name != LOCK_NAME for p in out.iterdir()):
         raise _config_error(f"{out} is not empty")
     reflexion = args.baseline == "reflexion"
-    cfg, ctx = _policy_context(args, None if reflexion else out / "memory.sqlite")
+    cfg, ctx = policy_context(args, None if reflexion else out / "memory.sqlite")
     if reflexion:
         adapt.use_reflexion(ctx)
     try:

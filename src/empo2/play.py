@@ -12,11 +12,9 @@ from empo2.config import Config, ConfigError, PolicyConfig
 def play(args) -> int:
     """One episode through the same rollout code as training, with a gold, random or model policy."""
     from rich.console import Console
-    from rich.markup import escape
 
     from empo2.envs.factory import make_env_kwargs, resolve_tasks
     from empo2.envs.pool import EnvPool
-    from empo2.policy.generate import Generation
     from empo2.train.rollout import RolloutContext, run_episodes
 
     console = Console(stderr=True, soft_wrap=True)
@@ -32,27 +30,7 @@ def play(args) -> int:
         model, tokenizer = load_model(args.model, device=args.device)
     pcfg = PolicyConfig(history_window=args.history_window, max_completion_length=args.max_new_tokens,
                         max_prompt_length=2048)
-    rng = random.Random(args.seed)
-
-    def scripted(ctx, workers, episodes, prompts):  # gold or random: ask the environment, not the model
-        worker, done = workers[0], len(episodes[0].steps)
-        if args.policy == "gold":
-            gold = ctx.pool.call(worker, "gold_actions")
-            action = gold[done] if done < len(gold) else "look around"
-        else:
-            action = rng.choice(ctx.pool.call(worker, "valid_actions"))
-        return [Generation(ids=[], logprobs=[], text=action)]
-
-    def show(ep) -> None:
-        step = ep.steps[-1]
-        if len(ep.steps) == 1:
-            console.rule(f"{args.env} · {task} · variation {args.variation} · policy {args.policy}")
-            console.print(f"[bold]Task:[/bold] {escape(ep.task_description)}")
-        fixed = f"  [dim](model wrote: {escape(repr(step.raw_action))})[/dim]" if step.action != step.raw_action else ""
-        console.print(f"[bold cyan]> {escape(step.action)}[/bold cyan]{fixed}")
-        console.print(f"{escape(step.observation.strip()[:600])}  [dim](reward {step.reward:+g}, score {ep.score:g})"
-                      "[/dim]")
-
+    scripted, show = _scripted_policy(args), _transcript(console, args, task)
     with EnvPool(cfg.env.name, make_env_kwargs(cfg.env), 1) as pool:
         ctx = RolloutContext(model, tokenizer, pool, None, None, cfg.env.name, pcfg, cfg.memory)
         episodes, _ = run_episodes(ctx, [(task, args.variation, 0, "on")], temperature=args.temperature,
@@ -64,3 +42,39 @@ def play(args) -> int:
     print(json.dumps({"task": task, "variation": args.variation, "score": ep.score, "success": ep.success,
                       "steps": len(ep.steps)}))
     return 0
+
+
+def _scripted_policy(args):
+    """The gold or random policy: it asks the environment for an action, not the model."""
+    from empo2.policy.generate import Generation
+
+    rng = random.Random(args.seed)
+
+    def scripted(ctx, workers, episodes, prompts):
+        worker, done = workers[0], len(episodes[0].steps)
+        if args.policy == "gold":
+            gold = ctx.pool.call(worker, "gold_actions")
+            action = gold[done] if done < len(gold) else "look around"
+        else:
+            action = rng.choice(ctx.pool.call(worker, "valid_actions"))
+        return [Generation(ids=[], logprobs=[], text=action)]
+
+    return scripted
+
+
+def _transcript(console, args, task: str):
+    """Prints each step as it happens: the action (and what the model wrote, when it was corrected), then what the
+    environment answered."""
+    from rich.markup import escape
+
+    def show(ep) -> None:
+        step = ep.steps[-1]
+        if len(ep.steps) == 1:
+            console.rule(f"{args.env} · {task} · variation {args.variation} · policy {args.policy}")
+            console.print(f"[bold]Task:[/bold] {escape(ep.task_description)}")
+        fixed = f"  [dim](model wrote: {escape(repr(step.raw_action))})[/dim]" if step.action != step.raw_action else ""
+        console.print(f"[bold cyan]> {escape(step.action)}[/bold cyan]{fixed}")
+        console.print(f"{escape(step.observation.strip()[:600])}  [dim](reward {step.reward:+g}, score {ep.score:g})"
+                      "[/dim]")
+
+    return show

@@ -104,16 +104,9 @@ def behaviour_logp_for_ratio(
 
 
 @register_policy_loss("empo2")
-def policy_loss(
-    logp_new: torch.Tensor,
-    logp_old: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    algo: Any,
-    *,
-    logp_ref: torch.Tensor | None = None,
-    modes: Sequence[str] | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+                algo: Any, *, logp_ref: torch.Tensor | None = None,
+                modes: Sequence[str] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """EMPO² loss. logp_new/logp_old/logp_ref/response_mask [B, T]; advantages [B] or [B, T]; modes: B strings;
     ``algo``: the ``algo`` config section (:class:`empo2.config_sections.AlgoConfig`), which holds the knobs.
 
@@ -156,17 +149,30 @@ def policy_loss(
 
     with torch.no_grad():
         metrics = _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip)
-        if modes is not None:
-            for mode in MODES:
-                rows = torch.tensor([m == mode for m in modes], device=valid.device)  # [B]
-                if rows.any():
-                    metrics[f"loss_{mode}"] = float(_aggregate(token_loss[rows], valid[rows], aggregation))
-    inputs = [logp_new.detach(), logp_old, adv] + ([logp_ref] if logp_ref is not None else [])
-    bad_input = any(bool((~torch.isfinite(x) & valid).any()) for x in inputs)
-    metrics["skipped"] = 0.0
-    if bad_input or not torch.isfinite(loss):
-        metrics["skipped"] = 1.0
-        loss = torch.where(torch.zeros_like(valid), logp_new, 0.0).sum()  # value 0, graph kept, gradient exactly 0
+        metrics.update(_mode_losses(token_loss, valid, modes, aggregation))
+    return _skip_if_not_finite(loss, metrics, logp_new, [logp_old, adv, logp_ref], valid)
+
+
+def _mode_losses(token_loss: torch.Tensor, valid: torch.Tensor, modes: Sequence[str] | None,
+                 aggregation: str) -> dict[str, float]:
+    """``loss_<mode>``: the loss of each mode's rows alone, for the logs."""
+    out = {}
+    for mode in MODES if modes is not None else ():
+        rows = torch.tensor([m == mode for m in modes], device=valid.device)  # [B]
+        if rows.any():
+            out[f"loss_{mode}"] = float(_aggregate(token_loss[rows], valid[rows], aggregation))
+    return out
+
+
+def _skip_if_not_finite(loss: torch.Tensor, metrics: dict[str, float], logp_new: torch.Tensor,
+                        others: list[torch.Tensor | None], valid: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """A non-finite input on a valid token, or a non-finite loss, skips the micro-batch (``skipped`` = 1): the loss
+    becomes 0 with its graph kept, so its gradient is exactly 0."""
+    inputs = [logp_new.detach()] + [x for x in others if x is not None]
+    bad = any(bool((~torch.isfinite(x) & valid).any()) for x in inputs) or not bool(torch.isfinite(loss))
+    metrics["skipped"] = float(bad)
+    if bad:
+        loss = torch.where(torch.zeros_like(valid), logp_new, 0.0).sum()
     return loss, metrics
 
 

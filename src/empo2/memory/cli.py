@@ -71,61 +71,71 @@ def _line(tip, extra: str = "") -> str:
 
 
 def _run(args: argparse.Namespace) -> None:
-    cmd = args.memory_command
     check = "full" if getattr(args, "check", False) else "quick"
+    command = {"stats": _stats, "show": _show, "search": _search, "export": _export, "report": _report}.get(
+        args.memory_command)
+    if command is None:  # pragma: no cover - argparse enforces the choices
+        raise MemoryCliError(f"unknown memory command {args.memory_command!r}")
     with TipMemory(resolve_db(args.db), dim=None, integrity_check=check, read_only=True) as mem:
-        if cmd == "stats":
-            stats = mem.stats()
-            if args.json:
-                print(json.dumps(stats, ensure_ascii=False, indent=2))
-                return
-            mu = "-" if stats["mean_utility"] is None else f"{stats['mean_utility']:.3f}"
-            print(f"{stats['path']}: {stats['tips']} tips, {stats['rated_tips']} rated, mean utility {mu}, "
-                  f"{stats['rejected']} rejected, {stats['evicted']} evicted")
-            for ns, s in stats["namespaces"].items():
-                nu = "-" if s["mean_utility"] is None else f"{s['mean_utility']:.3f}"
-                print(f"  {ns}: {s['tips']} tips, mean utility {nu}, {s['uses'] or 0} uses")
-            for reason, n in sorted(stats["rejections"].items()):
-                print(f"  rejected {reason}: {n}")
-        elif cmd == "show":
-            if args.limit < 0:
-                raise MemoryCliError("--limit must be >= 0")
-            tips = mem.all_tips(args.namespace)[::-1]
-            tips = tips[: args.limit] if args.limit else tips
-            for t in tips:
-                print(json_line(_public(t)) if args.json else _line(t))
-        elif cmd == "search":
-            if args.k < 1:
-                raise MemoryCliError("-k must be >= 1")
-            text = query_text(args.text)
-            namespaces = [args.namespace] if args.namespace else mem.namespaces()
-            if not namespaces:
-                print("no tips: the memory is empty", file=sys.stderr if args.json else sys.stdout)
-                return
-            from .embedder import DEFAULT_EMBEDDER, get_embedder
+        command(mem, args)
 
-            embedder = get_embedder(mem.meta.get("embedder") or DEFAULT_EMBEDDER)
-            if embedder.dim != mem.dim:
-                raise MemoryCliError(f"embedder {embedder.name} gives {embedder.dim}-d vectors; the memory has {mem.dim}")
-            query = embedder.encode([text])
-            hits = mem.retrieve(namespaces, query.repeat(len(namespaces), axis=0), k=args.k, threshold=args.threshold)
-            if not any(hits):
-                print(f"no tips with similarity >= {args.threshold:g} in {len(namespaces)} namespace(s)",
-                      file=sys.stderr if args.json else sys.stdout)
-            for tips in hits:
-                for t in tips:
-                    print(json_line(_public(t, True)) if args.json
-                          else _line(t, f" | similarity {t.similarity:.3f}"))
-        elif cmd == "export":
-            n = mem.export_jsonl(args.out)
-            print(f"wrote {n} tips to {args.out}")
-        elif cmd == "report":
-            from .report import write_report
 
-            out = write_report(mem, args.out)
-            print(f"wrote {out}")
-        else:  # pragma: no cover - argparse enforces the choices
-            raise MemoryCliError(f"unknown memory command {cmd!r}")
+def _stats(mem: TipMemory, args: argparse.Namespace) -> None:
+    stats = mem.stats()
+    if args.json:
+        print(json.dumps(stats, ensure_ascii=False, indent=2))
+        return
+    mu = "-" if stats["mean_utility"] is None else f"{stats['mean_utility']:.3f}"
+    print(f"{stats['path']}: {stats['tips']} tips, {stats['rated_tips']} rated, mean utility {mu}, "
+          f"{stats['rejected']} rejected, {stats['evicted']} evicted")
+    for ns, s in stats["namespaces"].items():
+        nu = "-" if s["mean_utility"] is None else f"{s['mean_utility']:.3f}"
+        print(f"  {ns}: {s['tips']} tips, mean utility {nu}, {s['uses'] or 0} uses")
+    for reason, n in sorted(stats["rejections"].items()):
+        print(f"  rejected {reason}: {n}")
+
+
+def _show(mem: TipMemory, args: argparse.Namespace) -> None:
+    if args.limit < 0:
+        raise MemoryCliError("--limit must be >= 0")
+    tips = mem.all_tips(args.namespace)[::-1]
+    tips = tips[: args.limit] if args.limit else tips
+    for t in tips:
+        print(json_line(_public(t)) if args.json else _line(t))
+
+
+def _search(mem: TipMemory, args: argparse.Namespace) -> None:
+    if args.k < 1:
+        raise MemoryCliError("-k must be >= 1")
+    text = query_text(args.text)
+    namespaces = [args.namespace] if args.namespace else mem.namespaces()
+    if not namespaces:
+        print("no tips: the memory is empty", file=sys.stderr if args.json else sys.stdout)
+        return
+    from .embedder import DEFAULT_EMBEDDER, get_embedder
+
+    embedder = get_embedder(mem.meta.get("embedder") or DEFAULT_EMBEDDER)
+    if embedder.dim != mem.dim:
+        raise MemoryCliError(f"embedder {embedder.name} gives {embedder.dim}-d vectors; the memory has {mem.dim}")
+    query = embedder.encode([text])
+    hits = mem.retrieve(namespaces, query.repeat(len(namespaces), axis=0), k=args.k, threshold=args.threshold)
+    if not any(hits):
+        print(f"no tips with similarity >= {args.threshold:g} in {len(namespaces)} namespace(s)",
+              file=sys.stderr if args.json else sys.stdout)
+    for tips in hits:
+        for t in tips:
+            print(json_line(_public(t, True)) if args.json else _line(t, f" | similarity {t.similarity:.3f}"))
+
+
+def _export(mem: TipMemory, args: argparse.Namespace) -> None:
+    n = mem.export_jsonl(args.out)
+    print(f"wrote {n} tips to {args.out}")
+
+
+def _report(mem: TipMemory, args: argparse.Namespace) -> None:
+    from .report import write_report
+
+    print(f"wrote {write_report(mem, args.out)}")
 
 
 def query_text(raw: str) -> str:

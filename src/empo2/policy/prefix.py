@@ -120,7 +120,7 @@ class StepHeads:
             return None
         i = self.heads.index(ids)
         if i not in self._kv:
-            computed = _head_kv(model, ids, None, device)
+            computed = head_kv(model, ids, None, device)
             self._kv[i] = (computed, [(k.detach().requires_grad_(), v.detach().requires_grad_()) for k, v in computed])
         return self._kv[i][1]
 
@@ -311,7 +311,7 @@ def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[
         if head == 0:
             continue
         ids = list(prompts[rows[0]][:head])
-        kv = (step.kv(model, ids, device) if step is not None else None) or _head_kv(model, ids, memo, device)
+        kv = (step.kv(model, ids, device) if step is not None else None) or head_kv(model, ids, memo, device)
         computed.append((ids, kv))
         per_group.append((rows, head, kv))
         head_mask[rows, width - head:] = 1
@@ -331,7 +331,7 @@ def head_cache(model, prompts: Sequence[Sequence[int]], groups: list[tuple[list[
     return make_cache(model, layers, room), head_mask
 
 
-def _head_kv(model, ids: list[int], memo: list | None, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def head_kv(model, ids: list[int], memo: list | None, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per-layer (keys, values) [1, kv_heads, P, head_dim] of one head; with a memo, only the part after the longest
     cached prefix runs (on top of that prefix's KV)."""
     known, cached = 0, None

@@ -65,21 +65,8 @@ class PolicyUpdate:
             random.shuffle(order)
             minis = [[rows[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
             for m in range(dp.step_count(self.dist, len(minis))):  # every rank takes as many steps
-                mini = minis[m] if m < len(minis) else []  # a rank out of rows adds zero gradient
-                # the loss is normalised over the global mini-batch (all ranks' m-th mini-batches)
-                tokens, count = self.dist.all_reduce([sum(len(r.response) for r in mini), len(mini)])
-                live = [r for r in mini if _has_gradient(r, cfg.algo.beta)]
-                ok = True
-                # each shared prompt head runs once per step (forward and backward), not once per micro-batch
-                min_shared = self.options.min_shared_tokens
-                heads = px.heads_once_per_step([r.train_prompt for r in live], min_shared) \
-                    if self.shared and live else nullcontext()
-                with heads as step_heads:
-                    for batch in token_batches(live, cfg.train.micro_batch_tokens, self.shared, min_shared):
-                        metrics, batch_ok = self._backward(batch, tokens, count, step_heads)
-                        ok &= batch_ok
-                        sums.update(metrics)
-                        n_mb += 1
+                ok, micro = self._accumulate(minis[m] if m < len(minis) else [], sums)  # out of rows: zero gradient
+                n_mb += micro
                 if self._step(inputs_ok=ok):
                     steps += 1
                 else:
@@ -93,6 +80,25 @@ class PolicyUpdate:
         out.update(rows=len(rows), computed_rows=len(computed), response_tokens=sum(len(r.response) for r in rows),
                    tokens=processed, optimizer_steps=steps, skipped_steps=skipped)
         return out
+
+    def _accumulate(self, mini: list[UpdateRow], sums: Counter) -> tuple[bool, int]:
+        """Backward of one mini-batch in token-budgeted micro-batches, their metrics added to ``sums``. Returns
+        whether every micro-batch's inputs were finite, and how many micro-batches ran."""
+        # the loss is normalised over the global mini-batch (all ranks' m-th mini-batches)
+        tokens, count = self.dist.all_reduce([sum(len(r.response) for r in mini), len(mini)])
+        live = [r for r in mini if _has_gradient(r, self.cfg.algo.beta)]
+        ok, n_mb = True, 0
+        # each shared prompt head runs once per step (forward and backward), not once per micro-batch
+        min_shared = self.options.min_shared_tokens
+        heads = px.heads_once_per_step([r.train_prompt for r in live], min_shared) \
+            if self.shared and live else nullcontext()
+        with heads as step_heads:
+            for batch in token_batches(live, self.cfg.train.micro_batch_tokens, self.shared, min_shared):
+                metrics, batch_ok = self._backward(batch, tokens, count, step_heads)
+                ok &= batch_ok
+                sums.update(metrics)
+                n_mb += 1
+        return ok, n_mb
 
     def _backward(self, batch: list[UpdateRow], mini_tokens: float, mini_rows: float,
                   step_heads: px.StepHeads | None = None) -> tuple[dict[str, float], bool]:
