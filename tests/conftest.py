@@ -13,6 +13,9 @@ settings.register_profile("ci", derandomize=True, database=None, deadline=None, 
 settings.load_profile("ci")
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# policy.autocast=auto picks bfloat16 on CPUs with AMX/AVX512-BF16: the suite pins float32, so every machine of a kind
+# whose CPUs differ computes the same numbers (the detection itself is tested in test_precision.py).
+os.environ.setdefault("EMPO2_NATIVE_BF16", "0")
 
 
 @pytest.fixture(scope="session")

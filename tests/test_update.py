@@ -155,3 +155,84 @@ def test_token_batches_with_prefix_sharing_cover_every_row_once():
         want = shared_micro_batches(prompts, responses, budget, 8, step_heads=True)
         assert [[rows.index(r) for r in b] for b in batches] == want
     assert len(token_batches(rows, 10_000, shared=True, min_shared=8)) == 1
+
+
+def _true_logp(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """float64 log π(response | prompt) of a float64 copy of ``model`` (kept in the graph)."""
+    logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1]  # [R, V]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]  # [R]
+
+
+@pytest.mark.parametrize(("source", "cap"), [("trainer", 2.0), ("trainer", 0.0), ("engine", 0.0)])
+def test_old_logprobs_from_the_trainer_start_the_ratio_at_one_and_tis_reweights_tokens(source, cap):
+    """Rows whose recorded ("engine") log-probs are the model's own plus a known per-token error δ, as when another
+    engine or precision sampled them; one row was sampled with tips (``off_tips``: its π_old conditions on the tip
+    prompt). ``trainer`` replaces π_old by the model's forward on the sampling prompt, so every ratio is 1, and with
+    a cap each token's advantage is weighted by min(exp(−δ), cap); ``engine`` keeps the recorded ones. One SGD(lr=1)
+    step moves the weights by the float64 reference gradient of −Σ A·w·π_θ/π_old / tokens."""
+    model = tiny_lm(8)
+    prompts, responses = shared_rows(9, resp=(2, 9))
+    tips = [17, 18, 19, 20, 21]
+    g = torch.Generator().manual_seed(3)
+    rows, deltas, model64 = [], [], copy.deepcopy(model).double()
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            off = i == 1
+            sampled_on = tips + p if off else p
+            delta = (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5) * 3.0  # [R] in (−1.5, 1.5)
+            engine = _true_logp(model64, sampled_on, r) + delta
+            rows.append(UpdateRow(p, r, engine.tolist(), (-1.0) ** i * (1 + i / 4), "off_tips" if off else "on",
+                                  rollout_prompt=sampled_on))
+            deltas.append(delta)
+
+    ref = model64
+    tokens = sum(len(r.response) for r in rows)
+    loss, ratios = torch.zeros((), dtype=torch.float64), []
+    for row, delta in zip(rows, deltas):
+        logp = _true_logp(ref, row.train_prompt, row.response)
+        behaviour = torch.tensor(row.logp_old, dtype=torch.float64)
+        if source == "trainer":  # π_old on the sampling prompt, at the step's weights
+            behaviour = _true_logp(ref, row.rollout_prompt, row.response).detach()
+        weight = torch.exp(-delta).clamp(max=cap) if cap else torch.ones_like(delta)
+        ratio = torch.exp(logp - behaviour)
+        ratios.append(ratio.detach())
+        clipped = torch.clamp(ratio, 0.8, 1.28)  # the config's ε and ε_high; inactive where the ratio is 1
+        loss = loss - torch.minimum(ratio * row.advantage * weight, clipped * row.advantage * weight).sum() / tokens
+    loss.backward()
+    expected = {n: p.grad for n, p in ref.named_parameters()}
+
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = _config("train.mini_batch_size=0", "train.micro_batch_tokens=100000", "policy.temperature=1.0",
+                  f"algo.old_logprobs={source}",
+                  f"algo.tis_cap={cap}", "algo.epsilon=0.2", "algo.epsilon_high=0.28")
+    update = PolicyUpdate(cfg, model, Tok(), torch.optim.SGD(model.parameters(), lr=1.0), get_policy_loss("grpo"),
+                          Dist(), SHARED)
+    metrics = update(rows)
+    assert metrics["optimizer_steps"] == 1
+    assert metrics["ratio_mean"] == pytest.approx(float(torch.cat(ratios).mean()), abs=1e-5)  # one micro-batch
+    if source == "trainer":  # on-policy rows start at ratio 1; the off_tips row's is π(a|s)/π(a|s,tips)
+        assert all(torch.allclose(q, torch.ones_like(q), atol=1e-6) for q, r in zip(ratios, rows) if r.mode == "on")
+        gap = torch.cat(deltas).abs()
+        assert metrics["old_logp_gap_mean"] == pytest.approx(float(gap.mean()), abs=1e-5)
+        assert metrics["old_logp_gap_max"] == pytest.approx(float(gap.max()), abs=1e-5)
+        if cap:
+            want = float(torch.cat([torch.exp(-d).clamp(max=cap) for d in deltas]).mean())
+            assert metrics["tis_weight_mean"] == pytest.approx(want, abs=1e-5)
+        else:
+            assert "tis_weight_mean" not in metrics
+    else:
+        assert "old_logp_gap_mean" not in metrics and "tis_weight_mean" not in metrics
+    scale = max(float(v.abs().max()) for v in expected.values())
+    assert scale > 1e-3
+    for n, p in model.named_parameters():
+        moved = (before[n] - p.detach()).double()
+        torch.testing.assert_close(moved, expected[n], atol=1e-5 * scale, rtol=1e-4, msg=n)
+
+
+def test_auto_old_logprobs_follow_the_backend():
+    from empo2.train.update import old_logprobs_source
+
+    assert old_logprobs_source("auto", "hf") == "engine" and old_logprobs_source("auto", "vllm") == "trainer"
+    assert old_logprobs_source("engine", "vllm") == "engine" and old_logprobs_source("trainer", "hf") == "trainer"
+    with pytest.raises(Exception, match="algo.tis_cap must be >= 1"):
+        _config("algo.tis_cap=0.5")

@@ -49,6 +49,7 @@ def cmd_train(args) -> int:
     from empo2.envs.factory import env_label
     from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
+    from empo2.policy.precision import settle_autocast
     from empo2.progress import ProgressBar
     from empo2.train.distributed import env_rank
     from empo2.train.runlock import start_run_folder
@@ -65,9 +66,12 @@ def cmd_train(args) -> int:
         check_file(run_dir / "memory.sqlite")
     if not args.resume and main_rank:  # a fresh run: no stale memory, checkpoints or metrics from the previous one
         start_run_folder(run_dir, args.overwrite)
+    why = settle_autocast(cfg.policy)
+    precision = cfg.policy.autocast + (f" (auto: {why})" if why else "")
     console.print("[bold]empo2 train[/bold] " + escape(  # names and paths are the user's text, not markup
         f"algo={method_label(cfg)} env={env_label(cfg.env)} tasks={_tasks_text(cfg)} model={cfg.policy.model} "
-        f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} malloc={allocator.active()} → {run_dir}"))
+        f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} "
+        f"malloc={allocator.active()} → {run_dir}"))
     signals.set_phase("the start of the run (model, environment workers)")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
     if not main_rank:

@@ -122,6 +122,7 @@ class Config:
             (0 <= a.epsilon < 1 and a.epsilon_high >= 0, "algo.epsilon must be in [0,1) and epsilon_high >= 0"),
             (0 <= a.delta < 1, "algo.delta must be in [0, 1)"),
             (a.beta >= 0, "algo.beta must be >= 0"),
+            (a.tis_cap == 0 or a.tis_cap >= 1, f"algo.tis_cap must be >= 1 (or 0 to disable), got {a.tis_cap:g}"),
             (not 0 < a.dual_clip <= 1, f"algo.dual_clip must be > 1 (or 0 to disable), got {a.dual_clip:g}"),
             (0 <= a.p_off_policy <= a.p_memory <= 1, "algo.p_off_policy <= algo.p_memory, both in [0, 1]"),
             (0 <= a.gamma <= 1, "algo.gamma must be in [0, 1]"),

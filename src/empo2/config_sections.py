@@ -61,11 +61,13 @@ class PolicyConfig:
     """Weight dtype; ``auto`` is float32 on CPU and bfloat16 on GPU."""
     device: str = "auto"
     """``auto``, ``cpu``, ``cuda`` or ``cuda:N``."""
-    autocast: Literal["none", "bfloat16", "float16"] = "none"
+    autocast: Literal["auto", "none", "bfloat16", "float16"] = "auto"
     """Compute dtype for forward passes (``torch.autocast``; ``none`` = the weights' dtype). Weights and
     optimizer state stay in ``dtype``: ``dtype=float32`` + ``autocast=bfloat16`` is fp32 master weights with bf16
-    compute. Full fine-tuning refuses non-float32 ``dtype`` (small updates would round to zero). CPUs without
-    native bfloat16 (no AVX512-BF16/AMX) run bfloat16 slower (docs/benchmarks.md)."""
+    compute. Full fine-tuning refuses non-float32 ``dtype`` (small updates would round to zero). ``auto``:
+    ``bfloat16`` on a CPU with native bfloat16 (AVX512-BF16 or AMX) or a GPU that supports it, ``none`` elsewhere,
+    where bfloat16 runs slower (:mod:`empo2.policy.precision`); the run's banner prints the decision and its saved
+    config records it."""
     backend: str = "hf"
     """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf`` (the training model's ``generate``)
     or ``vllm`` (a colocated vLLM engine with prefix caching, weights synced after every update; ``pip install
@@ -215,6 +217,16 @@ class AlgoConfig:
     where many groups scored alike. Off (the paper): they are counted, only their compute is skipped."""
     off_policy_ratio: Literal["paper", "tip_free"] = "paper"
     """``paper``: π_θ(a|s)/π_old(a|s,tips); ``tip_free``: tip-free prompt in both (pre-release variant)."""
+    old_logprobs: Literal["auto", "trainer", "engine"] = "auto"
+    """Where the ratio's π_old(a|s, tips) comes from. ``engine``: the log-probs the rollout engine recorded while
+    sampling. ``trainer``: recomputed by the training model's own forward on the sampling prompt before the first
+    optimizer step (verl's default), so an on-policy ratio starts at 1 whatever precision or kernels the engine
+    sampled with. ``auto``: ``trainer`` when a separate engine samples (``policy.backend=vllm``), ``engine`` with
+    ``hf``, where the training model itself samples."""
+    tis_cap: float = 2.0
+    """Truncated importance sampling for the engine/trainer mismatch (TRL's ``vllm_importance_sampling_correction``):
+    when π_old comes from the trainer, each token's advantage is weighted by min(π_trainer(a)/π_engine(a), tis_cap),
+    since the engine, not the trainer, drew the tokens. ``0`` turns it off; with engine log-probs it does nothing."""
     p_memory: float = 0.25
     """Probability of a memory rollout (``on_tips`` + ``off_tips``); released: 0.25."""
     p_off_policy: float = 0.17

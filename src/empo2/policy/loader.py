@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from empo2.policy.precision import resolve_autocast
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -73,8 +75,8 @@ def check_precision(dtype: str, device: str, lora: bool, autocast: str) -> None:
     weights in float32 over a low-precision base).
     """
     dev = resolve_device(device)
-    if autocast not in ("none", "bfloat16", "float16"):
-        raise ModelLoadError(f"unknown policy.autocast {autocast!r}; use none, bfloat16 or float16")
+    if autocast not in ("auto", "none", "bfloat16", "float16"):
+        raise ModelLoadError(f"unknown policy.autocast {autocast!r}; use auto, none, bfloat16 or float16")
     if not lora and resolve_dtype(dtype, dev) != torch.float32:
         raise ModelLoadError(
             f"full fine-tuning with {resolve_dtype(dtype, dev)} weights (policy.dtype={dtype}) rounds small updates "
@@ -84,10 +86,11 @@ def check_precision(dtype: str, device: str, lora: bool, autocast: str) -> None:
 
 def autocast_context(where: torch.nn.Module | torch.device | str, autocast: str):
     """``torch.autocast`` to the compute dtype ``autocast`` (``none``: a no-op context) on a device, or on the
-    device of a model's parameters."""
+    device of a model's parameters; ``auto``: this machine's choice (:mod:`empo2.policy.precision`)."""
+    device = next(where.parameters()).device if isinstance(where, torch.nn.Module) else where
+    autocast = resolve_autocast(autocast, str(device))
     if autocast == "none":
         return contextlib.nullcontext()
-    device = next(where.parameters()).device if isinstance(where, torch.nn.Module) else where
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[autocast]
     return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from empo2.policy.precision import resolve_autocast
+
 
 @dataclass(frozen=True)
 class ComputeOptions:
@@ -54,7 +56,8 @@ DEFAULT_OPTIONS = ComputeOptions()
 def compute_options(policy_cfg, train_cfg) -> ComputeOptions:
     """The compute options of a run's config (``policy.prefix_sharing``, ``policy.autocast``, ``policy.reuse_heads``,
     ``train.logprob_chunk_tokens``)."""
-    compute = {"none": "float32"}.get(policy_cfg.autocast, policy_cfg.autocast)
+    autocast = resolve_autocast(policy_cfg.autocast, policy_cfg.device)
+    compute = {"none": "float32"}.get(autocast, autocast)
     return ComputeOptions(prefix_sharing=policy_cfg.prefix_sharing, compute_dtype=compute,
                           logprob_chunk_tokens=train_cfg.logprob_chunk_tokens, reuse_heads=policy_cfg.reuse_heads)
 

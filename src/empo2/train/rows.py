@@ -17,6 +17,10 @@ class UpdateRow:
     """This step's advantage (an episode-level estimator gives every step of an episode the same value)."""
     mode: str
     """``on`` / ``on_tips`` / ``off_tips``."""
+    rollout_prompt: list[int] | None = None
+    """The prompt the action was sampled on (with tips in the memory modes); ``None``: ``train_prompt``."""
+    token_weights: list[float] | None = None
+    """Per-token importance weights on the advantage (truncated engine/trainer ratios); ``None``: all 1."""
 
 
 def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]:
@@ -26,5 +30,5 @@ def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]
         for step, a in zip(ep.steps, advs):
             if step.response_ids:
                 rows.append(UpdateRow(step.train_prompt_ids, step.response_ids, list(step.logp_old), float(a),
-                                      ep.mode))
+                                      ep.mode, rollout_prompt=step.prompt_ids))
     return rows

@@ -51,6 +51,7 @@ from empo2.memory.store import TipMemory
 from empo2.policy import loader
 from empo2.policy.backend import check_backend, make_backend
 from empo2.policy.loader import autocast_context, load_model
+from empo2.policy.precision import settle_autocast
 from empo2.policy.prefix import compute_options
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
@@ -78,6 +79,7 @@ class Trainer:
         self.use_memory = self.algorithm.uses_memory
         seed = cfg.train.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+        settle_autocast(cfg.policy)  # "auto" becomes this machine's precision, recorded in the saved config
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
         check_backend(cfg.policy.backend)
         self.dist = dp.init_from_env()

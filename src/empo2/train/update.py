@@ -38,6 +38,8 @@ class PolicyUpdate:
         self.shared = self.options.prefix_sharing and not cfg.train.gradient_checkpointing
         """Prefix sharing in the training forwards."""
         self.train_options = dataclasses.replace(self.options, prefix_sharing=self.shared)
+        self.old_logprobs = old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend)
+        """``trainer`` or ``engine``: where the ratio's π_old comes from (``algo.old_logprobs``)."""
 
     def __call__(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
         """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
@@ -54,8 +56,10 @@ class PolicyUpdate:
         if not self.dist.all_reduce([len(rows)])[0]:  # data parallel: no rank has rows, so no rank steps
             return {"rows": 0, "computed_rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0,
                     "skipped_steps": 0}
+        live = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
+        gap = self._trainer_old_logp(live) if self.old_logprobs == "trainer" else {}
         if cfg.algo.off_policy_ratio == "tip_free":
-            self._tip_free_old_logp([r for r in rows if _has_gradient(r, cfg.algo.beta)])
+            self._tip_free_old_logp(live)
         model.train()
         sums: Counter = Counter()
         n_mb = steps = skipped = 0
@@ -78,7 +82,7 @@ class PolicyUpdate:
         computed = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
         processed = sum(len(r.train_prompt) + len(r.response) for r in computed) * cfg.train.num_iterations
         out.update(rows=len(rows), computed_rows=len(computed), response_tokens=sum(len(r.response) for r in rows),
-                   tokens=processed, optimizer_steps=steps, skipped_steps=skipped)
+                   tokens=processed, optimizer_steps=steps, skipped_steps=skipped, **gap)
         return out
 
     def _accumulate(self, mini: list[UpdateRow], sums: Counter) -> tuple[bool, int]:
@@ -112,7 +116,10 @@ class PolicyUpdate:
                                                temperature=self.temperature, options=self.train_options,
                                                step_heads=step_heads)
         logp_old = _pad([r.logp_old for r in batch], logp_new.shape[1]).to(logp_new.device)
-        adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=logp_new.device)
+        adv = torch.tensor([r.advantage for r in batch], dtype=torch.float32, device=logp_new.device)  # [B]
+        if any(r.token_weights is not None for r in batch):  # truncated IS: a weight w ≥ 0 scales the clipped term
+            weights = [r.token_weights or [1.0] * len(r.response) for r in batch]
+            adv = adv[:, None] * _pad(weights, logp_new.shape[1]).to(logp_new.device)  # [B, T]
         logp_ref = None
         if cfg.algo.beta > 0:
             with torch.no_grad(), self._reference(), autocast_context(self.model, self.cfg.policy.autocast):
@@ -155,6 +162,35 @@ class PolicyUpdate:
         return scoring_temperature(self.cfg.policy.temperature)
 
     @torch.no_grad()
+    def _trainer_old_logp(self, rows: list[UpdateRow]) -> dict[str, float]:
+        """Replace the engine's behaviour log-probs by the trainer's forward on each row's sampling prompt, and, with
+        ``algo.tis_cap`` > 0, set each token's truncated importance weight min(π_trainer/π_engine, cap). Returns the
+        engine/trainer gap |log π_trainer − log π_engine| (mean and max over tokens) and the weights' mean."""
+        prompts = [r.rollout_prompt or r.train_prompt for r in rows]
+        cap, gaps, weights = self.cfg.algo.tis_cap, [], []
+        for batch in micro_batches(prompts, [r.response for r in rows], self.cfg.train.micro_batch_tokens, sort=False):
+            with autocast_context(self.model, self.cfg.policy.autocast):
+                lp, _ = response_logprobs(self.model, [prompts[i] for i in batch], [rows[i].response for i in batch],
+                                          self.tokenizer.pad_token_id, temperature=self.temperature,
+                                          options=self.options)
+            for j, i in enumerate(batch):
+                row = rows[i]
+                trainer = lp[j, : len(row.response)].double().cpu()
+                log_w = trainer - torch.tensor(row.logp_old, dtype=torch.float64)  # [T]
+                gaps.append(log_w.abs())
+                if cap > 0:
+                    row.token_weights = torch.exp(log_w).clamp(max=cap).tolist()
+                    weights.append(torch.tensor(row.token_weights))
+                row.logp_old = trainer.tolist()
+        if not gaps:
+            return {}
+        gap = torch.cat(gaps)
+        out = {"old_logp_gap_mean": float(gap.mean()), "old_logp_gap_max": float(gap.max())}
+        if weights:
+            out["tis_weight_mean"] = float(torch.cat(weights).mean())
+        return out
+
+    @torch.no_grad()
     def _tip_free_old_logp(self, rows: list[UpdateRow]) -> None:
         """Pre-release variant: recompute off_tips rows' old log-probs on the tip-free prompt before the update."""
         for r in rows:
@@ -164,6 +200,13 @@ class PolicyUpdate:
                                               temperature=self.temperature, options=self.options)
                 r.logp_old = behaviour_logp_for_ratio("off_tips", torch.tensor(r.logp_old), lp[0],
                                                       variant="tip_free").tolist()
+
+
+def old_logprobs_source(setting: str, backend: str) -> str:
+    """``algo.old_logprobs`` resolved: ``auto`` is ``trainer`` when a separate engine samples, ``engine`` with ``hf``."""
+    if setting != "auto":
+        return setting
+    return "engine" if backend == "hf" else "trainer"
 
 
 def _has_gradient(row: UpdateRow, beta: float) -> bool:
