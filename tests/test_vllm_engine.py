@@ -161,7 +161,8 @@ def test_lora_sync_follows_the_trainer_with_a_new_adapter_each_time(engine):
 
 def test_two_iteration_empo2_run_samples_from_the_engine(engine, tmp_path, monkeypatch):
     """The CLI's training loop with ``policy.backend=vllm``: its own engine (the module's is closed first: one engine
-    at a time), LoRA synced after each update, memory written; the run's process ends up without the engine."""
+    at a time), LoRA synced after each update, memory written, π_old recomputed by the trainer; the run's process
+    ends up without the engine."""
     from empo2.cli import main
     from empo2.memory.store import TipMemory
     from empo2.policy.vllm_backend import VLLMBackend
@@ -182,6 +183,10 @@ def test_two_iteration_empo2_run_samples_from_the_engine(engine, tmp_path, monke
     assert [r["iteration"] for r in rows] == [0, 1]
     steps = sum(1 for r in rows if r["loss"].get("optimizer_steps"))
     assert syncs == [True] * (1 + steps) and closes  # the start, then after every update; closed at the end
+    # algo.old_logprobs=auto: the trainer recomputed π_old over the engine's log-probs before each update
+    gaps = [r["loss"]["old_logp_gap_mean"] for r in rows if r["loss"].get("computed_rows")]
+    print(f"\nengine/trainer |Δ log π| per update: {gaps}")
+    assert gaps and all(0 <= g < 1e-3 for g in gaps)
     with TipMemory(run / "memory.sqlite") as memory:
         assert len(memory) >= 1  # tips written through the engine
     left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
