@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One prepared GPU check (one CUDA GPU, the repo, its wheels and vllm installed: pip install -e '.[dev,vllm]').
 #   bash scripts/gpu_check.sh            # ~5-10 min on one H100/H200
-# 1. the rollout-backend contract tests against HF and vLLM (a vLLM SKIP here is a failure: the script checks);
-# 2. a 2-iteration EMPO² run of the default model with each backend, printing generation tokens/s of HF vs vLLM.
+# 1. the rollout-backend contract tests against HF and vLLM, and the real-engine tests (tests/test_vllm_engine.py:
+#    tokens, log-probs, weight syncs, a 2-iteration run with π_old recomputed); a vLLM SKIP here is a failure;
+# 2. a 2-iteration EMPO² run of the default model with each backend, printing generation tokens/s of HF vs vLLM;
+# 3. benchmarks/engines.py: start-up, env-steps/s and whole iterations of HF fp32, HF auto (bf16) and vLLM.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -15,6 +17,9 @@ mkdir -p "$OUT"
 echo "== backend contract (hf + vllm)"
 "$PY" -m pytest -q -rs tests/test_backend.py -p no:cacheprovider | tee "$OUT/contract.txt"
 if grep -q "SKIPPED" "$OUT/contract.txt"; then echo "FAIL: vLLM cases were skipped"; exit 1; fi
+echo "== real vLLM engine"
+"$PY" -m pytest -q -rs -s tests/test_vllm_engine.py -p no:cacheprovider | tee "$OUT/engine.txt"
+if grep -q "SKIPPED" "$OUT/engine.txt"; then echo "FAIL: vLLM engine cases were skipped"; exit 1; fi
 
 RUN=(--config configs/scienceworld_cpu.yaml train.iterations=2 train.tasks_per_batch=4 algo.num_generations=8
      env.max_steps=10 policy.device=cuda policy.dtype=float32 policy.autocast=bfloat16 train.progress=false
@@ -39,3 +44,6 @@ for backend in ("hf", "vllm"):
           f"train score {[round(r['train']['score_mean'], 1) for r in rows]}")
 print(f"vLLM / HF generation speed: {speed['vllm'] / max(speed['hf'], 1e-9):.1f}x")
 EOF
+
+echo "== engines benchmark"
+"$PY" benchmarks/engines.py --out "$OUT/engines.json"
