@@ -1,4 +1,4 @@
-"""Iteration-cost benchmark (issue 11): each speed switch off and on, side by side in one process.
+"""Iteration-cost benchmark: each speed switch off and on, side by side in one process.
 
     EMPO2_HOME=/tmp/e2home python benchmarks/iteration.py             # defaults: ~10 min on 2 idle cores
     python benchmarks/iteration.py --max-steps 6 --rollout-generations 4 8 --iterations 2   # the issue's settings

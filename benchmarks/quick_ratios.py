@@ -1,4 +1,4 @@
-"""Prefix sharing and bfloat16, measured in CPU seconds (issue 11; no simulator): robust to other jobs' load.
+"""Prefix sharing and bfloat16, measured in CPU seconds (no simulator): robust to other jobs' load.
 
     EMPO2_HOME=/tmp/e2home python benchmarks/quick_ratios.py      # ~5 CPU-minutes; JSON: results/quick_ratios.json
 

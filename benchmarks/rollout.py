@@ -1,4 +1,4 @@
-"""Rollout benchmark (issue 5): two ratios from one run, a table on stdout, JSON in benchmarks/results/rollout.json.
+"""Rollout benchmark: two ratios from one run, a table on stdout, JSON in benchmarks/results/rollout.json.
 
     EMPO2_HOME=/tmp/e2home python benchmarks/rollout.py    # defaults (G=2, 3 steps, 512-token prompt cap, 2 timed
                                                            # iterations, 2 rounds): ~5 min on 2 idle cores, ~11 loaded
@@ -18,7 +18,7 @@
 
 2. **EMPO² memory-mode iteration vs GRPO iteration** (paper: ~19% overhead; target <= 10%). Two real ``Trainer`` s
    from ``configs/scienceworld_cpu.yaml`` with identical overrides (same seed, one task, G=--generations, --max-steps steps, few_shot=1,
-   greedy rollouts via ``policy.temperature=0`` unless ``--temperature`` says otherwise): the EMPO² arm forced to
+   rollouts sampled at ``policy.temperature`` ``--temperature``, 1.0 by default; training refuses 0): the EMPO² arm forced to
    ``on_tips`` (``algo.p_memory=1 algo.p_off_policy=0``), the GRPO arm ``algo.name=grpo``. Both run one untimed
    warm-up iteration (the EMPO² one writes the tips the timed iterations retrieve), then ``--iterations`` timed
    iterations, interleaved (G,E then E,G, ...). The same seed gives both arms the same task variation at each
@@ -363,8 +363,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=2, help="timed trainer iterations per arm (after 1 warm-up)")
     ap.add_argument("--generations", type=int, default=2, help="algo.num_generations (G)")
     ap.add_argument("--max-steps", type=int, default=3, help="env.max_steps")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="policy.temperature of the trainer rollouts (0 = greedy, the fairest comparison)")
+    ap.add_argument("--temperature", type=float, default=1.0,
+                    help="policy.temperature of the trainer rollouts (> 0: the trainer samples to train)")
     ap.add_argument("--max-prompt-length", type=int, default=512,
                     help="policy.max_prompt_length of the trainer arms (config: 1024; older history is dropped first)")
     ap.add_argument("--seed", type=int, default=0)
