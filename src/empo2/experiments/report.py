@@ -15,7 +15,8 @@ Under each run table, the methods over seeds (:mod:`empo2.experiments.stats`): m
 with its 95% CI, paired t-test p and one sentence on whether it is distinguishable from zero at this n. A run's score
 there is the mean of the episodes its ``eval/final.json`` stores.
 
-A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own.
+A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own, or the
+ablation arm it ran (``algo.arm``, :mod:`empo2.experiments.arms`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from empo2.experiments import stats
 
 def method_label(cfg) -> str:
     """``empo2``, ``grpo``, ``gigpo``, ``empo2+gigpo`` … from a Config (or its ``algo`` mapping); GiGPO with
-    ``algo.gigpo_normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``)."""
+    ``algo.gigpo_normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``); a run of an
+    ablation arm is labelled by its ``algo.arm`` (``empo2-no-offpolicy`` …)."""
     algo = cfg.get("algo", {}) if isinstance(cfg, dict) else vars(cfg.algo)
+    if algo.get("arm"):
+        return algo["arm"]
     name, advantage = algo.get("name", "empo2"), algo.get("advantage", "grpo")
     spec = ALGORITHMS.get(name)
     fixed = spec is not None and spec.advantage is not None  # e.g. gigpo: its own estimator, whatever the config says
