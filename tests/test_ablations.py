@@ -35,14 +35,15 @@ def test_each_arm_runs_its_settings_and_is_labelled_by_its_name(tmp_path):
     from empo2.experiments.compare import plan_runs
     from empo2.experiments.report import method_label
 
-    plans = plan_runs(LEARN, [*ARMS, "grpo"], [1], tmp_path, [])
-    assert [p.folder.name for p in plans] == [f"{a}-seed1" for a in [*ARMS, "grpo"]]
+    names = [*ARMS, "grpo-no-novelty", "grpo"]
+    plans = plan_runs(LEARN, names, [1], tmp_path, [])
+    assert [p.folder.name for p in plans] == [f"{a}-seed1" for a in names]
     got = [(p.cfg.algo.name, p.cfg.algo.arm, p.cfg.algo.p_off_policy, p.cfg.algo.intrinsic_weight) for p in plans]
     assert got == [("empo2", None, 0.3, 5.0), ("empo2", "empo2-no-offpolicy", 0.0, 5.0),
                    ("empo2", "empo2-no-novelty", 0.3, 0.0), ("grpo", "grpo-novelty", 0.3, 5.0),
-                   ("grpo", None, 0.3, 5.0)]
-    assert [method_label(p.cfg) for p in plans] == [*ARMS, "grpo"]
-    assert [method_label(p.cfg.to_dict()) for p in plans] == [*ARMS, "grpo"]  # as report reads config.yaml
+                   ("grpo", "grpo-no-novelty", 0.3, 0.0), ("grpo", None, 0.3, 5.0)]
+    assert [method_label(p.cfg) for p in plans] == names
+    assert [method_label(p.cfg.to_dict()) for p in plans] == names  # as report reads config.yaml
     # under the linear schedule algo.intrinsic_weight is not read: the no-novelty arm switches the schedule off too
     linear = tmp_path / "linear.yaml"
     Config.load(LEARN, ["algo.intrinsic_schedule=linear"]).save(linear)

@@ -172,7 +172,7 @@ class AlgoConfig:
     probabilities, loss and (by default) estimator."""
     arm: str | None = None
     """The ablation this run is labelled as (``empo2.experiments.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
-    ``grpo-novelty``); ``compare --algos`` sets it. Checked at load: the config must hold the arm's algorithm and
+    ``grpo-novelty``, ``grpo-no-novelty``); ``compare --algos`` sets it. Checked at load: the config must hold the arm's algorithm and
     settings. ``None``: the run is labelled by its algorithm."""
     num_generations: int = 8
     """Rollouts per task (the GRPO group G)."""

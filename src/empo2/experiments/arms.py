@@ -44,6 +44,8 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
         {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}),
     Arm("grpo-novelty", "grpo", "EMPO² without tips: GRPO with the config's novelty bonus (refused if it has none)",
         needs_novelty=True),
+    Arm("grpo-no-novelty", "grpo", "plain GRPO: no tips, no intrinsic reward (algo.intrinsic_weight=0, constant "
+        "schedule)", {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}),
 )}
 """Every ablation arm, by name."""
 
