@@ -49,6 +49,12 @@ def test_each_arm_runs_its_settings_and_is_labelled_by_its_name(tmp_path):
     Config.load(LEARN, ["algo.intrinsic_schedule=linear"]).save(linear)
     (off,) = plan_runs(str(linear), ["empo2-no-novelty"], [1], tmp_path, [])
     assert (off.cfg.algo.intrinsic_schedule, off.cfg.algo.intrinsic_weight) == ("constant", 0.0)
+    # a config file's GiGPO estimator does not run under an arm's name, which says GRPO's
+    gigpo = tmp_path / "gigpo.yaml"
+    Config.load(LEARN, ["algo.advantage=gigpo"]).save(gigpo)
+    plans = plan_runs(str(gigpo), ["empo2", "empo2-no-offpolicy"], [1], tmp_path, [])
+    assert [(method_label(p.cfg), p.cfg.algo.advantage) for p in plans] == [("empo2+gigpo", "gigpo"),
+                                                                           ("empo2-no-offpolicy", "grpo")]
     assert not (tmp_path / "runs").exists()
 
 
@@ -59,6 +65,7 @@ def test_arm_errors_are_one_line_exit_2(tmp_path, capsys):
         (LEARN, ["--algos", "empo2-no-offpolicy", "algo.p_off_policy=0.1"], "fixed by the ablation arm"),
         (LEARN, ["--algos", "empo2-no-novelty", "intrinsic_weight=2"], "fixed by the ablation arm"),
         (LEARN, ["--algos", "empo2", "algo.arm=empo2-no-novelty"], "set by compare"),
+        (LEARN, ["--algos", "empo2,grpo-novelty", "algo.advantage=gigpo"], "fixed by the ablation arm grpo-novelty"),
         ("configs/webshop_cpu.yaml", ["--algos", "grpo-novelty"], "has none"),  # no novelty bonus to keep
     ]
     for config, extra, message in cases:
@@ -70,6 +77,8 @@ def test_arm_errors_are_one_line_exit_2(tmp_path, capsys):
     assert not out.exists()
     # a config that names an arm must hold its settings, whoever loads it
     for overrides, message in [(["algo.arm=empo2-no-novelty"], "needs algo.intrinsic_weight=0.0, got 5.0"),
+                               (["algo.arm=empo2-no-offpolicy", "algo.p_off_policy=0", "algo.advantage=gigpo"],
+                                "needs algo.advantage=grpo, got 'gigpo'"),
                                (["algo.arm=grpo-novelty"], "runs algo.name=grpo, got 'empo2'"),
                                (["algo.arm=empo2-big"], "unknown arm 'empo2-big'")]:
         assert main(["train", "--config", LEARN, "--output-dir", str(out), *overrides]) == 2

@@ -20,13 +20,21 @@ class Arm:
     what: str
     """One line for ``compare --help`` and error messages."""
     settings: dict[str, Any] = field(default_factory=dict)
-    """``algo`` fields the arm fixes (field name -> value)."""
+    """``algo`` fields the arm fixes (field name -> value), besides ``advantage=grpo`` (:data:`ESTIMATOR`)."""
     needs_novelty: bool = False
     """The arm keeps the config's novelty bonus, so a config without one would run it under a false name."""
 
+    def fixed(self) -> dict[str, Any]:
+        """Every ``algo`` field the arm fixes."""
+        return {"advantage": ESTIMATOR, **self.settings}
+
     def overrides(self) -> list[str]:
         """The ``key=value`` overrides compare adds for this arm."""
-        return [f"algo.name={self.algo}", *(f"algo.{k}={v}" for k, v in self.settings.items()), f"algo.arm={self.name}"]
+        return [f"algo.name={self.algo}", *(f"algo.{k}={v}" for k, v in self.fixed().items()), f"algo.arm={self.name}"]
+
+
+ESTIMATOR = "grpo"
+"""Every arm's advantage estimator: a label without ``+gigpo`` never runs GiGPO's."""
 
 
 def novelty_on(algo_cfg: Any) -> bool:
@@ -63,7 +71,7 @@ def check_arm(algo_cfg: Any) -> str | None:
         return f"algo.arm: unknown arm {algo_cfg.arm!r}; valid: {', '.join(ARMS)}"
     if algo_cfg.name != arm.algo:
         return f"algo.arm={arm.name} runs algo.name={arm.algo}, got {algo_cfg.name!r}"
-    for key, value in arm.settings.items():
+    for key, value in arm.fixed().items():
         if getattr(algo_cfg, key) != value:
             return f"algo.arm={arm.name} needs algo.{key}={value}, got {getattr(algo_cfg, key)!r}"
     if arm.needs_novelty and not novelty_on(algo_cfg):

@@ -135,7 +135,7 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
         if full in SET_BY_COMPARE:
             raise ConfigError(f"{key} is set by compare (--algos, e.g. gigpo-std; --seeds, --out; eval_at_start "
                               "is always on), not by an override")
-        fixed_by = [a for a in algos if a in ARMS and full in {f"algo.{k}" for k in ARMS[a].settings}]
+        fixed_by = [a for a in algos if a in ARMS and full in {f"algo.{k}" for k in ARMS[a].fixed()}]
         if fixed_by:  # the arm's own value would win silently over the one asked for
             raise ConfigError(f"{key} is fixed by the ablation arm {fixed_by[0]} ({ARMS[fixed_by[0]].what}); "
                               "drop the override or that arm")
