@@ -143,4 +143,9 @@ def test_report_and_summary_pair_each_ablation_with_full_empo2(tmp_path, capsys)
             assert pair["diff_mean"] == pytest.approx(mean, abs=1e-12) and pair["p"] == pytest.approx(p, abs=1e-10)
     md = (tmp_path / "report" / "report.md").read_text()
     assert all(f"{arm} (n=3)" in md and f"| {arm} − empo2 | 3 |" in md for arm in ARMS[1:])
-    assert "| empo2-no-offpolicy − empo2 | 3 |" in (tmp_path / "cmp" / "summary.md").read_text()
+    summary_md = (tmp_path / "cmp" / "summary.md").read_text()
+    assert "| empo2-no-offpolicy − empo2 | 3 |" in summary_md
+    from empo2.experiments.arms import ARMS as REGISTRY
+
+    for text in (md, summary_md):  # each table says what its ablations are
+        assert all(f"`{arm}`: {REGISTRY[arm].what}" in text for arm in ARMS[1:])

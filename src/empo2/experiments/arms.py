@@ -62,6 +62,12 @@ def arms_help() -> str:
     return "; ".join(f"{a.name}: {a.what}" for a in ARMS.values())
 
 
+def describe(names) -> list[str]:
+    """A markdown line saying what each ablation arm among ``names`` is (none when there is no ablation)."""
+    mine = [ARMS[n] for n in names if n in ARMS]
+    return [f"Ablation arms: {'; '.join(f'`{a.name}`: {a.what}' for a in mine)}."] if mine else []
+
+
 def check_arm(algo_cfg: Any) -> str | None:
     """The reason ``algo_cfg`` cannot carry its ``arm`` label, or ``None`` when it can (or names no arm)."""
     if algo_cfg.arm is None:

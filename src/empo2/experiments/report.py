@@ -34,7 +34,7 @@ import yaml
 from empo2.algo.registry import ALGORITHMS
 from empo2.config import ConfigError
 from empo2.config_sections import AlgoConfig
-from empo2.experiments import ood_stats, stats
+from empo2.experiments import arms, ood_stats, stats
 
 
 def method_label(cfg) -> str:
@@ -185,6 +185,8 @@ def markdown(tabs: dict[str, Any]) -> str:
         else:
             lines = _ood_lines(t)
         if "stats" in t:  # the run tables: their methods over seeds
+            for line in arms.describe(t["methods"]):
+                lines += ["", line]
             lines += ["", f"Over seeds, env `{label}` (a run's score: the mean of its eval episodes):", "",
                       *stats.stats_markdown(t["stats"])]
         parts.append("\n".join(lines))
