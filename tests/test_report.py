@@ -116,6 +116,14 @@ def test_adaptation_folder_without_per_variation_scores_prints_na(tmp_path):
     assert cell["best_ci"] is None and cell["gain_ci"] is None and cell["n_variations"] is None
     assert "| 1 | n/a | 20.0 | 30.0 | n/a | +50% | n/a |" in md
     assert "adapt.json stores no per-variation scores" in md
+    # an adapt.json whose stored gain_pct is a percentage of |trial 0| (−50 → 0 stored as +100): report recomputes it
+    stored = tmp_path / "stored" / "adapt.json"
+    stored.parent.mkdir()
+    stored.write_text(json.dumps({"method": "reflexion", "label": "scienceworld", "pair": "biology1→biology2",
+                                  "scores": [-50.0, 0.0], "best": 0.0, "trial0": -50.0, "gain": 50.0,
+                                  "gain_pct": 100.0, "trials": [_trial(k, s, False) for k, s in enumerate(NEGATIVE[::2])]}))
+    _, md = _ood(tmp_path / "again", stored.parent)
+    assert "| -50.0 | 0.0 | n/a | +50.0 pts | n/a |" in md and "+100%" not in md
 
 
 def _webshop_run(root: Path, name: str, seed: int, label: str | None) -> Path:
