@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from empo2.experiments.arms import arms_help
 from empo2.memory.cli import add_memory_parser
 
 DESCRIPTION = "empo2 command line: play · train · compare · eval · adapt · report · memory."
@@ -53,7 +54,8 @@ def _add_run_parsers(sub) -> None:
     p = sub.add_parser("compare", help="algorithms × seeds on one config with equal budget; summary and curves")
     p.add_argument("--config", required=True, help="YAML config shared by every run")
     p.add_argument("--algos", default="grpo,empo2",
-                   help="comma-separated names; NAME+ESTIMATOR (empo2+gigpo) sets algo.advantage; gigpo-std: std norm")
+                   help="comma-separated arms: algorithm names; NAME+ESTIMATOR (empo2+gigpo) sets algo.advantage; "
+                        f"gigpo-std: std norm; ablations: {arms_help()}")
     p.add_argument("--seeds", default="0-2", help="seed values, never a count: 3 (seed 3), 1,4,7, 0-4 (seeds 0 to 4)")
     p.add_argument("--out", required=True, help="comparison folder (runs/, summary.md, summary.json, curves.png)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every run")

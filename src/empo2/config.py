@@ -161,14 +161,15 @@ class Config:
                               "and top_k=0")
 
     def _check_registry_names(self) -> None:
-        """Every registry-backed name (algorithm, estimator, loss, backend, environment, tasks, eviction policy) is
-        checked here, at load, so a typo exits before any run folder exists. The registries live in higher layers and
-        are imported only now, when they are needed."""
+        """Every registry-backed name (algorithm, estimator, loss, backend, environment, tasks, eviction policy,
+        ablation arm) is checked here, at load, so a typo exits before any run folder exists. The registries live in
+        higher layers and are imported only now, when they are needed."""
         from empo2.algo.advantages import ADVANTAGE_ESTIMATORS
         from empo2.algo.losses import POLICY_LOSSES
         from empo2.algo.registry import ALGORITHMS
         from empo2.envs.base import EnvError
         from empo2.envs.registry import get_env_spec
+        from empo2.experiments.arms import check_arm
         from empo2.memory.store import EVICTION_POLICIES
         from empo2.policy.backend import BACKENDS
 
@@ -182,6 +183,8 @@ class Config:
         known("policy loss", f"algorithm {spec.name!r} loss", spec.loss, POLICY_LOSSES)
         known("eviction policy", "memory.eviction", self.memory.eviction, EVICTION_POLICIES)
         known("rollout backend", "policy.backend", self.policy.backend, BACKENDS)
+        if (wrong_arm := check_arm(self.algo)) is not None:
+            raise ConfigError(wrong_arm)
         try:
             get_env_spec(self.env.name).tasks(self.env)
         except EnvError as exc:

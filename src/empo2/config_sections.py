@@ -172,6 +172,10 @@ class AlgoConfig:
     """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
     only, no memory) or ``gigpo`` (GRPO's loop with the ``gigpo`` estimator). The algorithm decides memory use, mode
     probabilities, loss and (by default) estimator."""
+    arm: str | None = None
+    """The ablation this run is labelled as (``empo2.experiments.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
+    ``grpo-novelty``, ``grpo-no-novelty``); ``compare --algos`` sets it. Checked at load: the config must hold the arm's algorithm and
+    settings. ``None``: the run is labelled by its algorithm."""
     num_generations: int = 8
     """Rollouts per task (the GRPO group G)."""
     advantage: str = "grpo"

@@ -24,6 +24,7 @@ import torch
 
 from empo2.config import ConfigError
 from empo2.envs.factory import env_label
+from empo2.experiments import ood_stats
 from empo2.experiments.report import method_label
 from empo2.memory.reflexion import REFLEXION_BUFFER, ReflexionBuffer
 from empo2.train.episode import Episode
@@ -86,7 +87,8 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
                ) -> tuple[list[dict[str, Any]], str]:
     """Play every task variation ``trials`` times, remembering between trials.
 
-    Returns one summary per trial and the weights' checksum (equal before and after, else :class:`WeightsChanged`).
+    Returns one summary per trial, with its episodes (one per task variation: the unit of the report's CIs), and
+    the weights' checksum (equal before and after, else :class:`WeightsChanged`).
     """
     before = parameter_checksum(ctx.model)
     out = []
@@ -97,7 +99,7 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
             _remember_failures(ctx, episodes)
         result = summarise(episodes, tasks, plan)
         out.append({"trial": trial, **result["summary"], "per_task": result["per_task"],
-                    "memory_size": ctx.memory.stats()["tips"]})
+                    "memory_size": ctx.memory.stats()["tips"], "per_episode": result["episodes"]})
         say(f"trial {trial}: mean score {out[-1]['score_mean']:.1f}, success {out[-1]['success_rate']:.2f} "
             f"({baseline}: {out[-1]['memory_size']} entries)")
     if parameter_checksum(ctx.model) != before:
@@ -113,11 +115,14 @@ def _remember_failures(ctx: RolloutContext, episodes: list[Episode]) -> None:
 
 
 def adaptation_report(trials: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
-    """Best score and the gain over trial 0 (absolute and % of |trial 0|; ``None`` when trial 0 scored 0)."""
+    """Best score and the gain over trial 0 (in points, and in % of trial 0 only when trial 0 scored > 0), with
+    their CIs over task variations (:func:`ood_stats.ood_cell`)."""
     scores = [t["score_mean"] for t in trials]
     base, best = scores[0], max(scores)
-    return {**meta, "scores": scores, "best": best, "trial0": base, "gain": best - base,
-            "gain_pct": (best - base) / abs(base) * 100 if base else None, "trials": trials}
+    report = {**meta, "scores": scores, "best": best, "trial0": base, "gain": best - base,
+              "gain_pct": ood_stats.gain_pct(base, best), "trials": trials}
+    cell = ood_stats.ood_cell([report])
+    return {**report, "n_variations": cell["n_variations"], "best_ci": cell["best_ci"], "gain_ci": cell["gain_ci"]}
 
 
 def finish(out: Path, tasks: list[str], trials: list[dict[str, Any]], checksum: str, cfg, *, preset: str | None,
@@ -155,8 +160,7 @@ def adaptation_markdown(report: dict[str, Any]) -> str:
         cells = [f"{t['per_task'][k]['score_mean']:.1f} / {t['per_task'][k]['success_rate']:.2f}"
                  if k in t["per_task"] else "–" for k in tasks]
         lines.append(f"| {t['trial']} | " + " | ".join(cells) + f" | {t['score_mean']:.1f} | {t['success_rate']:.2f} |")
-    gain = "n/a (trial 0 scored 0)" if report["gain_pct"] is None else f"{report['gain_pct']:+.1f}%"
-    lines += ["", f"best mean score {report['best']:.1f}; trial 0 {report['trial0']:.1f}; gain {gain}"]
+    lines += ["", ood_stats.cell_text(ood_stats.ood_cell([report])) + ".", "", ood_stats.METHOD_TEXT]
     return "\n".join(lines) + "\n"
 
 

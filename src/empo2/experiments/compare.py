@@ -3,7 +3,9 @@
 Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2 train`` (same code path, with
 ``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also
 sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gigpo-std``) picks GiGPO's
-``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``). ``--seeds`` names seed values:
+``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``; an ablation arm of
+:mod:`empo2.experiments.arms` (``empo2-no-offpolicy`` …) sets its algorithm, its settings and ``algo.arm``, the label
+``report`` shows). ``--seeds`` names seed values:
 ``3``, ``1,4,7``, ``0-4``. Runs go one after another, each in its own ``empo2 train`` subprocess and session: a crash
 in one run cannot take the others down, and the model, the environment workers (ScienceWorld JVMs) and the CUDA
 context are freed when the run ends instead of piling up in one long-lived process. Re-running the same command
@@ -33,10 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from empo2.config import Config, ConfigError
+from empo2.experiments.arms import ARMS
 from empo2.signals import set_phase
 from empo2.train import checkpoint as ckpt
 
-SET_BY_COMPARE = ("algo.name", "algo.gigpo_normalization", "train.seed", "train.output_dir", "train.eval_at_start")
+SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "train.seed", "train.output_dir",
+                  "train.eval_at_start")
 STD_SUFFIX = "-std"
 """``--algos gigpo-std``: GiGPO divided by the group std (``mean_std_norm``); report's ``method_label`` writes it so."""
 COSMETIC = ("train.output_dir", "train.progress")  # may differ between invocations without changing a run
@@ -83,12 +87,20 @@ def say(text: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- planning
 def parse_algos(text: str) -> list[str]:
-    """``grpo,empo2`` → ``["grpo", "empo2"]``; names are checked later by the config's own validation."""
+    """``grpo,empo2`` → ``["grpo", "empo2"]``. Every name is an ablation arm or an algorithm (its estimator is checked
+    later by the config's own validation)."""
+    from empo2.algo.registry import ALGORITHMS
+
     algos = [a.replace(" ", "") for a in text.split(",") if a.strip()]
     if not algos:
         raise ConfigError("--algos needs at least one algorithm name, e.g. --algos grpo,empo2")
     if len(set(algos)) != len(algos):
         raise ConfigError(f"--algos names an algorithm twice: {text}")
+    for algo in algos:
+        if algo not in ARMS and _split(algo)[0] not in ALGORITHMS:
+            raise ConfigError(f"--algos: unknown arm {algo!r}; valid: an algorithm (algo.name: "
+                              f"{', '.join(sorted(ALGORITHMS))}, also NAME+ESTIMATOR and GiGPO's -std) or an "
+                              f"ablation ({', '.join(ARMS)})")
     return algos
 
 
@@ -119,9 +131,14 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
         raise ConfigError(f"--out {out} is a file, not a folder")
     for item in overrides:
         key = item.split("=", 1)[0].strip()
-        if "=" in item and ".".join(Config().resolve_key(key)) in SET_BY_COMPARE:
+        full = ".".join(Config().resolve_key(key)) if "=" in item else None
+        if full in SET_BY_COMPARE:
             raise ConfigError(f"{key} is set by compare (--algos, e.g. gigpo-std; --seeds, --out; eval_at_start "
                               "is always on), not by an override")
+        fixed_by = [a for a in algos if a in ARMS and full in {f"algo.{k}" for k in ARMS[a].fixed()}]
+        if fixed_by:  # the arm's own value would win silently over the one asked for
+            raise ConfigError(f"{key} is fixed by the ablation arm {fixed_by[0]} ({ARMS[fixed_by[0]].what}); "
+                              "drop the override or that arm")
     plans = []
     for seed in seeds:  # seed-major: an interrupted comparison has every algorithm on its first seeds
         for algo in algos:
@@ -145,8 +162,11 @@ def _split(algo: str) -> tuple[str, str, bool]:
 
 
 def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
-    name, estimator, std = _split(algo)
-    chosen = [f"algo.name={name}"] + ([f"algo.advantage={estimator}"] if estimator else [])
+    if algo in ARMS:
+        chosen, std = ARMS[algo].overrides(), False
+    else:  # algo.arm emptied: a config file's arm would label a plain algorithm's run as an ablation
+        name, estimator, std = _split(algo)
+        chosen = [f"algo.name={name}", "algo.arm="] + ([f"algo.advantage={estimator}"] if estimator else [])
     # always set, so that a config file's choice cannot run under a label that says the other one
     chosen.append(f"algo.gigpo_normalization={'mean_std_norm' if std else 'mean_norm'}")
     return [*chosen, f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]
@@ -156,6 +176,8 @@ def _check_estimator_used(algo: str, cfg: Config) -> None:
     """``gigpo+grpo`` or ``grpo-std`` would be labelled one thing and run another: refuse them."""
     from empo2.algo.registry import ALGORITHMS
 
+    if algo in ARMS:
+        return
     name, estimator, std = _split(algo)
     used = ALGORITHMS[name].estimator(cfg.algo)
     if estimator and used != estimator:

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from empo2.experiments import stats
+from empo2.experiments import arms, stats
 from empo2.train.metrics import read_metrics
 
 PROTOCOL_EPISODES = 40
@@ -116,6 +116,7 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
     lines = [f"# empo2 compare — {meta['label']}", "",
              f"Config `{meta['config']}`" + (f" with `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
              + ".", *(_protocol_text(meta["protocol"], results) if "protocol" in meta else []),
+             *arms.describe(meta.get("algos", [])),
              f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
              ("Learning curve: `curves.png` (eval score vs environment steps; line = mean over seeds, band = 95% "
               f"bootstrap CI over seeds, drawn from {stats.MIN_BOOTSTRAP} seeds on)."), ""]

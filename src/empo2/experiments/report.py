@@ -8,14 +8,17 @@ bars per table:
 - ScienceWorld: tasks × methods (mean score), with an average row (the paper's Table 1 layout);
 - WebShop: score and success per method (Table 2), one table per environment label, so the bundled fixture
   (``webshop-fixture``) is never shown as WebShop;
-- OOD: topic pairs × methods, best score and % gain over trial 0 (Table 3).
+- OOD: topic pairs × methods, the best trial's score and the gain over trial 0, each with a 95% CI over task
+  variations and its n (Table 3; :mod:`empo2.experiments.ood_stats`). A gain over a trial 0 ≤ 0 is shown in points,
+  never as a percentage.
 
 Under each run table, the methods over seeds (:mod:`empo2.experiments.stats`): mean final score and success with
 95% bootstrap CIs, final − start, and the paired difference of every two methods (seeds paired by ``train.seed``)
 with its 95% CI, paired t-test p and one sentence on whether it is distinguishable from zero at this n. A run's score
 there is the mean of the episodes its ``eval/final.json`` stores.
 
-A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own.
+A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own, or the
+ablation arm it ran (``algo.arm``, :mod:`empo2.experiments.arms`).
 """
 
 from __future__ import annotations
@@ -31,13 +34,16 @@ import yaml
 from empo2.algo.registry import ALGORITHMS
 from empo2.config import ConfigError
 from empo2.config_sections import AlgoConfig
-from empo2.experiments import stats
+from empo2.experiments import arms, ood_stats, stats
 
 
 def method_label(cfg) -> str:
     """``empo2``, ``grpo``, ``gigpo``, ``empo2+gigpo`` … from a Config (or its ``algo`` mapping); GiGPO with
-    ``algo.gigpo_normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``)."""
+    ``algo.gigpo_normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``); a run of an
+    ablation arm is labelled by its ``algo.arm`` (``empo2-no-offpolicy`` …)."""
     algo = cfg.get("algo", {}) if isinstance(cfg, dict) else vars(cfg.algo)
+    if algo.get("arm"):
+        return algo["arm"]
     name, advantage = algo.get("name", "empo2"), algo.get("advantage", "grpo")
     spec = ALGORITHMS.get(name)
     fixed = spec is not None and spec.advantage is not None  # e.g. gigpo: its own estimator, whatever the config says
@@ -61,7 +67,7 @@ def collect(paths: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
         try:
             found["runs"] += [_read_run(r) for r in runs if (r / "config.yaml").is_file()]
             found["adapt"] += [_read_adapt(a) for a in adapts]
-        except (json.JSONDecodeError, yaml.YAMLError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, yaml.YAMLError, KeyError, TypeError, AttributeError) as exc:  # JSON errors are ValueErrors
             raise ConfigError(f"{p}: unreadable run or adaptation file ({type(exc).__name__}: {exc})") from None
     return found
 
@@ -74,18 +80,34 @@ def _read_run(run: Path) -> dict[str, Any]:
     result = json.loads(final.read_text())
     env = cfg.get("env", {}).get("name", "scienceworld")
     start = run / "eval" / "start.json"
-    return {"path": str(run), "method": method_label(cfg), "env": env, "label": result.get("label", env),
+    return {"path": str(run), "method": method_label(cfg), "env": env, "label": _run_label(run, cfg, result),
             "seed": int(cfg.get("train", {}).get("seed", 0)), "summary": result["summary"],
             "per_task": result.get("per_task", {}), "score": stats.run_score(result, str(final)),
             "success": stats.run_success(result),
             "start": stats.run_score(json.loads(start.read_text()), str(start)) if start.is_file() else None}
 
 
+def _run_label(run: Path, cfg: dict[str, Any], result: dict[str, Any]) -> str:
+    """The label the run's eval recorded; for a result without one, its environment's own rule applied to the saved
+    config (WebShop without its data is ``webshop-fixture``), so a fixture run is never shown as WebShop."""
+    if result.get("label"):
+        return result["label"]
+    from empo2.config import Config
+    from empo2.envs.factory import env_label
+
+    try:
+        return env_label(Config.from_dict({"env": cfg.get("env") or {}}).env)
+    except ConfigError as exc:
+        raise ConfigError(f"{run}: eval/final.json records no label and config.yaml's env gives none ({exc})") from None
+
+
 def _read_adapt(folder: Path) -> dict[str, Any]:
     data = json.loads((folder / "adapt.json").read_text())
+    ood_stats.per_variation(data)  # read now, so that a damaged trial fails here, naming its folder
     return {"path": str(folder), "method": data.get("method", "?"), "label": data.get("label", "?"),
             "pair": data.get("pair") or data.get("preset") or ", ".join(data.get("tasks", [])),
-            "best": data["best"], "gain_pct": data.get("gain_pct")}
+            "best": data["best"], "scores": data["scores"], "trial0": data.get("trial0", data["scores"][0]),
+            "trials": data.get("trials", [])}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -119,10 +141,8 @@ def tables(found: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         for a in found["adapt"]:
             cells[a["pair"]][f"{a['method']} ({a['label']})"].append(a)
         methods = sorted({m for row in cells.values() for m in row})
-        out["ood"] = {"kind": "ood", "methods": methods, "pairs": {
-            pair: {m: {"n": len(row[m]), "best": _mean([a["best"] for a in row[m]]),
-                       "gain_pct": _mean([a["gain_pct"] for a in row[m]])} for m in row} for pair, row in
-            sorted(cells.items())}}
+        out["ood"] = {"kind": "ood", "methods": methods, "method_text": ood_stats.METHOD_TEXT, "pairs": {
+            pair: {m: ood_stats.ood_cell(row[m]) for m in row} for pair, row in sorted(cells.items())}}
     return out
 
 
@@ -163,21 +183,34 @@ def markdown(tabs: dict[str, Any]) -> str:
             for m, v in t["methods"].items():
                 lines.append(f"| {m} | {v['n']} | {_fmt(v['score'])} | {_fmt(v['success'])} |")
         else:
-            lines = ["### OOD adaptation (memory only, weights unchanged): best mean score (gain over trial 0)", "",
-                     "| pair | " + " | ".join(heads) + " |", "|---|" + "---:|" * len(heads)]
-            for pair, row in t["pairs"].items():
-                cells = [f"{_fmt(row[m]['best'])} ({_gain(row[m]['gain_pct'])}, n={row[m]['n']})" if m in row
-                         else "–" for m in t["methods"]]
-                lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+            lines = _ood_lines(t)
         if "stats" in t:  # the run tables: their methods over seeds
+            for line in arms.describe(t["methods"]):
+                lines += ["", line]
             lines += ["", f"Over seeds, env `{label}` (a run's score: the mean of its eval episodes):", "",
                       *stats.stats_markdown(t["stats"])]
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 
 
-def _gain(pct: float | None) -> str:
-    return "n/a" if pct is None else f"{pct:+.0f}%"
+def _ood_lines(t: dict[str, Any]) -> list[str]:
+    """The OOD table: one row per (topic pair, method), best trial and gain over trial 0 with CIs over variations."""
+    lines = ["### OOD adaptation (memory only, weights unchanged): best trial and gain over trial 0", "",
+             ("| pair | method | runs | n variations | trial 0 | best trial | 95% CI | gain over trial 0 | "
+              "95% CI (points) |"), "|---|---|---:|---:|---:|---:|---|---:|---|"]
+    notes = []
+    for pair, row in t["pairs"].items():
+        for m in t["methods"]:
+            if m not in row:
+                continue
+            c = row[m]
+            n = "n/a" if c["n_variations"] is None else str(c["n_variations"])
+            lines.append(f"| {pair} | {m} | {c['n']} | {n} | {_fmt(c['trial0'])} | {_fmt(c['best'])} | "
+                         f"{stats.fmt_ci(c['best_ci'])} | {ood_stats.gain_text(c['trial0'], c['gain'])} | "
+                         f"{stats.fmt_ci(c['gain_ci'])} |")
+            if c["note"]:
+                notes.append(f"- {pair}, {m}: {c['note']}.")
+    return [*lines, "", *notes, *([""] if notes else []), f"Method: {t['method_text']}"]
 
 
 def plot(tabs: dict[str, Any], out: Path) -> list[Path]:

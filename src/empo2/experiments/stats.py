@@ -58,13 +58,13 @@ def run_success(result: dict[str, Any]) -> float:
     return float(np.mean([bool(e["success"]) for e in result["episodes"]], dtype=np.float64))
 
 
-def mean_ci(values) -> dict[str, Any]:
-    """Mean over seeds with its 95% percentile bootstrap CI; ``ci`` is ``None`` (and ``note`` says why) below
-    :data:`MIN_BOOTSTRAP` seeds."""
+def mean_ci(values, unit: str = "seeds") -> dict[str, Any]:
+    """Mean over seeds (or another ``unit``) with its 95% percentile bootstrap CI; ``ci`` is ``None`` (and ``note``
+    says why) below :data:`MIN_BOOTSTRAP` values."""
     x = np.asarray(values, dtype=np.float64)
     out: dict[str, Any] = {"n": int(x.size), "mean": float(x.mean()) if x.size else None, "ci": None, "note": ""}
     if x.size < MIN_BOOTSTRAP:
-        out["note"] = f"CI undefined at n={x.size} (bootstrap needs ≥ {MIN_BOOTSTRAP} seeds)"
+        out["note"] = f"CI undefined at n={x.size} (bootstrap needs ≥ {MIN_BOOTSTRAP} {unit})"
         return out
     if np.all(x == x[0]):  # every resample's mean is that value: the interval is the point
         out["ci"] = [float(x[0]), float(x[0])]

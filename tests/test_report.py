@@ -1,0 +1,182 @@
+"""``empo2 report``'s guards and its OOD table: no percentage gain over a trial 0 ≤ 0 (points instead), WebShop-fixture
+runs labelled ``webshop-fixture`` in every table, and the best-trial score and the gain over trial 0 each with a 95%
+CI over task variations (against numpy resampling in float64 here), "n/a" with a note for adaptation folders that
+store no per-variation scores.
+
+The adaptation folders are written by adapt's own writer (``adaptation_report`` + ``write_adaptation``) from
+synthetic trials, and the run folders are synthetic (config.yaml + eval/final.json as train writes them): playing 10
+trials of real episodes would take minutes and decide nothing here. ``test_adapt_trials_store_one_episode_per_
+variation`` plays real WebShop-fixture episodes with the tiny model to show that adapt stores what the table reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from empo2.cli import main
+from empo2.config import Config
+from empo2.experiments import adapt, stats
+
+PERCENT = re.compile(r"[+-]\d+(\.\d+)?%")  # a signed percentage gain (not the "95%" of a CI)
+UNITS = [("t1", 0), ("t1", 1), ("t1", 2), ("t2", 0), ("t2", 1), ("t2", 2)]
+
+
+def _trial(k: int, scores: list[float], with_episodes: bool = True) -> dict:
+    episodes = [{"task": t, "variation": v, "mode": "on_tips", "score": s, "success": s >= 100, "steps": 3,
+                 "failed": False} for (t, v), s in zip(UNITS, scores)]
+    trial = {"trial": k, "episodes": len(scores), "score_mean": statistics.fmean(scores), "success_rate": 0.0,
+             "per_task": {}, "memory_size": k}
+    return {**trial, "per_episode": episodes} if with_episodes else trial
+
+
+def _adapt_folder(root: Path, name: str, per_trial: list[list[float]], with_episodes: bool = True,
+                  pair: str = "biology1→biology2", label: str = "scienceworld", method: str = "base model + tips"
+                  ) -> Path:
+    trials = [_trial(k, s, with_episodes) for k, s in enumerate(per_trial)]
+    report = adapt.adaptation_report(trials, tasks=["t1", "t2"], preset=None, pair=pair, method=method, label=label)
+    adapt.write_adaptation(root / name, report)
+    return root / name
+
+
+# trial means: −50 → −20 → 0 (start < 0), 20 → 30 → 25 (start > 0), 0 → 10 (start 0)
+NEGATIVE = [[-100.0, -100.0, -100.0, 0.0, 0.0, 0.0], [-100.0, -20.0, 0.0, 0.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+POSITIVE = [[10.0, 20.0, 30.0, 20.0, 20.0, 20.0], [30.0, 30.0, 30.0, 20.0, 40.0, 30.0],
+            [25.0, 25.0, 25.0, 25.0, 25.0, 25.0]]
+ZERO = [[0.0] * 6, [0.0, 0.0, 0.0, 20.0, 20.0, 20.0]]
+
+
+def _ood(tmp_path: Path, *folders: Path) -> tuple[dict, str]:
+    assert main(["report", *map(str, folders), "--out", str(tmp_path / "report")]) == 0
+    tables = json.loads((tmp_path / "report" / "report.json").read_text())
+    return tables["ood"], (tmp_path / "report" / "report.md").read_text()
+
+
+def test_no_percentage_gain_over_a_start_at_or_below_zero(tmp_path):
+    folders = [_adapt_folder(tmp_path, "neg", NEGATIVE, method="reflexion"),
+               _adapt_folder(tmp_path, "pos", POSITIVE, pair="biology2→electricity"),
+               _adapt_folder(tmp_path, "zero", ZERO, pair="electricity→chemistry")]
+    ood, md = _ood(tmp_path, *folders)
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if "→" in line}
+    assert "| -50.0 | 0.0 |" in rows["biology1→biology2"] and "| +50.0 pts |" in rows["biology1→biology2"]
+    assert "| 20.0 | 30.0 |" in rows["biology2→electricity"] and "| +50% |" in rows["biology2→electricity"]
+    assert "| 0.0 | 10.0 |" in rows["electricity→chemistry"] and "| +10.0 pts |" in rows["electricity→chemistry"]
+    assert "+100%" not in md and not PERCENT.search(rows["biology1→biology2"] + rows["electricity→chemistry"])
+    cells = {p: next(iter(row.values())) for p, row in ood["pairs"].items()}
+    assert cells["biology1→biology2"]["gain_pct"] is None and cells["electricity→chemistry"]["gain_pct"] is None
+    assert cells["biology2→electricity"]["gain_pct"] == pytest.approx(50.0, abs=1e-12)
+    # adapt's own table and adapt.json say the same
+    neg = json.loads((folders[0] / "adapt.json").read_text())
+    assert neg["gain_pct"] is None and neg["gain"] == pytest.approx(50.0, abs=1e-12)
+    neg_md = (folders[0] / "adapt.md").read_text()
+    assert "gain +50.0 pts" in neg_md and not PERCENT.search(neg_md)
+    assert "gain +50%" in (folders[1] / "adapt.md").read_text()
+
+
+def _boot_ci(x: list[float]) -> list[float]:
+    """The 95% percentile bootstrap CI of the mean, resampled here with numpy in float64 (scipy's resampling)."""
+    x = np.asarray(x, dtype=np.float64)
+    idx = np.random.default_rng(stats.BOOTSTRAP_SEED).integers(0, x.size, (stats.N_RESAMPLES, x.size))
+    return np.percentile(x[idx].mean(1), [2.5, 97.5]).tolist()
+
+
+def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path):
+    ood, md = _ood(tmp_path, _adapt_folder(tmp_path, "pos", POSITIVE))
+    cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
+    best, start = POSITIVE[1], POSITIVE[0]  # trial 1 has the best mean
+    assert cell["n_variations"] == 6 and cell["n"] == 1
+    assert cell["best"] == pytest.approx(statistics.fmean(best), abs=1e-12)
+    assert cell["trial0"] == pytest.approx(statistics.fmean(start), abs=1e-12)
+    assert cell["best_ci"] == pytest.approx(_boot_ci(best), abs=1e-9)
+    gains = [b - s for b, s in zip(best, start)]
+    assert cell["gain_ci"] == pytest.approx(_boot_ci(gains), abs=1e-9)
+    assert cell["gain_ci"][0] < cell["gain"] < cell["gain_ci"][1]
+    row = next(line for line in md.splitlines() if line.startswith("| biology1→biology2 |"))
+    assert f"| 1 | 6 | 20.0 | 30.0 | {stats.fmt_ci(cell['best_ci'])} | +50% | {stats.fmt_ci(cell['gain_ci'])} |" in row
+    assert "95% CIs over task variations" in md
+    # two adaptations of one cell pool their variations
+    ood, _ = _ood(tmp_path, _adapt_folder(tmp_path / "two", "a", POSITIVE), _adapt_folder(tmp_path / "two", "b",
+                                                                                          NEGATIVE))
+    cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
+    assert cell["n"] == 2 and cell["n_variations"] == 12
+    assert cell["best_ci"] == pytest.approx(_boot_ci(POSITIVE[1] + NEGATIVE[2]), abs=1e-9)
+
+
+def test_adaptation_folder_without_per_variation_scores_prints_na(tmp_path):
+    old = _adapt_folder(tmp_path, "old", POSITIVE, with_episodes=False)
+    ood, md = _ood(tmp_path, old)
+    cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
+    assert cell["best_ci"] is None and cell["gain_ci"] is None and cell["n_variations"] is None
+    assert "| 1 | n/a | 20.0 | 30.0 | n/a | +50% | n/a |" in md
+    assert "adapt.json stores no per-variation scores" in md
+    # an adapt.json whose stored gain_pct is a percentage of |trial 0| (−50 → 0 stored as +100): report recomputes it
+    stored = tmp_path / "stored" / "adapt.json"
+    stored.parent.mkdir()
+    stored.write_text(json.dumps({"method": "reflexion", "label": "scienceworld", "pair": "biology1→biology2",
+                                  "scores": [-50.0, 0.0], "best": 0.0, "trial0": -50.0, "gain": 50.0,
+                                  "gain_pct": 100.0, "trials": [_trial(k, s, False) for k, s in enumerate(NEGATIVE[::2])]}))
+    _, md = _ood(tmp_path / "again", stored.parent)
+    assert "| -50.0 | 0.0 | n/a | +50.0 pts | n/a |" in md and "+100%" not in md
+
+
+def _webshop_run(root: Path, name: str, seed: int, label: str | None) -> Path:
+    run = root / name
+    (run / "eval").mkdir(parents=True)
+    Config.load("configs/webshop_cpu.yaml", ["algo.name=grpo", f"train.seed={seed}"]).save(run / "config.yaml")
+    episodes = [{"task": "webshop", "variation": k, "score": 10.0 * (k + seed), "success": False} for k in range(2)]
+    result = {"summary": {"score_mean": statistics.fmean(e["score"] for e in episodes), "success_rate": 0.0},
+              "per_task": {}, "episodes": episodes}
+    (run / "eval" / "final.json").write_text(json.dumps({**result, **({"label": label} if label else {})}))
+    return run
+
+
+def test_webshop_fixture_runs_are_labelled_so_in_every_table(tmp_path, monkeypatch):
+    """A fixture run whose final.json records no label (an eval written without one) is still ``webshop-fixture``:
+    the label comes from its config's environment, whose data is the bundled fixture."""
+    monkeypatch.delenv("EMPO2_WEBSHOP_DATA", raising=False)
+    runs = [_webshop_run(tmp_path / "cmp" / "runs", "grpo-seed0", 0, "webshop-fixture"),
+            _webshop_run(tmp_path / "cmp" / "runs", "grpo-seed1", 1, None)]
+    adapted = _adapt_folder(tmp_path, "adapt", POSITIVE, pair="webshop", label="webshop-fixture")
+    assert main(["report", str(tmp_path / "cmp"), str(adapted), "--out", str(tmp_path / "report")]) == 0
+    tables = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert sorted(tables) == ["ood", "webshop-fixture"]
+    assert tables["webshop-fixture"]["methods"]["grpo"]["n"] == len(runs)
+    assert list(tables["ood"]["pairs"]["webshop"]) == ["base model + tips (webshop-fixture)"]
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "### WebShop — env `webshop-fixture`" in md and "Over seeds, env `webshop-fixture`" in md
+    assert "| webshop | base model + tips (webshop-fixture) |" in md
+    assert "env `webshop`" not in md and "(webshop)" not in md
+    assert (tmp_path / "report" / "webshop-fixture.png").is_file()
+
+
+def test_adapt_trials_store_one_episode_per_variation(tmp_path, tiny_model):
+    """Real WebShop-fixture episodes with the tiny model: each trial stores its episodes, one per task variation, whose
+    mean is the trial's score, and the report's CI counts them."""
+    from empo2.cli import _policy_context
+
+    args = argparse.Namespace(run=None, model=tiny_model, env="webshop", tasks=None, max_steps=2, batch=2)
+    cfg, ctx = _policy_context(args, tmp_path / "memory.sqlite")
+    for key, value in (("max_completion_length", 6), ("reflection_max_tokens", 8), ("few_shot", 0),
+                       ("history_window", 1)):
+        setattr(ctx.policy_cfg, key, value)  # short generations: the test is about what is stored, not the play
+    try:
+        trials, _ = adapt.run_trials(ctx, ["webshop"], 2, "test", 3, 0.4, 2, say=lambda _: None)
+    finally:
+        ctx.pool.close()
+        ctx.memory.close()
+    for t in trials:
+        played = t["per_episode"]
+        assert len(played) == t["episodes"] == 3 and len({e["variation"] for e in played}) == 3
+        assert all(e["task"] == "webshop" for e in played)
+        assert statistics.fmean(e["score"] for e in played) == pytest.approx(t["score_mean"], abs=1e-12)
+    report = adapt.adaptation_report(trials, tasks=["webshop"], pair="webshop", method="base model + tips",
+                                     label="webshop-fixture")
+    assert report["n_variations"] == 3 and report["best_ci"] is not None
+    json.dumps(report)  # adapt.json can hold it
