@@ -146,9 +146,33 @@ def test_cache_with_room_appends_in_place_and_holds_the_same_keys():
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     ids = torch.randint(3, 256, (2, 4), generator=g)
     pos = torch.arange(10, 14).repeat(2, 1)
-    logits = [model(input_ids=ids, position_ids=pos, use_cache=True, **px.cache_kwargs(c)).logits
+    logits = [model(input_ids=ids, position_ids=pos, use_cache=True, **px.cache_kwargs(model, c)).logits
               for c in (roomy, plain)]
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_forward_on_a_made_cache_continues_the_cached_tokens(lora):
+    """``cache_kwargs`` hands ``make_cache``'s cache (plain and with room) to the model under the keyword its
+    transformers version reads (``cache``, ``past_key_values`` before the rename): a misnamed cache would vanish into
+    the forward's ``**kwargs`` and the tail would run as if nothing came before it. Reference: one float64 forward
+    over the whole sequence; with LoRA as the trainer wraps the model."""
+    model = tiny_lm(8).double()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits[:, 8:]  # [2, 4, V]
+        head = px.output_cache(model(input_ids=ids[:, :8], use_cache=True))
+        layers = [(layer.keys, layer.values) for layer in head.layers]
+        for room in (0, 4):
+            cache = px.make_cache(model, layers, room=room)
+            got = model(input_ids=ids[:, 8:], position_ids=torch.arange(8, 12).repeat(2, 1),
+                        attention_mask=torch.ones((2, 12), dtype=torch.long), use_cache=True,
+                        **px.cache_kwargs(model, cache)).logits
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
 def test_reused_heads_generate_the_same_and_skip_known_tokens():

@@ -151,7 +151,7 @@ def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperatur
     tokens, logps = [], []
     for _ in range(max_new_tokens):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                    **px.cache_kwargs(cache))
+                    **px.cache_kwargs(model, cache))
         cache = px.output_cache(out)
         logits = out.logits[:, -1, :].float()  # [B, V] raw logits
         tok = seeded(ids, logits).argmax(dim=-1) if seeded else _pick(logits, temperature, top_p, top_k)  # [B]

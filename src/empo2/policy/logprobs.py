@@ -106,7 +106,7 @@ def _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id: int, ste
     resp_pos = lengths[:, None] + torch.arange(resp.shape[1], device=resp.device)  # [B, R]
     return dict(input_ids=torch.cat([ids, resp], dim=1), position_ids=torch.cat([pos, resp_pos], dim=1),
                 attention_mask=torch.cat([head_mask, tail_mask, mask.long()], dim=1), use_cache=True,
-                **px.cache_kwargs(cache))
+                **px.cache_kwargs(model, cache))
 
 
 def _split_head(model):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -273,16 +274,22 @@ def _roomy_layer_class():
     return RoomyLayer
 
 
-def cache_kwargs(cache) -> dict:
-    """The keyword that passes a KV cache to a model (transformers 5 renamed ``past_key_values`` to ``cache``)."""
-    import transformers
+def cache_kwargs(model, cache) -> dict:
+    """``cache`` under the keyword ``model``'s forward takes it by: ``cache`` or, in transformers before the rename
+    (5.19 and 4.x), ``past_key_values``. Read from the forward's signature because a model's ``**kwargs`` swallow a
+    wrongly named cache without a word, and the forward then runs as if nothing were cached."""
+    # a PEFT wrapper's own forward takes **kwargs only: read the wrapped model's
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return {_cache_keyword(type(base)): cache}
 
-    major = int(transformers.__version__.split(".")[0])
-    return {"cache": cache} if major >= 5 else {"past_key_values": cache}
+
+@functools.cache
+def _cache_keyword(model_class) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def output_cache(out):
-    """The KV cache a forward returned (``cache`` in transformers 5, ``past_key_values`` before)."""
+    """The KV cache a forward returned (``cache``, or ``past_key_values`` before the rename)."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
 
@@ -346,7 +353,7 @@ def head_kv(model, ids: list[int], memo: list | None, device) -> list[tuple[torc
         return [(k[:, :, :known], v[:, :, :known]) for k, v in cached]
     past = {}
     if known:
-        past = cache_kwargs(make_cache(model, [(k[:, :, :known], v[:, :, :known]) for k, v in cached]))
+        past = cache_kwargs(model, make_cache(model, [(k[:, :, :known], v[:, :, :known]) for k, v in cached]))
     new = torch.tensor([ids[known:]], dtype=torch.long, device=device)  # [1, P - known]
     out = model(input_ids=new, attention_mask=torch.ones((1, len(ids)), dtype=torch.long, device=device),
                 position_ids=torch.arange(known, len(ids), device=device)[None], use_cache=True, logits_to_keep=1,
