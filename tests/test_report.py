@@ -159,10 +159,10 @@ def test_webshop_fixture_runs_are_labelled_so_in_every_table(tmp_path, monkeypat
 def test_adapt_trials_store_one_episode_per_variation(tmp_path, tiny_model):
     """Real WebShop-fixture episodes with the tiny model: each trial stores its episodes, one per task variation, whose
     mean is the trial's score, and the report's CI counts them."""
-    from empo2.cli import _policy_context
+    from empo2.cli import policy_context
 
     args = argparse.Namespace(run=None, model=tiny_model, env="webshop", tasks=None, max_steps=2, batch=2)
-    cfg, ctx = _policy_context(args, tmp_path / "memory.sqlite")
+    cfg, ctx = policy_context(args, tmp_path / "memory.sqlite")
     for key, value in (("max_completion_length", 6), ("reflection_max_tokens", 8), ("few_shot", 0),
                        ("history_window", 1)):
         setattr(ctx.policy_cfg, key, value)  # short generations: the test is about what is stored, not the play
