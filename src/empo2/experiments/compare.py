@@ -36,6 +36,7 @@ from typing import Any
 
 from empo2.config import Config, ConfigError
 from empo2.experiments.arms import ARMS
+from empo2.policy.precision import settle_autocast
 from empo2.signals import set_phase
 from empo2.train import checkpoint as ckpt
 
@@ -144,6 +145,7 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
         for algo in algos:
             folder = Path(out) / "runs" / f"{algo}-seed{seed}"
             cfg = Config.load(config, [*overrides, *_own_overrides(algo, seed, folder)])
+            settle_autocast(cfg.policy)  # as the run will record it, so a finished run's saved config matches
             _check_estimator_used(algo, cfg)
             if check is not None:
                 check(cfg)
