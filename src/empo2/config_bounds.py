@@ -61,7 +61,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "memory.similarity_threshold": (-1.0, 1.0), "memory.dedup_threshold": (-1.0, 2.0),
     "memory.rerank_score_weight": (0.0, 1e6), "memory.rerank_utility_weight": (0.0, 1e6),
     "algo.step_advantage_weight": (0.0, 1e6), "algo.adv_eps": (1e-12, 1.0), "algo.epsilon_high": (0.0, 100.0),
-    "algo.dual_clip": (0.0, 1e6), "algo.beta": (0.0, 1e6), "algo.intrinsic_weight": (0.0, 1e6),
+    "algo.dual_clip": (0.0, 1e6), "algo.beta": (0.0, 1e6), "algo.intrinsic_weight": (0.0, 1e6), "algo.tis_cap": (0.0, 1e6),
     "algo.intrinsic_weight_start": (0.0, 1e6), "algo.intrinsic_weight_end": (0.0, 1e6),
     "algo.novelty_threshold": (-1.0, 1.0),
     "train.learning_rate": (1e-12, 10.0), "train.weight_decay": (0.0, 100.0), "train.max_grad_norm": (1e-12, 1e9),
