@@ -116,15 +116,22 @@ def update_options(options, cfg):
     return dataclasses.replace(options, prefix_sharing=False) if wanted(cfg) else options
 
 
-def idle_passes(model: torch.nn.Module, dist, done: int, reference: Callable | None = None) -> None:
-    """Under FSDP, after this rank's ``done`` micro-batches of an optimizer step: zero-loss forward (and, with a
-    ``reference`` context, reference forward) and backward passes over one token until this rank has run as many as
-    the busiest rank, so every rank joins every all-gather and reduce-scatter. Their gradient is exactly zero."""
+def idle_count(dist, done: int) -> int:
+    """Under FSDP, how many :func:`idle_passes` this rank runs after its ``done`` micro-batches of an optimizer step
+    (the busiest rank's count minus its own); asked before any of them runs, each being a collective."""
     if not dist.sharded or not dist.enabled:
+        return 0
+    return int(dist.all_reduce([done], op="max")[0]) - done
+
+
+def idle_passes(model: torch.nn.Module, count: int, reference: Callable | None = None) -> None:
+    """``count`` zero-loss forward (and, with a ``reference`` context, reference forward) and backward passes over
+    one token, so that this rank joins every all-gather and reduce-scatter of the busier ranks' micro-batches, in
+    the same order. Their gradient is exactly zero."""
+    if count <= 0:
         return
-    most = int(dist.all_reduce([done], op="max")[0])
     ids = torch.zeros((1, 1), dtype=torch.long, device=next(model.parameters()).device)
-    for _ in range(most - done):
+    for _ in range(count):
         logits = model(input_ids=ids, use_cache=False).logits
         if reference is not None:
             with torch.no_grad(), reference():

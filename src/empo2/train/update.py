@@ -78,12 +78,13 @@ class PolicyUpdate:
                     if self.shared and live else nullcontext()
                 with heads as step_heads:
                     batches = token_batches(live, cfg.train.micro_batch_tokens, self.shared, min_shared)
+                    idle = sharding.idle_count(self.dist, len(batches))  # FSDP: as many passes as the busiest rank
                     for batch in batches:
                         metrics, batch_ok = self._backward(batch, tokens, count, step_heads)
                         ok &= batch_ok
                         sums.update(metrics)
                         n_mb += 1
-                sharding.idle_passes(model, self.dist, len(batches), self._reference if cfg.algo.beta > 0 else None)
+                sharding.idle_passes(model, idle, self._reference if cfg.algo.beta > 0 else None)
                 if self._step(inputs_ok=ok):
                     steps += 1
                 else:
