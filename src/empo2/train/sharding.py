@@ -53,6 +53,9 @@ def wrap(model: torch.nn.Module, cfg, dist) -> torch.nn.Module:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    for unit in _units(model):  # a sum, not FSDP's mean: each micro-batch's loss already has its global share
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
     dist.sharded = True
     return model
 
