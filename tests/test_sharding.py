@@ -56,7 +56,7 @@ def test_two_fsdp_ranks_update_as_one_process(tmp_path, tiny_model, lora):
     the only difference is the order of float32 sums: gradients summed per rank then reduce-scattered instead of
     accumulated in one process (relative error ~1e-7). AdamW's first steps are ≈ lr·sign(g), so a weight moves by
     up to lr = 1e-3 either way; a difference of 1e-5 (1 % of a step) would be a wrong gradient, not rounding."""
-    common = ["policy.autocast=none", "train.learning_rate=1e-3", "train.micro_batch_tokens=12"]
+    common = ["policy.autocast=none", "train.learning_rate=1e-3", "train.micro_batch_tokens=12", "algo.delta=0.0"]
     if lora:  # the KL term's reference forwards run on both ranks too (the adapter disabled)
         common += ["algo.beta=0.05"]
     plain, m_plain = _update(tmp_path, tiny_model, 1, "none", lora, *common)

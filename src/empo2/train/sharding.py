@@ -165,19 +165,18 @@ def write_shards(folder: Path, model, optimizer) -> None:
 def read_shards(folder: Path, model, optimizer=None) -> None:
     """Load a sharded checkpoint into ``model`` (and ``optimizer``), sharded over any number of ranks or not at all."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict, set_state_dict)
+    from torch.distributed.checkpoint import state_dict as sd
 
-    options = StateDictOptions(ignore_frozen_params=True, strict=False)  # DCP itself fails on a missing tensor
+    options = sd.StateDictOptions(ignore_frozen_params=True, strict=False)  # DCP itself fails on a missing tensor
     if optimizer is None:
-        state = {"model": get_model_state_dict(model, options=options)}
+        state = {"model": sd.get_model_state_dict(model, options=options)}
         dcp.load(state, checkpoint_id=str(Path(folder) / SHARDS))
-        set_model_state_dict(model, state["model"], options=options)
+        sd.set_model_state_dict(model, state["model"], options=options)
         return
     state = _state_dicts(model, optimizer)
     dcp.load(state, checkpoint_id=str(Path(folder) / SHARDS))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
-                   options=options)
+    sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                      options=options)
 
 
 def save(run_dir: Path, iteration: int, model, optimizer, state: dict, memory_copy, keep: int, dist) -> Path | None:

@@ -144,7 +144,8 @@ class Trainer:
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed)
             self.ctx.backend.sync_weights(self.model)
         self.reflection = None
-        if self.use_memory and not self.dist.sharded and overlap_wanted(cfg.memory.overlap_reflection, self.model, self.ctx.backend):
+        overlap = overlap_wanted(cfg.memory.overlap_reflection, self.model, self.ctx.backend)
+        if self.use_memory and overlap and not self.dist.sharded:  # sharded: generation must gather, not copy
             self.reflection = BackgroundReflection(self.model, self.ctx.backend,
                                                    partial(autocast_context, self.model, cfg.policy.autocast))
 
