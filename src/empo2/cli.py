@@ -179,6 +179,9 @@ def _policy_context(args, with_memory_path: Path | None):
         last = ckpt.latest_checkpoint(Path(args.run))
         if last is None:
             raise _config_error(f"{args.run} has no checkpoint")
+        if (last / "sharded").is_dir():
+            raise _config_error(f"{last} is sharded (train.sharding=fsdp): write Hugging Face weights with "
+                                f"`empo2 export {args.run} OUT`, then use --model OUT")
         if cfg.policy.lora:
             from peft import PeftModel
 
