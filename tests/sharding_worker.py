@@ -23,6 +23,10 @@ from empo2.train.export import _with_adapter
 from empo2.train.rows import UpdateRow
 from empo2.train.update import PolicyUpdate
 
+# AdamW's step is lr·g/(|g| + eps): where g ≈ 0 it turns an absolute rounding difference δg into lr·δg/eps of weight.
+# At the default 1e-8 that magnifies float32 summation-order noise 1e5×; 1e-4 keeps it at rounding level while the
+# other elements still move by ~lr.
+ADAM_EPS = 1e-4
 GROUPS, MEMBERS = 3, 2  # rank 0 of 2 plays groups 0 and 2, rank 1 group 1: unequal micro-batch counts
 
 
@@ -51,7 +55,7 @@ def main(model_name: str, out: str, mode: str, lora: str, *overrides: str) -> No
         p.requires_grad_(True)
     if sharding.wanted(cfg):
         model = sharding.wrap(model, cfg, dist)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], eps=ADAM_EPS,
                                   lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
     update = PolicyUpdate(cfg, model, tokenizer, optimizer, get_policy_loss(cfg.algorithm.loss), dist)
     mine = [row for g, row in batch(len(tokenizer)) if dist.owns(g)]
