@@ -11,14 +11,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from empo2.cli import main
 from empo2.config import Config, ConfigError
+from empo2.memory.store import TipMemory
 
 WORKER = str(Path(__file__).with_name("sharding_worker.py"))
 TRAIN_ARGS = ["--config", "configs/scienceworld_cpu.yaml", "env.tasks=[find-animal]", "env.max_steps=2",
@@ -92,18 +95,22 @@ def test_fsdp_config_checks():
 
 @pytest.mark.slow
 def test_sharded_checkpoint_resumes_on_one_rank_and_exports(tmp_path, tiny_model):
-    """A 2-rank FSDP run writes a sharded checkpoint; a 1-rank resume continues it (DCP reshards 2 → 1); ``empo2
-    export`` writes weights that ``from_pretrained`` loads, and their logits equal the trained sharded model's."""
+    """A 2-rank FSDP run is killed (SIGKILL, launcher and ranks) once its first sharded checkpoint is written; a
+    1-rank resume continues it (DCP reshards 2 → 1) with its memory; ``empo2 export`` writes weights that
+    ``from_pretrained`` loads, and their logits equal the trained sharded model's."""
     run = tmp_path / "run"
     common = [*TRAIN_ARGS, f"policy.model={tiny_model}", f"train.output_dir={run}"]
-    _run(_torchrun("-m", "empo2.cli", "train", *common, "train.iterations=1"))
-    first = run / "checkpoints" / "iter_000000"
+    first = run / "checkpoints" / "iter_000000"  # renamed into place whole: once it exists it is complete
+    _kill_when(_torchrun("-m", "empo2.cli", "train", *common, "train.iterations=3"), first)
     assert (first / "sharded" / ".metadata").is_file() and not (first / "model").exists()
     assert sorted(p.name for p in (first / "sharded").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    tips_before = _tips(run / "memory.sqlite")
+    assert tips_before
 
     assert main(["train", "--resume", str(run), "train.iterations=2"]) == 0  # this process: one rank
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in lines] == [0, 1]
+    assert [r["iteration"] for r in lines] == [0, 1]  # continued, nothing repeated or lost
+    assert tips_before < _tips(run / "memory.sqlite")  # the memory came back and grew
     second = run / "checkpoints" / "iter_000001"
     assert sorted(p.name for p in (second / "sharded").glob("*.distcp")) == ["__0_0.distcp"]
 
@@ -111,6 +118,30 @@ def test_sharded_checkpoint_resumes_on_one_rank_and_exports(tmp_path, tiny_model
     assert main(["export", str(run), str(out)]) == 0
     assert main(["export", str(run), str(out)]) == 2  # not over an existing model
     _check_export(out, second, run, tiny_model)
+
+
+def _kill_when(cmd: list[str], folder: Path, timeout: float = 600) -> None:
+    """Start ``cmd`` and SIGKILL it with all its children (torchrun puts its ranks in sessions of their own) once
+    ``folder`` exists."""
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + timeout
+    while not folder.is_dir():
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:] if proc.poll() else "slow"
+        time.sleep(0.1)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait()
+    psutil.wait_procs(tree, timeout=60)
+
+
+def _tips(db: Path) -> set[int]:
+    with TipMemory(db) as memory:
+        return {t.id for t in memory.all_tips()}
 
 
 def _check_export(out: Path, checkpoint: Path, run: Path, tiny_model: str) -> None:
