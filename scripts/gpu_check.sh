@@ -4,7 +4,9 @@
 # 1. the rollout-backend contract tests against HF and vLLM, and the real-engine tests (tests/test_vllm_engine.py:
 #    tokens, log-probs, weight syncs, a 2-iteration run with π_old recomputed); a vLLM SKIP here is a failure;
 # 2. a 2-iteration EMPO² run of the default model with each backend, printing generation tokens/s of HF vs vLLM;
-# 3. benchmarks/engines.py: start-up, env-steps/s and whole iterations of HF fp32, HF auto (bf16) and vLLM.
+# 3. benchmarks/engines.py: start-up, env-steps/s and whole iterations of HF fp32, HF auto (bf16) and vLLM;
+# 4. FSDP (train.sharding=fsdp): the sharding tests on NCCL, then a 2-iteration full fine-tuning run on every GPU
+#    (one GPU: a group of one) and `empo2 export` of its sharded checkpoint, loaded back by transformers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
@@ -47,3 +49,14 @@ EOF
 
 echo "== engines benchmark"
 "$PY" benchmarks/engines.py --out "$OUT/engines.json"
+
+echo "== FSDP"
+"$PY" -m pytest -q -rs tests/test_sharding.py -p no:cacheprovider | tee "$OUT/sharding.txt"
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+"$PY" -m torch.distributed.run --standalone --nproc_per_node="$GPUS" -m empo2.cli train --overwrite "${RUN[@]}" \
+  policy.lora=false train.learning_rate=1e-6 train.sharding=fsdp train.output_dir="$OUT/run_fsdp" \
+  > "$OUT/run_fsdp.log" 2>&1 || { tail -40 "$OUT/run_fsdp.log"; exit 1; }
+"$PY" -m empo2.cli export "$OUT/run_fsdp" "$OUT/fsdp_export"
+"$PY" -c "import sys, transformers; m = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1]); \
+print('FSDP export loads:', type(m).__name__, sum(p.numel() for p in m.parameters()), 'parameters')" "$OUT/fsdp_export"
+grep -h "peak" "$OUT/run_fsdp.log" | tail -2 || true

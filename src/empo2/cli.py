@@ -1,4 +1,4 @@
-"""``empo2`` command line: play · train · compare · eval · adapt · report · memory.
+"""``empo2`` command line: play · train · compare · eval · adapt · report · export · memory.
 
 User errors (bad config, unknown task or model, missing Java or data) print one line and exit with code 2.
 """
@@ -192,6 +192,9 @@ def policy_context(args, with_memory_path: Path | None):
         last = ckpt.latest_checkpoint(Path(args.run))
         if last is None:
             raise _config_error(f"{args.run} has no checkpoint")
+        if (last / "sharded").is_dir():
+            raise _config_error(f"{last} is sharded (train.sharding=fsdp): write Hugging Face weights with "
+                                f"`empo2 export {args.run} OUT`, then use --model OUT")
         if cfg.policy.lora:
             from peft import PeftModel
 
@@ -276,6 +279,15 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """A run's last checkpoint as a Hugging Face model folder that ``from_pretrained`` loads."""
+    from empo2.train.export import export
+
+    last = export(Path(args.run), Path(args.out))
+    print(json.dumps({"checkpoint": str(last), "out": str(args.out)}))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------------- main
 def cmd_play(args) -> int:
     from empo2.play import play
@@ -290,7 +302,7 @@ def _command(name: str):
 
         return run_memory_command
     return {"play": cmd_play, "train": cmd_train, "compare": cmd_compare, "eval": cmd_eval, "adapt": cmd_adapt,
-            "report": cmd_report}[name]
+            "report": cmd_report, "export": cmd_export}[name]
 
 
 def main(argv: list[str] | None = None) -> int:

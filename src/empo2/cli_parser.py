@@ -7,7 +7,7 @@ import argparse
 from empo2.experiments.arms import arms_help
 from empo2.memory.cli import add_memory_parser
 
-DESCRIPTION = "empo2 command line: play · train · compare · eval · adapt · report · memory."
+DESCRIPTION = "empo2 command line: play · train · compare · eval · adapt · report · export · memory."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="the paper's tables (ScienceWorld, WebShop, OOD) from run/compare/adapt folders")
     p.add_argument("folders", nargs="+", metavar="RUN_OR_COMPARE_DIR")
     p.add_argument("--out", required=True)
+
+    p = sub.add_parser("export", help="a run's last checkpoint (sharded or not, LoRA merged) as Hugging Face weights")
+    p.add_argument("run", metavar="RUN_DIR")
+    p.add_argument("out", metavar="OUT_DIR", help="a new (or empty) folder for config, safetensors and tokenizer")
 
     add_memory_parser(sub)
     return parser

@@ -123,6 +123,7 @@ def _generate_padded(model, tokenizer, prompts, max_new_tokens, do_sample, tempe
         return_dict_in_generate=True,
         output_logits=True,
         use_cache=True,
+        synced_gpus=False,  # transformers syncs FSDP ranks' steps; the sharded trainer gathers the whole model first
         **sampling,
         **neutral,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from empo2.policy import prefix as px
@@ -111,6 +112,8 @@ def _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id: int, ste
 
 def _split_head(model):
     """(decoder, output layer) when logits are a plain linear map of the decoder's last hidden state, else None."""
+    if isinstance(model, FSDPModule):  # FSDP gathers the root's weights (embeddings, output layer) in its forward only
+        return None
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if config is None or getattr(config, "final_logit_softcapping", None) or hasattr(config, "logit_scale"):

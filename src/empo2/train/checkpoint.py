@@ -3,7 +3,8 @@
 A checkpoint folder ``checkpoints/iter_000007/`` holds the adapter (or full model) as safetensors, ``optimizer.pt``
 (tensors and numbers only: read with ``torch.load(weights_only=True)``), ``state.json`` (iteration, counters,
 task-sampler / mode-sampler state, Python and numpy RNG states), ``state.safetensors`` (the torch RNG state and the
-novelty counts) and ``memory.sqlite``. A pickle is never unpickled, so a run folder from someone else cannot run
+novelty counts) and ``memory.sqlite``; under ``train.sharding: fsdp`` the weights and optimizer are a
+``sharded/`` folder of ``torch.distributed.checkpoint`` shards instead (:mod:`empo2.train.sharding`). A pickle is never unpickled, so a run folder from someone else cannot run
 code on ``--resume``. A crash while writing leaves only a ``.tmp-*`` folder that the next save removes.
 
 Older checkpoints kept their state in a pickled ``state.pt``; :func:`convert` rewrites one in this format, for a
@@ -73,16 +74,21 @@ def save_checkpoint(
     state: dict[str, Any],
     memory_copy: Callable[[Path], None] | None,
     keep: int,
+    weights: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint ``iteration`` atomically and keep only the newest ``keep``."""
+    """Write checkpoint ``iteration`` atomically and keep only the newest ``keep``; ``weights`` writes the model and
+    optimizer into the temporary folder instead of ``save_pretrained`` and ``optimizer.pt`` (sharded checkpoints)."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
     try:
-        model.save_pretrained(tmp / "model", safe_serialization=True)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if weights is not None:
+            weights(tmp)
+        else:
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         write_state(tmp, {**state, "iteration": iteration, "rng": rng_state()})
         if memory_copy is not None:
             memory_copy(tmp / "memory.sqlite")

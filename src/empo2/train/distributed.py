@@ -51,6 +51,8 @@ class Dist:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    sharded: bool = False
+    """The policy is sharded with FSDP (:mod:`empo2.train.sharding`): its gradients arrive reduce-scattered."""
 
     @property
     def enabled(self) -> bool:
@@ -109,6 +111,8 @@ class Dist:
         """
         if not self.enabled:
             return inputs_ok
+        if self.sharded:  # FSDP has summed each shard's gradient already: only the ranks' verdicts are combined
+            return self.all_reduce([0.0 if inputs_ok else 1.0])[0] == 0.0
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         device = grads[0].device
         flat = torch.cat([g.reshape(-1).float() for g in grads] +
@@ -122,8 +126,8 @@ class Dist:
         return bool(flat[-1].item() == 0.0)
 
     def broadcast_params(self, params: list[torch.nn.Parameter]) -> None:
-        """Make every rank's trainable weights rank 0's (start and resume)."""
-        if not self.enabled:
+        """Make every rank's trainable weights rank 0's (start and resume); sharded weights are one copy already."""
+        if not self.enabled or self.sharded:
             return
         with torch.no_grad():
             for p in params:
@@ -148,7 +152,7 @@ class Dist:
         random.seed(s), np.random.seed(s % 2**32), torch.manual_seed(s)
 
     def close(self) -> None:
-        if self.enabled and torch.distributed.is_initialized():
+        if (self.enabled or self.sharded) and torch.distributed.is_initialized():  # sharded: maybe a group of one
             torch.distributed.destroy_process_group()
 
     def _device(self) -> torch.device:

@@ -23,6 +23,7 @@ from urllib.parse import quote
 
 from empo2.config import Config, ConfigError
 from empo2.train import checkpoint as ckpt
+from empo2.train import sharding
 
 RESUME_SAFE = frozenset({
     "train.iterations", "train.output_dir", "train.progress", "train.tensorboard", "train.eval_every",
@@ -146,7 +147,10 @@ def truncate_samples(run_dir: Path, iteration: int) -> None:
 
 # ------------------------------------------------------------------------------------------------- checkpoints
 def load_checkpoint(folder: Path, lora: bool) -> tuple[Path, dict, dict, dict]:
-    """(folder, state, optimizer state, weights) of one checkpoint, all read (nothing executed)."""
+    """(folder, state, optimizer state, weights) of one checkpoint, all read (nothing executed); a sharded one's
+    optimizer state and weights are ``None``: every rank reads its own shards into the sharded model."""
+    if sharding.is_sharded(folder):
+        return folder, ckpt.load_state(folder), None, None
     return folder, ckpt.load_state(folder), ckpt.load_optimizer(folder), ckpt.read_weights(folder, lora)
 
 

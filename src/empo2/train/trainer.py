@@ -56,6 +56,7 @@ from empo2.policy.prefix import compute_options
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
+from empo2.train import sharding
 from empo2.train.batch import Batch, append_samples, batch_env_steps, iteration_record, no_signal_warnings
 from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
@@ -89,6 +90,8 @@ class Trainer:
 
         self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
         self.model = self._adapt(self.model)
+        if sharding.wanted(cfg):  # before the optimizer: it holds the sharded parameters
+            self.model = sharding.wrap(self.model, cfg, self.dist)
         self.compute = compute_options(cfg.policy, cfg.train)  # prefix sharing, compute dtype, log-prob chunks
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -143,7 +146,8 @@ class Trainer:
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed)
             self.ctx.backend.sync_weights(self.model)
         self.reflection = None
-        if self.use_memory and overlap_wanted(cfg.memory.overlap_reflection, self.model, self.ctx.backend):
+        overlap = overlap_wanted(cfg.memory.overlap_reflection, self.model, self.ctx.backend)
+        if self.use_memory and overlap and not self.dist.sharded:  # sharded: generation must gather, not copy
             self.reflection = BackgroundReflection(self.model, self.ctx.backend,
                                                    partial(autocast_context, self.model, cfg.policy.autocast))
 
@@ -185,8 +189,7 @@ class Trainer:
                 truncate_samples(self.run_dir, -1)
             return
         last, state, optimizer_state, weights = self.resume_from
-        self._load_weights(weights)
-        self.optimizer.load_state_dict(optimizer_state)
+        sharding.restore(self.model, self.optimizer, last, weights, optimizer_state, self.cfg.policy.lora)
         self.task_sampler.load_state_dict(state["task_sampler"])
         self.mode_sampler.load_state_dict(state["mode_sampler"])
         self.novelty.load_state_dict(state["novelty"])
@@ -201,14 +204,6 @@ class Trainer:
             truncate_samples(self.run_dir, state["iteration"])
         self.resume_from = (last,)  # the loaded tensors are not kept
         log.info("resumed from %s: next iteration %d", last, self.start_iteration)
-
-    def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        if self.cfg.policy.lora:
-            from peft import set_peft_model_state_dict
-
-            set_peft_model_state_dict(self.model, state)
-        else:
-            self.model.load_state_dict(state, strict=False)
 
     # ----------------------------------------------------------------------------------------------- loop
     def train(self, progress=None) -> dict[str, Any]:
@@ -281,7 +276,7 @@ class Trainer:
         self.ctx.sampling_seed = row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
         reset_peak_rss()
         signals.set_phase("the rollout", where=f"iteration {it}")
-        with timed(batch.seconds, "rollout"), autocast_context(self.model, cfg.policy.autocast):
+        with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast):
             batch.episodes, batch.stats = run_episodes(self.ctx, batch.specs, temperature=cfg.policy.temperature,
                                                        progress=partial(_rollout_progress, progress, it))
 
@@ -295,7 +290,7 @@ class Trainer:
             if self.reflection is not None:
                 batch.pending = self.reflection.start(self.ctx, batch.episodes, writers)
                 return
-            with timed(batch.stats, "memory_time"), autocast_context(self.model, self.cfg.policy.autocast):
+            with timed(batch.stats, "memory_time"), sharding.generating(self.model, self.cfg.policy.autocast):
                 reflect(self.ctx, batch.episodes, writers)
 
     def _novelty(self, batch: Batch) -> None:
@@ -350,7 +345,7 @@ class Trainer:
         cfg = self.cfg
         self.ctx.sampling_seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling \
             else None
-        with autocast_context(self.model, self.cfg.policy.autocast):
+        with sharding.generating(self.model, self.cfg.policy.autocast):
             result = evaluate(self.ctx, self.task_names, EvalPlan.from_config(cfg, self.pool_size, with_memory),
                               dist=self.dist)
         if self.dist.is_main:
@@ -358,7 +353,7 @@ class Trainer:
         return result
 
     def save(self, it: int) -> Path | None:
-        if not self.dist.is_main:
+        if not self.dist.is_main and not self.dist.sharded:  # sharded: every rank writes its shards
             return None
         state = {"task_sampler": self.task_sampler.state_dict(), "mode_sampler": self.mode_sampler.state_dict(),
                  "novelty": self.novelty.state_dict(), "zero_adv_streak": self.zero_adv_streak,
@@ -366,6 +361,9 @@ class Trainer:
                  "env_steps": self.env_steps,
                  "config": self.cfg.to_dict()}
         copy = self.memory.copy_to if self.memory is not None else None
+        if self.dist.sharded:
+            return sharding.save(self.run_dir, it, self.model, self.optimizer, state, copy,
+                                 self.cfg.train.keep_checkpoints, self.dist)
         return ckpt.save_checkpoint(self.run_dir, it, self.model, self.optimizer, state, copy,
                                     self.cfg.train.keep_checkpoints)
 

@@ -19,6 +19,7 @@ from empo2.policy.generate import scoring_temperature
 from empo2.policy.loader import autocast_context
 from empo2.policy.logprobs import micro_batches, response_logprobs, shared_micro_batches
 from empo2.train import distributed as dp
+from empo2.train import sharding
 from empo2.train.rows import UpdateRow
 
 log = logging.getLogger("empo2.train")
@@ -31,7 +32,7 @@ class PolicyUpdate:
                  options: px.ComputeOptions | None = None):
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.optimizer, self.loss_fn, self.dist = optimizer, loss_fn, dist
-        self.options = options or px.compute_options(cfg.policy, cfg.train)
+        self.options = sharding.update_options(options or px.compute_options(cfg.policy, cfg.train), cfg)
         """Compute options of the forwards without grad (reference and tip-free log-probs)."""
         # A checkpointed layer runs without the shared head's KV cache (transformers drops it; replaying would append
         # to it twice), so with gradient checkpointing every training row runs its whole prompt.
@@ -57,9 +58,13 @@ class PolicyUpdate:
             return {"rows": 0, "computed_rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0,
                     "skipped_steps": 0}
         live = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
-        gap = self._trainer_old_logp(live) if self.old_logprobs == "trainer" else {}
+        gap = {}
+        if self.old_logprobs == "trainer":
+            with sharding.gathered(model):  # each rank's own number of forwards: no collective inside
+                gap = self._trainer_old_logp(live)
         if cfg.algo.off_policy_ratio == "tip_free":
-            self._tip_free_old_logp(live)
+            with sharding.gathered(model):  # one forward per row of this rank's: no collective inside
+                self._tip_free_old_logp(live)
         model.train()
         sums: Counter = Counter()
         n_mb = steps = skipped = 0
@@ -97,11 +102,14 @@ class PolicyUpdate:
         heads = px.heads_once_per_step([r.train_prompt for r in live], min_shared) \
             if self.shared and live else nullcontext()
         with heads as step_heads:
-            for batch in token_batches(live, self.cfg.train.micro_batch_tokens, self.shared, min_shared):
+            batches = token_batches(live, self.cfg.train.micro_batch_tokens, self.shared, min_shared)
+            idle = sharding.idle_count(self.dist, len(batches))  # FSDP: as many passes as the busiest rank
+            for batch in batches:
                 metrics, batch_ok = self._backward(batch, tokens, count, step_heads)
                 ok &= batch_ok
                 sums.update(metrics)
                 n_mb += 1
+        sharding.idle_passes(self.model, idle, self._reference if self.cfg.algo.beta > 0 else None)
         return ok, n_mb
 
     def _backward(self, batch: list[UpdateRow], mini_tokens: float, mini_rows: float,
@@ -131,6 +139,8 @@ class PolicyUpdate:
         ok = metrics.get("skipped", 0.0) == 0.0
         if ok:
             (loss * share).backward()
+        elif self.dist.sharded:  # every FSDP rank joins each backward's reduce-scatter; this one adds zero
+            (logp_new.sum() * 0.0).backward()
         return metrics, ok
 
     def _step(self, inputs_ok: bool) -> bool:
