@@ -89,7 +89,8 @@ def run_arm(name: str, args) -> dict:
             rec = trainer.iteration(it)
             loss = rec["loss"]
             out["iterations"].append({"seconds": time.perf_counter() - t, "rollout_s": rec["time"]["rollout"],
-                                      "update_s": rec["time"]["update"], "ratio_max": loss.get("ratio_max"),
+                                      "update_s": rec["time"]["update"], "sync_s": rec["time"]["sync"],
+                                      "ratio_max": loss.get("ratio_max"),
                                       "old_logp_gap_mean": loss.get("old_logp_gap_mean"), "modes": rec["modes"]})
             print(f"[{name}] iteration {it}: {out['iterations'][-1]['seconds']:.1f} s", flush=True)
     finally:

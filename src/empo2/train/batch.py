@@ -37,7 +37,7 @@ class Batch:
     """One array per episode of :attr:`ran`: each step's advantage."""
     advantage_metrics: dict[str, float] = field(default_factory=dict)
     losses: dict[str, float] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "update": 0.0})
+    seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "update": 0.0, "sync": 0.0})
     """Wall time of the rollout (with the reflection or its start) and of the update (with the backend sync)."""
 
     @property
@@ -80,7 +80,7 @@ def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps
                    "rejected_reasons": dict(Counter(ep.tip_rejected for ep in episodes if ep.tip_rejected)),
                    "tips_used_per_step": mean_or_zero([len(s.tip_ids) for ep in episodes for s in ep.steps])},
         "time": {"memory": stats["memory_time"], "generate": stats["gen_time"], "env": stats["env_time"],
-                 "rollout": batch.seconds["rollout"], "update": batch.seconds["update"]},
+                 "rollout": batch.seconds["rollout"], "update": batch.seconds["update"], "sync": batch.seconds["sync"]},
         "tokens_per_s": {"generate": stats["gen_tokens"] / max(stats["gen_time"], 1e-9),
                          "update": batch.losses.get("tokens", 0) / max(batch.seconds["update"], 1e-9)},
         "long_prompts": stats["long_prompts"], "memory_peak_rss_gb": peak_rss_gb(),

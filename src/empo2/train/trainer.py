@@ -325,7 +325,7 @@ class Trainer:
             with timed(batch.stats, "memory_time"):
                 self.reflection.finish(self.ctx, batch.episodes, batch.pending)
         if self.ctx.backend is not None and batch.losses.get("optimizer_steps"):
-            with timed(batch.seconds, "update"):
+            with timed(batch.seconds, "sync"):
                 self.ctx.backend.sync_weights(self.model)
 
     def _record(self, batch: Batch) -> dict[str, Any]:
