@@ -22,7 +22,7 @@ README = ROOT / "README.md"
 MAX_LINES = 160
 MAIN_JOB = ("bash scripts/setup.sh && .venv/bin/empo2 train --config configs/scienceworld_learn_cpu.yaml "
             "train.iterations=2 --overwrite")
-TESTS_COMMAND = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
+TESTS_COMMAND = "bash scripts/test.sh"
 # A commit hash: 7-40 lowercase hex characters with a digit among them (English words such as "defaced" have none).
 COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console"}
