@@ -164,11 +164,20 @@ def _hf_greedy(model, tok, prompts, n) -> list[list[int]]:
 
 @pytest.mark.slow
 @needs_vllm
-def test_engine_samples_from_synced_sharded_full_weights(engine):
+def test_engine_samples_from_synced_sharded_full_weights(engine, monkeypatch):
     backend, tok, model, (sharded, changed), _ = engine
     prompts = _prompts(tok)
     before = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
+    reloaded, rpc = [], backend.llm.collective_rpc
+
+    def seen(method, *args, kwargs=None, **rest):  # the folder the engine reloads, as it is when it reads it
+        reloaded.append(sorted(p.name for p in Path(kwargs["weights_path"]).iterdir()))
+        return rpc(method, *args, kwargs=kwargs, **rest)
+
+    monkeypatch.setattr(backend.llm, "collective_rpc", seen)
     backend.sync_weights(sharded)
+    assert "model.safetensors.index.json" in reloaded[0]
+    assert sum(name.endswith(".safetensors") for name in reloaded[0]) == 32  # embeddings, 30 layers, final norm
     after = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
     assert after == _hf_greedy(changed, tok, prompts, 12)
     assert all(a != b for a, b in zip(after, before))
