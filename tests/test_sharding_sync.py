@@ -204,3 +204,34 @@ def test_engine_samples_from_synced_sharded_lora_adapter(engine):
     gens = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
     assert gens == _hf_greedy(reference, tok, prompts, 12)
     assert gens != _hf_greedy(model, tok, prompts, 12)
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_one_rank_fsdp_run_samples_from_the_synced_engine(engine, tmp_path, monkeypatch):
+    """The CLI's training loop under ``train.sharding=fsdp`` (a group of one) with ``policy.backend=vllm``: its own
+    engine (the module's is closed first: one engine at a time) takes the sharded LoRA weights at the start and
+    after every update, while the trainer's model stays sharded. The trainer recomputes π_old with its sharded model
+    over the engine's samples (``algo.old_logprobs=auto``) and they agree; what a sync writes is checked above."""
+    from empo2.cli import main
+    from empo2.policy import fsdp_save
+    from empo2.policy.vllm_backend import VLLMBackend
+
+    engine[0].close()
+    syncs, sync = [], VLLMBackend.sync_weights
+    monkeypatch.setattr(VLLMBackend, "sync_weights", lambda self, m: (syncs.append(fsdp_save.is_fsdp(m)), sync(self, m)))
+    run = tmp_path / "run"
+    rc = main(["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}", "train.iterations=1",
+               "algo.p_memory=1.0", "policy.backend=vllm", "train.sharding=fsdp", "policy.autocast=none",
+               "env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
+               "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
+               "train.progress=false", "train.tensorboard=false", "algo.intrinsic_weight=1.0"])
+    assert rc == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0]
+    steps = sum(1 for r in rows if r["loss"].get("optimizer_steps"))
+    assert steps >= 1 and syncs == [True] * (1 + steps)  # sharded weights at the start, then after every update
+    gaps = [r["loss"]["old_logp_gap_mean"] for r in rows if r["loss"].get("computed_rows")]
+    print(f"\nengine/trainer |Δ log π| per update: {gaps}")
+    assert gaps and all(0 <= g < 1e-3 for g in gaps)
+    assert (run / "checkpoints" / "iter_000000" / "sharded" / ".metadata").is_file()
