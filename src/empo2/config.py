@@ -137,8 +137,6 @@ class Config:
             (t.micro_batch_tokens >= 1 and t.mini_batch_size >= 0, "train.micro_batch_tokens >= 1 and "
              "train.mini_batch_size >= 0"),
             (t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens must be >= 1"),
-            (t.sharding == "none" or p.backend == "hf", "train.sharding=fsdp runs with policy.backend=hf only: "
-             "gathering sharded weights into a vLLM engine is not built"),
             (t.sharding == "none" or m.overlap_reflection is not True, "train.sharding=fsdp cannot overlap the "
              "reflection with the update (it would generate while the update holds the sharded weights); set "
              "memory.overlap_reflection=false"),

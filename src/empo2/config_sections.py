@@ -287,8 +287,9 @@ class TrainConfig:
     """``none``: every rank holds the whole model (data parallel). ``fsdp``: FSDP2 shards the weights, gradients and
     AdamW moments over the ranks per decoder layer (float32 masters; bfloat16 compute with ``policy.autocast:
     bfloat16``), for models whose full replica does not fit one GPU. Launched as ever (``torchrun``); one process
-    runs the same sharded code on a group of one. HF backend only; the update runs without prefix sharing;
-    checkpoints are sharded (``empo2 export RUN OUT`` writes Hugging Face weights). ``empo2.train.sharding``."""
+    runs the same sharded code on a group of one. With ``policy.backend: vllm`` each rank's engine takes the weights
+    gathered one decoder layer at a time; the update runs without prefix sharing; checkpoints are sharded (``empo2
+    export RUN OUT`` writes Hugging Face weights). ``empo2.train.sharding``."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
     eval_at_start: bool = False

@@ -14,7 +14,9 @@ Weight sync after every update, without restarting the engine:
 - Full weights: the model is saved as safetensors and the engine reloads them in place (``reload_weights``);
   copying tensors into the engine's modules does not work on CPU, where vLLM repacks linear weights.
 
-Either way the prefix cache is cleared: its blocks hold KV computed with the old weights.
+Either way the prefix cache is cleared: its blocks hold KV computed with the old weights. A model sharded with FSDP
+(``train.sharding: fsdp``) is written by :mod:`empo2.policy.fsdp_save`, gathered one decoder layer at a time into each
+rank's own folder, so no rank holds a second full copy of the weights beside its shards and its engine.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from empo2.policy import fsdp_save
 from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation
 
@@ -117,7 +120,10 @@ class VLLMBackend:
     def sync_weights(self, model) -> None:
         """Make the engine sample from ``model``'s current weights (LoRA adapter or full weights)."""
         folder = self._new_folder()
-        model.save_pretrained(folder)  # a PEFT model writes its adapter, a plain model its full safetensors
+        if fsdp_save.is_fsdp(model):  # every rank, together: the weights are gathered one decoder layer at a time
+            fsdp_save.save_pretrained(model, folder)
+        else:
+            model.save_pretrained(folder)  # a PEFT model writes its adapter, a plain model its full safetensors
         if hasattr(model, "peft_config"):
             from vllm.lora.request import LoRARequest
 

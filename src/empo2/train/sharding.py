@@ -10,7 +10,9 @@ it runs, its gradients reduce-scattered after), so all ranks must run the same f
 
 - Generation (rollouts, reflection, evaluation) and per-row scoring run different amounts of work on each rank, so
   they run inside :func:`gathered`: the whole model is all-gathered once, by all ranks together, and the forwards
-  inside need no collective. It holds one full copy of the weights in the compute dtype, as vLLM would.
+  inside need no collective. It holds one full copy of the weights in the compute dtype, as vLLM would. With
+  ``policy.backend: vllm`` the engines generate and nothing is gathered for it; each rank's engine takes the new
+  weights after an update one decoder layer at a time (:mod:`empo2.policy.fsdp_save`).
 - The update runs each optimizer step's micro-batches on every rank; a rank with fewer runs :func:`idle_passes`
   (zero-loss passes over one token) until it has run as many as the busiest one. Its training forwards run without
   prefix sharing: the shared heads are extra forwards whose number depends on this rank's rows.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -106,11 +108,13 @@ def gathered(model: torch.nn.Module):
 
 
 @contextmanager
-def generating(model: torch.nn.Module, autocast: str):
-    """The compute context of rollouts, reflection and evaluation: :func:`gathered`, under ``policy.autocast``."""
+def generating(model: torch.nn.Module, autocast: str, backend=None):
+    """The compute context of rollouts, reflection and evaluation: :func:`gathered`, under ``policy.autocast``. With a
+    separate rollout ``backend`` (vLLM) the engine generates from its own copy and the model runs no forward, so
+    nothing is gathered: the trainer holds only its shards beside the engine."""
     from empo2.policy.loader import autocast_context
 
-    with gathered(model), autocast_context(model, autocast):
+    with nullcontext() if backend is not None else gathered(model), autocast_context(model, autocast):
         yield
 
 

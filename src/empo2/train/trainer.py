@@ -276,7 +276,7 @@ class Trainer:
         self.ctx.sampling_seed = row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
         reset_peak_rss()
         signals.set_phase("the rollout", where=f"iteration {it}")
-        with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast):
+        with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
             batch.episodes, batch.stats = run_episodes(self.ctx, batch.specs, temperature=cfg.policy.temperature,
                                                        progress=partial(_rollout_progress, progress, it))
 
@@ -290,7 +290,8 @@ class Trainer:
             if self.reflection is not None:
                 batch.pending = self.reflection.start(self.ctx, batch.episodes, writers)
                 return
-            with timed(batch.stats, "memory_time"), sharding.generating(self.model, self.cfg.policy.autocast):
+            with timed(batch.stats, "memory_time"), sharding.generating(self.model, self.cfg.policy.autocast,
+                                                                        self.ctx.backend):
                 reflect(self.ctx, batch.episodes, writers)
 
     def _novelty(self, batch: Batch) -> None:
@@ -345,7 +346,7 @@ class Trainer:
         cfg = self.cfg
         self.ctx.sampling_seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling \
             else None
-        with sharding.generating(self.model, self.cfg.policy.autocast):
+        with sharding.generating(self.model, self.cfg.policy.autocast, self.ctx.backend):
             result = evaluate(self.ctx, self.task_names, EvalPlan.from_config(cfg, self.pool_size, with_memory),
                               dist=self.dist)
         if self.dist.is_main:
