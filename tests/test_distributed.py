@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from empo2.cli import main
 from empo2.memory.store import TipMemory
+from processes import kill_tree
 
 ARGS = ["--config", "configs/scienceworld_cpu.yaml", "env.tasks=[find-animal]", "env.max_steps=2",
         "env.eval_variations=1", "algo.num_generations=2", "train.tasks_per_batch=2", "policy.few_shot=0",
@@ -99,17 +98,8 @@ def test_two_ranks_killed_then_resumed(tmp_path, tiny_model):
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:] if proc.poll() else "slow"
         time.sleep(0.2)
     time.sleep(1.0)  # now inside iteration 1
-    # the launcher, both ranks and their JVMs, as a crash would: torchrun starts its workers in sessions of their
-    # own, so the process group alone would leave rank 0 running (and holding the run folder's lock)
-    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    os.killpg(proc.pid, signal.SIGKILL)
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    kill_tree(proc.pid)  # the launcher, both ranks and their JVMs, as a crash would
     proc.wait()
-    psutil.wait_procs(tree, timeout=60)
     tips_before = {t[0] for t in _tips(run / "memory.sqlite")}
     assert tips_before
 

@@ -14,7 +14,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -22,6 +21,7 @@ from safetensors.torch import load_file
 from empo2.cli import main
 from empo2.config import Config, ConfigError
 from empo2.memory.store import TipMemory
+from processes import kill_tree
 
 WORKER = str(Path(__file__).with_name("sharding_worker.py"))
 TRAIN_ARGS = ["--config", "configs/scienceworld_cpu.yaml", "env.tasks=[find-animal]", "env.max_steps=2",
@@ -129,14 +129,8 @@ def _kill_when(cmd: list[str], folder: Path, timeout: float = 600) -> None:
     while not folder.is_dir():
         assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-4000:] if proc.poll() else "slow"
         time.sleep(0.1)
-    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    for p in tree:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
+    kill_tree(proc.pid)
     proc.wait()
-    psutil.wait_procs(tree, timeout=60)
 
 
 def _tips(db: Path) -> set[int]:
