@@ -8,5 +8,5 @@ bash scripts/setup.sh
 .venv/bin/python -m pytest -q "$@"
 if [ "${EMPO2_TEST_VLLM:-1}" = 1 ]; then
   EMPO2_VENV=.venv-vllm EMPO2_VLLM=1 bash scripts/setup.sh
-  .venv-vllm/bin/python -m pytest -q tests/test_backend.py tests/test_vllm_engine.py
+  .venv-vllm/bin/python -m pytest -q tests/test_backend.py tests/test_vllm_engine.py tests/test_sharding_sync.py
 fi
