@@ -38,7 +38,8 @@ class Batch:
     advantage_metrics: dict[str, float] = field(default_factory=dict)
     losses: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "update": 0.0, "sync": 0.0})
-    """Wall time of the rollout (with the reflection or its start) and of the update (with the backend sync)."""
+    """Wall time of the rollout (with the reflection or its start), of the update, and of the separate rollout
+    engine's weight sync (vLLM)."""
 
     @property
     def ran(self) -> list[Episode]:
