@@ -131,10 +131,11 @@ def iterations(run: Path) -> list[int]:
 @pytest.mark.slow
 def test_live_run_owns_its_folder_and_survives_a_killed_jvm(tmp_path, tiny_model):
     """While a trainer runs: a second trainer on its folder exits 2 naming the owner (nothing else written),
-    ``memory stats`` reads without the lock, and kill -9 of one JVM costs that episode only."""
+    ``memory stats`` reads without the lock, and kill -9 of the JVMs costs each its episode only."""
     run = tmp_path / "run"
-    # three iterations: the JVM is killed just after iteration 0's checkpoint, so iteration 1's rollout or, if that
-    # was already over, iteration 2's meets the dead worker (a fast, quiet machine finishes a tiny rollout in ~1 s)
+    # Both workers' JVMs are killed after the first checkpoint. A later training rollout or, on a machine fast
+    # enough to finish them during the checks above, the final evaluation meets a dead worker: whichever worker
+    # that uses, it is one of the killed ones.
     proc = start_train(run, tiny_model, "train.iterations=3")
     seen: set[int] = set()
     try:
@@ -152,7 +153,8 @@ def test_live_run_owns_its_folder_and_survives_a_killed_jvm(tmp_path, tiny_model
         victims = javas(proc.pid)
         seen |= {p.pid for p in victims}
         assert len(victims) == 2
-        victims[0].kill()  # one JVM dies during iteration 1 (or before iteration 2's rollout)
+        for victim in victims:
+            victim.kill()
         rc, err = finish(proc, seen)
     finally:
         if proc.poll() is None:
@@ -160,7 +162,9 @@ def test_live_run_owns_its_folder_and_survives_a_killed_jvm(tmp_path, tiny_model
     assert rc == 0, err[-3000:]
     assert iterations(run) == [0, 1, 2]  # the run went on; nothing repeated
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert sum(r["train"]["failed_episodes"] for r in rows) >= 1
+    final = json.loads((run / "eval" / "final.json").read_text())["summary"]
+    lost = sum(r["train"]["failed_episodes"] for r in rows) + final["failed_episodes"]
+    assert 1 <= lost <= len(victims)  # each dead JVM cost at most the episode it was serving
     assert not [p for p in seen if pid_alive(p)]  # no JVM left
     assert (run / LOCK_NAME).read_text() == ""  # released
 
