@@ -338,3 +338,36 @@ def test_report_prints_cis_and_paired_differences_from_stored_episodes(tmp_path,
     assert pair["ci"][0] < 0 < pair["ci"][1]  # −15.0 ± 21.5 on three seeds
     printed = capsys.readouterr().out
     assert pair["verdict"] in printed and "| grpo − empo2 | 3 | " in printed and "paired t-test" in printed
+
+
+def _same_results(run: Path) -> dict:
+    """What a run computed, without its timings: eval episodes, per-iteration metrics, the tips it wrote."""
+    from empo2.memory.store import TipMemory
+
+    rows = [{k: v for k, v in row.items() if k not in ("time", "tokens_per_s", "memory_peak_rss_gb")}
+            for row in _metrics(run)]
+    with TipMemory(run / "memory.sqlite") as store:
+        tips = sorted(tip.text for tip in store.all_tips())
+    evals = {tag: json.loads((run / "eval" / f"{tag}.json").read_text())["episodes"] for tag in ("start", "final")}
+    return {"metrics": rows, "tips": tips, "evals": evals}
+
+
+@pytest.mark.slow
+def test_runs_at_once_give_the_results_of_runs_one_after_another(tmp_path, tiny_model, capfd, monkeypatch):
+    """``--jobs 2``: the seed's second run waits for the first one's start eval and then runs beside it; every run
+    computes what it computes alone (the same torch threads in both comparisons)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = ["--algos", "grpo,empo2", "--seeds", "0", f"policy.model={tiny_model}", *TINY, "train.iterations=3"]
+    apart, together = tmp_path / "apart", tmp_path / "together"
+    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(apart), *args]) == 0
+    capfd.readouterr()
+    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(together), "--jobs", "2", *args]) == 0
+    printed = capfd.readouterr().out
+    assert "2 runs, 2 at a time" in printed
+    assert "empo2-seed0: start eval (untrained model, seed 0) reused from grpo-seed0" in printed
+    for name in ("grpo-seed0", "empo2-seed0"):
+        assert _same_results(together / "runs" / name) == _same_results(apart / "runs" / name), name
+        assert "final eval (no memory" in (together / "logs" / f"{name}.log").read_text()
+    took = {m[0]: (float(m[1]), float(m[2])) for m in
+            re.findall(r"\] (\S+): done in (\d+)s \(total (\d+)s\)", printed)}
+    assert max(t for _, t in took.values()) < sum(d for d, _ in took.values()), took  # they overlapped

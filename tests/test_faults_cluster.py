@@ -259,6 +259,34 @@ def test_compare_passes_sigterm_to_its_run(tmp_path, tiny_model):
 
 
 @pytest.mark.slow
+def test_compare_with_two_jobs_passes_sigterm_to_both_runs(tmp_path, tiny_model):
+    """``--jobs 2``: two seeds train at once; SIGTERM to compare reaches each run once, each stops cleanly and says so
+    in its own log, compare waits for both and exits 143, and nothing is left going."""
+    out = tmp_path / "cmp"
+    names = ("grpo-seed0", "grpo-seed1")
+    proc = Run("compare", "--config", CONFIG, "--algos", "grpo", "--seeds", "0-1", "--out", str(out), "--jobs", "2",
+               f"policy.model={tiny_model}", *SMALL, "train.iterations=2")
+    try:
+        deadline = time.time() + 600
+        while not all((out / "runs" / n / "config.yaml").is_file() for n in names):  # both are set up at once
+            assert time.time() < deadline and proc.proc.poll() is None, proc.text()[-3000:]
+            time.sleep(0.2)
+        proc.signal(signal.SIGTERM)
+        rc = proc.finish()
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
+    assert rc == 143, proc.text()[-3000:]
+    assert proc.last_line().startswith("stopped by SIGTERM during compare, 2 runs at once"), proc.text()[-1000:]
+    for name in names:
+        log = (out / "logs" / f"{name}.log").read_text()
+        assert log.count("stopped by SIGTERM during ") == 1, log[-2000:]
+        assert (out / "runs" / name / LOCK_NAME).read_text() == ""
+        assert f"{name}: FAILED" not in proc.text()
+    assert proc.left_behind() == []
+
+
+@pytest.mark.slow
 def test_ctrl_c_to_compares_group_reaches_its_run_once(tmp_path, tiny_model):
     """Ctrl-C in a terminal signals the whole foreground process group. The run compare starts is in its own
     session, so it gets the signal once, passed on by compare: with ``train.preempt_save`` it finishes and saves the

@@ -162,7 +162,8 @@ def cmd_compare(args) -> int:
     from empo2.train.runlock import RunLock
 
     args.exit_stack.enter_context(RunLock(Path(args.out)))  # a second compare on this folder is refused, naming it
-    return run_compare(args.config, args.algos, args.seeds, Path(args.out), list(args.overrides), check_run_inputs)
+    return run_compare(args.config, args.algos, args.seeds, Path(args.out), list(args.overrides), check_run_inputs,
+                       args.jobs)
 
 
 # ---------------------------------------------------------------------------------------------------- eval/adapt

@@ -62,6 +62,9 @@ def _add_run_parsers(sub) -> None:
                         f"gigpo-std: std norm; ablations: {arms_help()}")
     p.add_argument("--seeds", default="0-2", help="seed values, never a count: 3 (seed 3), 1,4,7, 0-4 (seeds 0 to 4)")
     p.add_argument("--out", required=True, help="comparison folder (runs/, summary.md, summary.json, curves.png)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="runs at once (default 1); each gets CPUs/N torch threads unless OMP_NUM_THREADS is set, and "
+                        "writes to OUT/logs/<run>.log")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every run")
 
 

@@ -6,10 +6,10 @@ sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gig
 ``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``; an ablation arm of
 :mod:`empo2.experiments.arms` (``empo2-no-offpolicy`` …) sets its algorithm, its settings and ``algo.arm``, the label
 ``report`` shows). ``--seeds`` names seed values:
-``3``, ``1,4,7``, ``0-4``. Runs go one after another, each in its own ``empo2 train`` subprocess and session: a crash
-in one run cannot take the others down, and the model, the environment workers (ScienceWorld JVMs) and the CUDA
-context are freed when the run ends instead of piling up in one long-lived process. Re-running the same command
-skips finished runs and resumes unfinished ones (``--resume``).
+``3``, ``1,4,7``, ``0-4``. Runs go one after another (``--jobs N``: N at once, see :func:`run_all`), each in its own
+``empo2 train`` subprocess and session: a crash in one run cannot take the others down, and the model, the
+environment workers (ScienceWorld JVMs) and the CUDA context are freed when the run ends instead of piling up in one
+long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``).
 
 The untrained model's start eval is played once per seed: the first arm of a seed runs it, and a later arm with the
 same model, seed and eval settings (:func:`start_eval_key`) gets a copy in its folder instead (``reused_from`` in
@@ -25,6 +25,7 @@ differences) and ``curves.png`` (eval score vs environment steps, 95% CI band).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -62,14 +63,17 @@ class RunPlan:
 
 
 def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overrides: list[str],
-                check: Callable[[Config], None] | None = None) -> int:
+                check: Callable[[Config], None] | None = None, jobs: int = 1) -> int:
     """The ``empo2 compare`` command: validate every run, run/resume/skip them, summarise. 0 = all finished."""
     from empo2.envs.factory import env_label
 
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be 1 or more (runs at once), got {jobs}")
     algos, seeds = parse_algos(algos_text), parse_seeds(seeds_text)
     plans = plan_runs(config, algos, seeds, out, overrides, check)
-    say(f"empo2 compare: {', '.join(algos)} × seeds {seeds} = {len(plans)} runs → {out}")
-    failed = run_all(plans, config, overrides)
+    at_once = f", {jobs} at a time" if jobs > 1 else ""
+    say(f"empo2 compare: {', '.join(algos)} × seeds {seeds} = {len(plans)} runs{at_once} → {out}")
+    failed = run_all(plans, config, overrides, jobs, out / "logs")
     meta = {"config": config, "overrides": overrides, "algos": algos, "seeds": seeds,
             "label": env_label(plans[0].cfg.env)}
     write_summary(plans, out, meta, algos)
@@ -283,31 +287,6 @@ def train_command(plan: RunPlan, config: str, overrides: list[str], status: str)
     return cmd + [*overrides, *_own_overrides(plan.algo, plan.seed, plan.folder)]
 
 
-def run_one(cmd: list[str]) -> int:
-    """Run one training subprocess; its output goes straight to this terminal.
-
-    It runs in its own session, so a Ctrl-C typed in the terminal reaches only this process, which passes it on
-    once (a scheduler signals this process alone anyway). A run told to stop is waited for, however long its
-    ``train.preempt_save`` checkpoint takes, never killed from here; every further signal is passed on as well, and
-    a second one stops the run at once, as it stops ``empo2 train``.
-    """
-    from empo2.signals import SIGNALS, Stopped
-
-    # preexec_fn: one prctl call of a library loaded before the fork, nothing that takes a lock other threads hold
-    proc = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent())  # noqa: PLW1509
-    try:
-        return proc.wait()
-    except Stopped as stop:
-        previous = {signum: signal.signal(signum, lambda signum, _: proc.send_signal(signum)) for signum in SIGNALS}
-        try:
-            proc.send_signal(stop.signum)
-            proc.wait()
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
-        raise
-
-
 def _die_with_parent() -> Callable[[], None] | None:
     """A child hook that SIGTERMs the run if this process dies (``kill -9`` included): in its own session no group
     or terminal signal reaches it any more. Linux only (``prctl(PR_SET_PDEATHSIG)``); libc is loaded here, before
@@ -320,30 +299,68 @@ def _die_with_parent() -> Callable[[], None] | None:
     return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
-def run_all(plans: list[RunPlan], config: str, overrides: list[str]) -> list[str]:
-    """Run, resume or skip every plan in order; returns the names of runs that failed."""
-    failed, t_all = [], time.perf_counter()
-    for i, plan in enumerate(plans, 1):
-        head = f"[{i}/{len(plans)}] {plan.name}"
+def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int = 1,
+            logs: Path | None = None) -> list[str]:
+    """Run, resume or skip every plan in order, ``jobs`` at a time; returns the names of runs that failed.
+
+    One run at a time writes to this terminal. With ``jobs`` > 1 each run writes to ``logs/<run>.log`` and gets
+    :func:`~empo2.experiments.parallel.threads_per_job` torch threads, and a run waits while another run of its seed
+    is still playing the start eval it can reuse. Each run is its own process with its own seeds, so running several
+    at once changes their wall time, not their results.
+    """
+    from empo2.experiments.parallel import run_at_most, threads_per_job
+
+    failed, t_all, heads = [], time.perf_counter(), {}
+    env = {**os.environ, "OMP_NUM_THREADS": threads_per_job(jobs)} if jobs > 1 else None
+
+    def launch(i: int) -> subprocess.Popen | None:
+        plan, heads[i] = plans[i], f"[{i + 1}/{len(plans)}] {plans[i].name}"
         status = run_status(plan)
         if status == "finished":
-            say(f"{head}: finished already, skipped")
-            continue
-        say(f"{head}: {'resuming' if status == 'resume' else 'starting'} → {plan.folder}")
+            say(f"{heads[i]}: finished already, skipped")
+            return None
+        log = None if logs is None or jobs == 1 else logs / f"{plan.name}.log"
+        say(f"{heads[i]}: {'resuming' if status == 'resume' else 'starting'} → {plan.folder}"
+            + (f" (output: {log})" if log else ""))
         if donor := share_start_eval(plan, plans, status):
-            say(f"{head}: start eval (untrained model, seed {plan.seed}) reused from {donor}")
-        set_phase(f"compare run {plan.name} (its own line above says where it stopped)")
-        t0 = time.perf_counter()
-        rc = run_one(train_command(plan, config, overrides, status))
-        took = time.perf_counter() - t0
+            say(f"{heads[i]}: start eval (untrained model, seed {plan.seed}) reused from {donor}")
+        set_phase(f"compare run {plan.name} (its own line above says where it stopped)" if log is None else
+                  f"compare, {jobs} runs at once (each run's log in {logs} says where it stopped)")
+        return _spawn(train_command(plan, config, overrides, status), log, env)
+
+    def ready(i: int, running: list[int]) -> bool:
+        key = start_eval_key(plans[i].cfg)
+        return not any(start_eval_key(plans[j].cfg) == key and not (plans[j].folder / "eval" / "start.json").is_file()
+                       for j in running)
+
+    def finish(i: int, rc: int, took: float) -> None:
+        plan = plans[i]
         if rc != 0 or run_status(plan) != "finished":
             failed.append(plan.name)
-            say(f"{head}: FAILED (exit {rc}) after {took:.0f}s; re-run the same command to resume it")
-            continue
+            say(f"{heads[i]}: FAILED (exit {rc}) after {took:.0f}s; re-run the same command to resume it")
+            return
         final = _final(plan)["summary"]
-        say(f"{head}: done in {took:.0f}s (total {time.perf_counter() - t_all:.0f}s) · final score "
+        say(f"{heads[i]}: done in {took:.0f}s (total {time.perf_counter() - t_all:.0f}s) · final score "
             f"{final['score_mean']:.1f} · success {final['success_rate']:.2f}")
+
+    run_at_most(jobs, range(len(plans)), launch, ready, finish)
     return failed
+
+
+def _spawn(cmd: list[str], log: Path | None, env: dict[str, str] | None) -> subprocess.Popen:
+    """One training subprocess in its own session, so a Ctrl-C typed in the terminal reaches only this process,
+    which passes it on (:mod:`empo2.experiments.parallel`); its output goes to this terminal or to ``log``."""
+    out = None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        out = log.open("ab")
+    try:
+        # preexec_fn: one prctl call of a library loaded before the fork, nothing that takes a lock other threads hold
+        return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent(),  # noqa: PLW1509
+                                stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+    finally:
+        if out is not None:
+            out.close()  # the child holds its own copy
 
 
 # ---------------------------------------------------------------------------------------------------- summary

@@ -6,6 +6,7 @@ Writes ``eval/<tag>.json`` and ``eval/<tag>.md`` (a per-task table).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,9 @@ def write_eval_tables(result: dict[str, Any], folder: Path, tag: str, label: str
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     js, md = folder / f"{tag}.json", folder / f"{tag}.md"
-    js.write_text(json.dumps({"label": label, **result}, indent=2))
     md.write_text(markdown_table(result, label))
+    # the JSON last and whole: a compare run that reuses this start eval waits for it and reads it at once
+    tmp = folder / f".{tag}.json.tmp"
+    tmp.write_text(json.dumps({"label": label, **result}, indent=2))
+    os.replace(tmp, js)
     return js, md
