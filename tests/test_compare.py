@@ -21,6 +21,7 @@ from empo2.experiments import stats
 from empo2.experiments.compare import (
     parse_seeds,
     plan_runs,
+    run_status,
     share_start_eval,
     start_eval_key,
 )
@@ -121,6 +122,24 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     resumed = next(r for r in json.loads((out / "summary.json").read_text())["runs"] if r["name"] == cut.name)
     assert f"| {cut.name} | empo2 | 1 | {resumed['start']:.1f} | {resumed['score']:.1f} |" in \
         (out / "summary.md").read_text()
+
+
+def test_a_record_without_checkpoints_is_finished_only_after_its_last_iteration(tmp_path):
+    """A comparison's folders kept without checkpoints (committed to git, copied to another machine) are skipped as
+    finished when their metrics reach the last iteration and the final eval exists; otherwise they are not."""
+    (plan,) = plan_runs("configs/webshop_cpu.yaml", ["grpo"], [0], tmp_path, TINY)  # train.iterations=2
+    assert run_status(plan) == "fresh"
+    plan.folder.mkdir(parents=True)
+    plan.cfg.save(plan.folder / "config.yaml")
+    (plan.folder / "eval").mkdir()
+    (plan.folder / "eval" / "final.json").write_text("{}")
+    (plan.folder / "metrics.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
+    assert run_status(plan) == "resume"
+    with (plan.folder / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"iteration": 1}) + "\n")
+    assert run_status(plan) == "finished"
+    (plan.folder / "eval" / "final.json").unlink()
+    assert run_status(plan) == "resume"
 
 
 def test_user_errors_write_nothing(tmp_path, capsys):

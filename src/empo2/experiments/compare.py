@@ -40,6 +40,7 @@ from empo2.experiments.arms import ARMS
 from empo2.policy.precision import settle_autocast
 from empo2.signals import set_phase
 from empo2.train import checkpoint as ckpt
+from empo2.train.metrics import read_metrics
 
 SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "train.seed", "train.output_dir",
                   "train.eval_at_start")
@@ -213,14 +214,22 @@ def _flat(d: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- running
 def run_status(plan: RunPlan) -> str:
-    """``finished`` (final eval written after the last iteration's checkpoint), ``resume`` or ``fresh``."""
+    """``finished`` (final eval written after the last iteration), ``resume`` or ``fresh``."""
     if not (plan.folder / "config.yaml").is_file():
         return "fresh"
-    last = ckpt.latest_checkpoint(plan.folder)
-    last_it = int(last.name[len(ckpt.PREFIX):]) if last is not None else -1
-    if (plan.folder / "eval" / "final.json").is_file() and last_it == plan.cfg.train.iterations - 1:
+    if (plan.folder / "eval" / "final.json").is_file() and last_iteration(plan.folder) == plan.cfg.train.iterations - 1:
         return "finished"
     return "resume"
+
+
+def last_iteration(folder: Path) -> int:
+    """The last iteration a run folder completed: its newest checkpoint's, or, in a folder kept without checkpoints
+    (a comparison's record, committed or copied elsewhere), the last row of ``metrics.jsonl``; -1 for neither."""
+    last = ckpt.latest_checkpoint(folder)
+    if last is not None:
+        return int(last.name[len(ckpt.PREFIX):])
+    rows = read_metrics(folder)
+    return int(rows[-1]["iteration"]) if rows else -1
 
 
 def start_eval_key(cfg: Config) -> dict[str, Any]:
