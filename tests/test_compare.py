@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from empo2 import machine
 from empo2.cli import main
 from empo2.config import Config
 from empo2.experiments import stats
@@ -105,6 +106,10 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     assert printed.count("start eval (no memory") == 2  # played by the grpo runs only
     assert "empo2-seed1: start eval (untrained model, seed 1) reused from grpo-seed1" in printed
     assert printed.count("env=webshop-fixture tasks=webshop model=") == 4  # each run's banner names its data
+    for r in summary["runs"]:  # where each run computed: one start line, shown in the runs table
+        (where,) = machine.read(out / "runs" / r["name"])
+        assert where["event"] == "start" and r["machines"] == [where] and where["torch_threads"] == 1
+        assert md.count(f"| {r['env_steps']} | {machine.short(where)} |") >= 1
 
     # cut one run short (its last checkpoint and final eval gone), keep the others: the same command again
     cut = out / "runs" / "empo2-seed1"
@@ -119,6 +124,7 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     assert {n: (out / "runs" / n / "metrics.jsonl").read_bytes() for n in before} == before  # no new iterations
     assert [x["iteration"] for x in _metrics(cut)] == [0, 1]  # iteration 1 redone once, nothing repeated
     assert (cut / "eval" / "final.json").is_file() and (cut / "checkpoints" / "iter_000001").is_dir()
+    assert [m["event"] for m in machine.read(cut)] == ["start", "resume"]
     resumed = next(r for r in json.loads((out / "summary.json").read_text())["runs"] if r["name"] == cut.name)
     assert f"| {cut.name} | empo2 | 1 | {resumed['start']:.1f} | {resumed['score']:.1f} |" in \
         (out / "summary.md").read_text()

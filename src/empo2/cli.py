@@ -45,7 +45,7 @@ def cmd_train(args) -> int:
     from rich.console import Console
     from rich.markup import escape
 
-    from empo2 import allocator, signals
+    from empo2 import allocator, machine, signals
     from empo2.envs.factory import env_label
     from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
@@ -81,6 +81,7 @@ def cmd_train(args) -> int:
             trainer.close()
         return 0
     cfg.save(run_dir / "config.yaml")
+    machine.record(run_dir, "resume" if args.resume else "start")
     try:
         with ProgressBar(console, cfg.train.progress) as progress:
             final = trainer.train(progress)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from empo2 import machine
 from empo2.experiments import arms, stats
 from empo2.train.metrics import read_metrics
 
@@ -46,7 +47,8 @@ def run_result(plan) -> dict[str, Any]:
             "start_from": start.get("reused_from") if start is not None else None,
             "episodes": [[e["task"], e["variation"]] for e in final["episodes"]],
             "env_steps": env_steps, "iterations": t.iterations,
-            "train_episodes": t.iterations * t.tasks_per_batch * plan.cfg.algo.num_generations, "curve": curve}
+            "train_episodes": t.iterations * t.tasks_per_batch * plan.cfg.algo.num_generations, "curve": curve,
+            "machines": machine.read(plan.folder)}
 
 
 def aggregate(results: list[dict[str, Any]], algos: list[str]) -> dict[str, dict[str, Any]]:
@@ -127,11 +129,13 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
                       ""]
         lines += [f"Method: {summary_stats['method']}", ""]
     lines += ["## Runs", "", ("| run | algorithm | seed | start score | final score | success | eval episodes | "
-                              "train episodes | env steps |"), "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+                              "train episodes | env steps | machine (CPU or GPU, widest vector flag, torch threads) |"),
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         start = "n/a" if r.get("start") is None else f"{r['start']:.1f}"
+        where = ", ".join(dict.fromkeys(machine.short(m) for m in r.get("machines", []))) or "not recorded"
         lines.append(f"| {r['name']} | {r['algo']} | {r['seed']} | {start} | {r['score']:.1f} | {r['success']:.2f} "
-                     f"| {len(r['episodes'])} | {r['train_episodes']} | {r['env_steps']} |")
+                     f"| {len(r['episodes'])} | {r['train_episodes']} | {r['env_steps']} | {where} |")
     if missing:
         lines += ["", f"Not finished (left out above): {', '.join(missing)}. Re-run the same command to resume them."]
     return "\n".join(lines) + "\n"

@@ -1,0 +1,79 @@
+"""Where a run computed: ``machine.jsonl`` in the run folder gets one line at each start and resume.
+
+The runs of one comparison may be spread over machines (a long protocol continued on another day or host). Float32
+kernels round differently on CPUs with other vector units and at other thread counts, so the same seed can sample
+other episodes there; this record lets a reader see which runs shared a kind of machine and a code version.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from empo2.policy.precision import cpu_flags
+
+RECORD = "machine.jsonl"
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The ``/proc/cpuinfo`` flags that choose the matmul kernels (and ``policy.autocast: auto``) on an x86-64 CPU."""
+
+
+def describe() -> dict[str, Any]:
+    """This process's machine: CPU model and vector flags, cores it may use, torch's threads and build, the GPU (if
+    any) and the code version."""
+    import torch
+
+    from empo2 import __version__
+
+    flags = cpu_flags() or set()
+    return {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": _cpu_model(), "isa": [f for f in ISA_FLAGS if f in flags],
+            "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "empo2": __version__, "commit": _commit()}
+
+
+def record(run_dir: Path, event: str) -> dict[str, Any]:
+    """Append this machine, tagged ``event`` (``start`` or ``resume``), to the run folder's record; returns it."""
+    entry = {"event": event, **describe()}
+    with (Path(run_dir) / RECORD).open("a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return entry
+
+
+def read(run_dir: Path) -> list[dict[str, Any]]:
+    """The run folder's record, oldest first (empty for a run made before it existed)."""
+    path = Path(run_dir) / RECORD
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def short(entry: dict[str, Any]) -> str:
+    """One machine in a table cell: ``AMD EPYC avx512_bf16 ×1`` (the widest vector flag, torch threads)."""
+    widest = entry["isa"][-1] if entry.get("isa") else "no-avx2"
+    return f"{entry.get('gpu') or entry.get('cpu') or '?'} {widest} ×{entry.get('torch_threads', '?')}"
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _commit() -> str | None:
+    """``git describe --always --dirty`` of the checkout this package runs from, or ``None`` (an installed wheel)."""
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
