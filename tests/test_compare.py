@@ -17,7 +17,7 @@ import pytest
 
 from empo2 import machine
 from empo2.cli import main
-from empo2.config import Config
+from empo2.config import Config, ConfigError
 from empo2.experiments import stats
 from empo2.experiments.compare import (
     parse_seeds,
@@ -145,7 +145,11 @@ def test_a_record_without_checkpoints_is_finished_only_after_its_last_iteration(
         f.write(json.dumps({"iteration": 1}) + "\n")
     assert run_status(plan) == "finished"
     (plan.folder / "eval" / "final.json").unlink()
-    assert run_status(plan) == "resume"
+    assert run_status(plan) == "resume"  # stopped in its final eval: kept this way, it cannot be resumed
+    with pytest.raises(ConfigError, match="kept without its checkpoints and has not finished"):
+        plan_runs("configs/webshop_cpu.yaml", ["grpo"], [0], tmp_path, TINY)
+    (plan.folder / "metrics.jsonl").write_text(json.dumps({"iteration": 0}) + "\n{half a line")
+    assert plan_runs("configs/webshop_cpu.yaml", ["grpo"], [0], tmp_path, TINY)  # no further than iteration 0: a crash before the first checkpoint
 
 
 def test_user_errors_write_nothing(tmp_path, capsys):

@@ -20,7 +20,8 @@ def test_the_vector_flags_agree_with_lscpu():
     me = machine.describe()
     assert me["isa"] == [f for f in machine.ISA_FLAGS if f in flags]
     assert me["torch_threads"] == torch.get_num_threads() and me["torch"] == torch.__version__
-    assert me["cpus"] >= 1 and me["gpu"] is None
+    assert me["cpus"] >= 1
+    assert me["gpu"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
 
 
 def test_each_start_and_resume_appends_one_line(tmp_path):
@@ -30,4 +31,5 @@ def test_each_start_and_resume_appends_one_line(tmp_path):
     assert lines == [first, second] and [m["event"] for m in lines] == ["start", "resume"]
     assert machine.read(tmp_path / "no-such-run") == []
     widest = first["isa"][-1] if first["isa"] else "no-avx2"
-    assert machine.short(first) == f"{first['cpu']} {widest} ×{torch.get_num_threads()}"
+    gpu = f" + {first['gpu']}" if first["gpu"] else ""
+    assert machine.short(first) == f"{first['cpu'] or '?'} {widest} ×{torch.get_num_threads()}{gpu}"

@@ -200,6 +200,30 @@ def test_unknown_key_and_task_write_nothing(tmp_path, capsys):
     assert not run.exists()
 
 
+def test_a_resume_with_more_iterations_drops_the_old_final_eval(tmp_path, tiny_model, monkeypatch):
+    """A finished run extended by ``--resume … train.iterations=2`` that crashes before its new last checkpoint keeps
+    no final eval from before: nothing may read the folder as finished (``compare`` skips finished runs)."""
+    from empo2.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "grpo", f"train.output_dir={run}",
+                 "train.iterations=1", f"policy.model={tiny_model}", "env.max_steps=2", "env.eval_variations=1",
+                 "algo.num_generations=2", "policy.max_completion_length=8", "train.progress=false"]) == 0
+    assert (run / "eval" / "final.json").is_file()
+
+    def crash(self, it):
+        raise RuntimeError("the machine went away before the checkpoint")
+
+    monkeypatch.setattr(Trainer, "save", crash)
+    try:
+        rc = main(["train", "--resume", str(run), "train.iterations=2"])
+    except RuntimeError:
+        rc = 1
+    assert rc != 0
+    assert [r["iteration"] for r in _metrics(run)] == [0, 1]  # iteration 1 ran, its checkpoint never came
+    assert not (run / "eval" / "final.json").exists() and not (run / "eval" / "final.md").exists()
+
+
 def test_overwrite_starts_a_fresh_run(tmp_path, tiny_model):
     run = tmp_path / "again"
     args = ["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}", "train.iterations=1",

@@ -52,9 +52,11 @@ def read(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def short(entry: dict[str, Any]) -> str:
-    """One machine in a table cell: ``AMD EPYC avx512_bf16 ×1`` (the widest vector flag, torch threads)."""
+    """One machine in a table cell: ``AMD EPYC avx512_bf16 ×1`` (the widest vector flag, torch threads), then the
+    GPU if the machine has one."""
     widest = entry["isa"][-1] if entry.get("isa") else "no-avx2"
-    return f"{entry.get('gpu') or entry.get('cpu') or '?'} {widest} ×{entry.get('torch_threads', '?')}"
+    gpu = f" + {entry['gpu']}" if entry.get("gpu") else ""
+    return f"{entry.get('cpu') or '?'} {widest} ×{entry.get('torch_threads', '?')}{gpu}"
 
 
 def _cpu_model() -> str | None:
@@ -68,12 +70,17 @@ def _cpu_model() -> str | None:
 
 
 def _commit() -> str | None:
-    """``git describe --always --dirty`` of the checkout this package runs from, or ``None`` (an installed wheel)."""
+    """The commit of the checkout this package runs from, ``+changes`` when the package's own files differ from it
+    (not the rest of the tree: a comparison continued in a checkout changes its tracked results); ``None`` for an
+    installed wheel."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None
+        changed = git("diff", "--quiet", "HEAD", "--", ".").returncode != 0
     except (OSError, subprocess.TimeoutExpired):
         return None
-    if out.returncode != 0:
-        return None
-    return out.stdout.strip() or None
+    return head.stdout.strip() + ("+changes" if changed else "")

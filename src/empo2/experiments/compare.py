@@ -40,7 +40,6 @@ from empo2.experiments.arms import ARMS
 from empo2.policy.precision import settle_autocast
 from empo2.signals import set_phase
 from empo2.train import checkpoint as ckpt
-from empo2.train.metrics import read_metrics
 
 SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "train.seed", "train.output_dir",
                   "train.eval_at_start")
@@ -156,6 +155,7 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
                 check(cfg)
             plan = RunPlan(algo, seed, folder, cfg)
             _check_same_settings(plan)
+            _check_resumable(plan)
             plans.append(plan)
     return plans
 
@@ -224,12 +224,25 @@ def run_status(plan: RunPlan) -> str:
 
 def last_iteration(folder: Path) -> int:
     """The last iteration a run folder completed: its newest checkpoint's, or, in a folder kept without checkpoints
-    (a comparison's record, committed or copied elsewhere), the last row of ``metrics.jsonl``; -1 for neither."""
+    (a comparison's record, committed or copied elsewhere), the highest in ``metrics.jsonl``; -1 for neither."""
     last = ckpt.latest_checkpoint(folder)
     if last is not None:
         return int(last.name[len(ckpt.PREFIX):])
-    rows = read_metrics(folder)
-    return int(rows[-1]["iteration"]) if rows else -1
+    path, done = Path(folder) / "metrics.jsonl", -1
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            done = max(done, int(json.loads(line)["iteration"]))
+        except (ValueError, KeyError, TypeError):  # a half-written or hand-damaged line says nothing
+            continue
+    return done
+
+
+def _check_resumable(plan: RunPlan) -> None:
+    """A folder kept without checkpoints that has not finished cannot be resumed: ``train --resume`` would start it
+    again from iteration 0 and drop its metrics. (Without checkpoints and past iteration 0 means they were removed.)"""
+    if ckpt.latest_checkpoint(plan.folder) is None and last_iteration(plan.folder) >= 1 and run_status(plan) != "finished":
+        raise ConfigError(f"{plan.folder} was kept without its checkpoints and has not finished (no final eval "
+                          "after its last iteration): put its checkpoints/ back, or delete the folder to run it again")
 
 
 def start_eval_key(cfg: Config) -> dict[str, Any]:
