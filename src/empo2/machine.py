@@ -80,7 +80,7 @@ def _commit() -> str | None:
         head = git("rev-parse", "--short", "HEAD")
         if head.returncode != 0:
             return None
-        changed = git("diff", "--quiet", "HEAD", "--", ".").returncode != 0
+        changed = bool(git("status", "--porcelain", "--", ".").stdout.strip())  # edited or new files
     except (OSError, subprocess.TimeoutExpired):
         return None
     return head.stdout.strip() + ("+changes" if changed else "")

@@ -239,8 +239,11 @@ def last_iteration(folder: Path) -> int:
 
 def _check_resumable(plan: RunPlan) -> None:
     """A folder kept without checkpoints that has not finished cannot be resumed: ``train --resume`` would start it
-    again from iteration 0 and drop its metrics. (Without checkpoints and past iteration 0 means they were removed.)"""
-    if ckpt.latest_checkpoint(plan.folder) is None and last_iteration(plan.folder) >= 1 and run_status(plan) != "finished":
+    again from iteration 0 and drop its metrics. Metrics past the first checkpoint's iteration (``save_every`` − 1)
+    without any checkpoint mean they were removed; up to it, the run stopped before its first save and restarts."""
+    first_save = plan.cfg.train.save_every - 1
+    if ckpt.latest_checkpoint(plan.folder) is None and last_iteration(plan.folder) > first_save \
+            and run_status(plan) != "finished":
         raise ConfigError(f"{plan.folder} was kept without its checkpoints and has not finished (no final eval "
                           "after its last iteration): put its checkpoints/ back, or delete the folder to run it again")
 

@@ -129,7 +129,7 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
                       ""]
         lines += [f"Method: {summary_stats['method']}", ""]
     lines += ["## Runs", "", ("| run | algorithm | seed | start score | final score | success | eval episodes | "
-                              "train episodes | env steps | machine (CPU or GPU, widest vector flag, torch threads) |"),
+                              "train episodes | env steps | machine (CPU, widest vector flag, torch threads, GPU) |"),
               "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         start = "n/a" if r.get("start") is None else f"{r['start']:.1f}"

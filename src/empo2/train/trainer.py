@@ -217,8 +217,8 @@ class Trainer:
             ckpt.set_rng_state(rng)
             self.ctx.step_counter = counter
             self._say(f"start eval (no memory, {cfg.env.eval_split}): score {start['summary']['score_mean']:.1f}")
-        if self.dist.is_main and self.start_iteration < cfg.train.iterations:  # a resume with more iterations
-            for stale in ("final.json", "final.md"):  # the old final eval no longer describes this run
+        if self.dist.is_main and self.start_iteration < cfg.train.iterations:  # training is left to do, so
+            for stale in ("final.json", "final.md"):  # a final eval already here (a resume that added iterations) is old
                 (self.run_dir / "eval" / stale).unlink(missing_ok=True)
         for it in range(self.start_iteration, cfg.train.iterations):
             t_iter = time.perf_counter()
