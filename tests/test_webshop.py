@@ -15,7 +15,7 @@ from empo2.envs.webshop import WebShopEnv, load_catalog
 from empo2.envs.webshop.catalog import OFFICIAL_FILES, Product, parse_options, parse_pricing
 from empo2.envs.webshop.goals import Goal
 from empo2.envs.webshop.reward import attribute_matches, normalize_color, option_matches, title_nouns, type_reward
-from empo2.envs.webshop.search import analyze
+from empo2.envs.webshop.search import PAGE_SIZE, analyze
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "webshop"
 
@@ -188,6 +188,21 @@ def test_action_correction_keeps_raw_and_corrected():
     assert env.step("   ").info["invalid"]  # empty output stays an invalid no-op
     r = env.step("click[Buy Now!]")
     assert r.info["action"] == "click[buy now]" and r.done
+
+
+def test_action_correction_takes_a_product_title_for_its_link():
+    env = WebShopEnv(action_correction=True)
+    env.reset("webshop", 0)
+    env.step("search[body lotion]")
+    results = env._s.hits[:PAGE_SIZE]
+    second = env.catalog.by_asin[results[1]]
+    r = env.step(f"click[{second.title}]")
+    assert r.info["action"] == f"click[{second.asin.lower()}]" and second.title in r.observation
+    env.step("click[< prev]")  # back on the results page
+    r = env.step(f"I would buy the {second.title.lower()}")
+    assert r.info["action"] == f"click[{second.asin.lower()}]"
+    env.step("click[< prev]")
+    assert env.step("click[next page please]").info["action"] == "click[next >]"  # navigation still wins its words
 
 
 def test_demonstration_uses_other_goals(env):

@@ -54,6 +54,7 @@ class _Session:
     done: bool = False
     observation: str = ""
     clickables: list[str] = field(default_factory=list)
+    title_clicks: dict[str, str] = field(default_factory=dict)  # click[<title>] → click[<asin>] on a results page
 
 
 class WebShopEnv:
@@ -188,6 +189,7 @@ class WebShopEnv:
             start = (s.page_no - 1) * PAGE_SIZE
             hits = [self.catalog.by_asin[a] for a in s.hits[start:start + PAGE_SIZE]]
             s.observation, s.clickables = pages.results_page(hits, s.page_no, len(s.hits), PAGE_SIZE)
+            s.title_clicks = {f"click[{p.title.lower()}]": f"click[{p.asin.lower()}]" for p in hits}
         elif s.page == "item":
             s.observation, s.clickables = pages.item_page(self.catalog.by_asin[s.asin])
         elif s.page == "sub":
@@ -200,7 +202,8 @@ class WebShopEnv:
         return clicks if clicks else [SEARCH_TEMPLATE]
 
     def _correct(self, s: _Session, text: str) -> str:
-        """Map free-form output to a valid action: ``search[...]`` stays; else the closest valid click (rapidfuzz)."""
+        """Map free-form output to a valid action: ``search[...]`` stays; else the closest valid click (rapidfuzz),
+        where a product's title on a results page stands for its link."""
         parsed = parse_action(text)
         if not (text or "").strip():
             return ""  # nothing to correct: an invalid no-op
@@ -214,8 +217,11 @@ class WebShopEnv:
             query = parsed[1] if parsed else re.sub(r"^\s*search\b[:\s]*", "", line, flags=re.I)
             return f"search[{query}]" if query else text
         candidate = f"click[{parsed[1]}]" if parsed else line
-        best = process.extractOne(candidate.lower(), clicks, scorer=fuzz.ratio)
-        return best[0] if best else text
+        # A model names a product by its title more often than by its ASIN: on a results page a title counts as its
+        # product's link, else such text lands nearest to the short "back to search".
+        means = {c: c for c in clicks} | (s.title_clicks if s.page == "results" else {})
+        best = process.extractOne(candidate.lower(), list(means), scorer=fuzz.ratio)
+        return means[best[0]] if best else text
 
     def _gold(self, variation: int) -> list[str]:
         """search (the instruction stem, else the title) → [next >]* → click target → click options → buy now."""
