@@ -40,3 +40,28 @@ def test_a_table_cell_names_the_widest_vector_flag_and_the_gpu():
     assert machine.short(cpu) == "AMD EPYC avx512_bf16 ×1"
     assert machine.short({**cpu, "isa": [], "cpu": None, "gpu": "NVIDIA H200", "torch_threads": 16}) == \
         "? no-avx2 ×16 + NVIDIA H200"
+
+
+def _git_repo(root, package_dir):
+    package_dir.mkdir(parents=True)
+    (package_dir / "__init__.py").write_text("")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    for args in (["init", "-q"], ["add", "."], ["commit", "-q", "-m", "x"]):
+        subprocess.run(["git", *args], cwd=root, check=True, env=env, capture_output=True)
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                          text=True).stdout.strip()
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="git missing: the commit record was not tested")
+def test_the_commit_is_recorded_only_for_this_projects_own_checkout(tmp_path):
+    own = tmp_path / "checkout"
+    head = _git_repo(own, own / "src" / "empo2")
+    assert machine._commit(own / "src" / "empo2") == head
+    (own / "src" / "empo2" / "new.py").write_text("")
+    assert machine._commit(own / "src" / "empo2") == head + "+changes"
+    # A wheel installed into a virtual environment that lives inside some other project's checkout.
+    other = tmp_path / "project"
+    _git_repo(other, other / ".venv" / "lib" / "python3.11" / "site-packages" / "empo2")
+    assert machine._commit(other / ".venv" / "lib" / "python3.11" / "site-packages" / "empo2") is None
+    assert machine._commit(tmp_path / "checkout" / "src") is None

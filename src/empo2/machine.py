@@ -69,18 +69,19 @@ def _cpu_model() -> str | None:
     return None
 
 
-def _commit() -> str | None:
+def _commit(package: Path = Path(__file__).parent) -> str | None:
     """The commit of the checkout this package runs from, ``+changes`` when the package's own files differ from it
     (not the rest of the tree: a comparison continued in a checkout changes its tracked results); ``None`` for an
-    installed wheel."""
+    installed wheel, also one installed into a virtual environment inside some other git checkout."""
     def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+        return subprocess.run(["git", *args], cwd=package, capture_output=True, text=True, timeout=10)
 
     try:
+        top = git("rev-parse", "--show-toplevel")
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() / "src" / "empo2" != package.resolve():
+            return None  # not this project's own checkout
         head = git("rev-parse", "--short", "HEAD")
-        if head.returncode != 0:
-            return None
         changed = bool(git("status", "--porcelain", "--", ".").stdout.strip())  # edited or new files
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return head.stdout.strip() + ("+changes" if changed else "")
+    return head.stdout.strip() + ("+changes" if changed else "") if head.returncode == 0 else None
