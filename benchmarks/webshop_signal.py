@@ -67,6 +67,8 @@ def main() -> None:
     unknown = [n for n in names if n not in SETTINGS]
     if unknown:
         parser.error(f"unknown setting(s) {unknown}; choose from {list(SETTINGS)}")
+    if args.episodes < 1:
+        parser.error("--episodes must be at least 1")
 
     me = machine.describe()
     print(f"machine: {me['cpu']}, flags {' '.join(me['isa']) or 'none'}, {me['cpus']} cores, torch {me['torch']}")

@@ -81,7 +81,9 @@ def _commit(package: Path = Path(__file__).parent) -> str | None:
         if top.returncode != 0 or Path(top.stdout.strip()).resolve() / "src" / "empo2" != package.resolve():
             return None  # not this project's own checkout
         head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None  # a repository without commits
         changed = bool(git("status", "--porcelain", "--", ".").stdout.strip())  # edited or new files
     except (OSError, subprocess.TimeoutExpired):
         return None
-    return head.stdout.strip() + ("+changes" if changed else "") if head.returncode == 0 else None
+    return head.stdout.strip() + ("+changes" if changed else "")
