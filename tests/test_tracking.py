@@ -13,6 +13,7 @@ import math
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,35 @@ def test_tensorboard_and_wandb_hold_the_scalars_of_metrics_jsonl(tmp_path, tiny_
     assert config["train"]["report_to"] == ["tensorboard", "wandb"]  # the run's config travels with it
 
 
+def test_a_resumed_run_continues_its_wandb_run_and_an_overwritten_one_starts_a_new_one(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb", reason="wandb is a test extra (pip install -e '.[dev]')")
+    from empo2.train.metrics import MetricsLog
+    from empo2.train.runlock import clear_run_folder
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    run.mkdir()
+
+    def process(iteration: int) -> set[str]:
+        """One training process logging one iteration; the W&B run ids of every process so far."""
+        time.sleep(1.1)  # W&B names an offline run's folder by the second it started
+        log = MetricsLog(run, ["wandb"], {})
+        log.log({"iteration": iteration, "train": {"score_mean": float(iteration)}})
+        log.close()
+        wandb.teardown()  # what the process's exit does: the W&B service writes out what it holds
+        return {record.run.run_id for path in run.glob("wandb/offline-run-*/run-*.wandb")
+                for record in _wandb_records(path) if record.WhichOneof("record_type") == "run"}
+
+    first = process(0)
+    assert len(first) == 1, sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    assert process(1) == first  # the resumed process wrote to the same W&B run
+    assert len(list(run.glob("wandb/offline-run-*"))) == 2
+    clear_run_folder(run)  # train --overwrite
+    assert not (run / "wandb").exists()
+    assert process(0).isdisjoint(first)
+
+
 def test_mlflow_holds_the_same_scalars_as_tensorboard(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow", reason="mlflow is optional and not installed: untested here")
     from empo2.train.metrics import MetricsLog
@@ -142,6 +172,7 @@ def test_trackers_are_imported_only_when_named(tmp_path):
     ``none`` and ``train.tensorboard=false`` write no events."""
     script = """
 import sys
+import time
 from pathlib import Path
 from empo2.config import Config
 from empo2.train.metrics import MetricsLog, check_trackers, trackers

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import resource
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -86,14 +87,19 @@ class _TensorBoard:
 
 
 class _WandB:
-    """One W&B run per training process, its files under ``RUN/wandb``; ``WANDB_MODE=offline`` keeps it local
-    (``wandb sync`` uploads it later) and ``WANDB_PROJECT`` names the project (default ``empo2``)."""
+    """One W&B run per run folder, its files under ``RUN/wandb``: a resumed run continues the W&B run its first
+    process opened (the id kept in ``RUN/wandb/run-id``). ``WANDB_MODE=offline`` keeps it local (``wandb sync``
+    uploads it later) and ``WANDB_PROJECT`` names the project (default ``empo2``)."""
 
     def __init__(self, run_dir: Path, config: dict):
         import wandb
 
+        id_file = run_dir / "wandb" / "run-id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
+        id_file.parent.mkdir(exist_ok=True)
+        id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "empo2"), name=run_dir.name,
-                              dir=str(run_dir), config=config)
+                              dir=str(run_dir), config=config, id=run_id, resume="allow")
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)

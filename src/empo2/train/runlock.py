@@ -20,8 +20,8 @@ RUN_MARKER = ".empo2-run"
 """Written into a run folder when a run starts there: ``train --overwrite`` empties only folders that hold it (or,
 for runs made before the marker existed, nothing but what a run writes: :data:`RUN_LAYOUT`)."""
 RUN_LAYOUT = {"config.yaml", "metrics.jsonl", "memory.sqlite", "memory.sqlite-wal", "memory.sqlite-shm",
-              "memory.sqlite-journal", "checkpoints", "eval", "tb", "trajectories.jsonl", "scores.png", "modes.png",
-              "memory.png", "machine.jsonl", LOCK_NAME, RUN_MARKER}
+              "memory.sqlite-journal", "checkpoints", "eval", "tb", "wandb", "trajectories.jsonl", "scores.png",
+              "modes.png", "memory.png", "machine.jsonl", LOCK_NAME, RUN_MARKER}
 
 
 class RunLockError(RuntimeError):
