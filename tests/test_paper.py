@@ -145,7 +145,7 @@ def test_adapt_presets_reflexion_and_ood_report(tmp_path, tiny_model):
 
 
 def _ctx_args(**kw):
-    base = dict(run=None, model=None, env=None, tasks=None, max_steps=2, batch=1)
+    base = dict(run=None, model=None, config=None, env=None, tasks=None, max_steps=2, batch=1)
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -168,6 +168,26 @@ def test_reflections_are_shown_and_weight_changes_are_caught(tiny_model):
             adapt.run_trials(ctx, ["webshop"], 1, "test", 1, 0.4, 1, "reflexion", say=tamper)
     finally:
         ctx.pool.close()
+
+
+def test_an_untrained_model_plays_under_a_given_config(tmp_path, tiny_model, capsys):
+    config = tmp_path / "trained.yaml"  # the settings a trained run would have played under
+    config.write_text("env: {name: webshop, max_steps: 3}\n"
+                      "policy: {history_window: 3, max_completion_length: 9, few_shot: 0}\nmemory: {top_k_tips: 2}\n")
+    cfg, ctx = policy_context(_ctx_args(model=tiny_model, config=str(config), max_steps=None), None)
+    try:
+        assert cfg.policy.model == tiny_model and cfg.env.max_steps == 3
+        assert (ctx.policy_cfg.history_window, ctx.policy_cfg.max_completion_length, ctx.policy_cfg.few_shot,
+                ctx.memory_cfg.top_k_tips) == (3, 9, 0, 2)
+    finally:
+        ctx.pool.close()
+    run, out = tmp_path / "run", tmp_path / "out"
+    run.mkdir()
+    assert main(["adapt", "--run", str(run), "--config", str(config), "--out", str(out)]) == 2
+    assert main(["adapt", "--preset", "bio1-to-bio2", "--out", str(out)]) == 2
+    assert not out.exists()  # refused before anything is written
+    err = capsys.readouterr().err
+    assert "--config goes with --model" in err and "give --run RUN_DIR, --model NAME or --config YAML" in err
 
 
 def test_method_labels():

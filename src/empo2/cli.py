@@ -183,7 +183,8 @@ def policy_context(args, with_memory_path: Path | None):
     if args.run:
         cfg = Config.load(Path(args.run) / "config.yaml")
     else:
-        cfg = Config.load(None, [f"policy.model={args.model}"])
+        config = getattr(args, "config", None)
+        cfg = Config.load(config, [f"policy.model={args.model}"] if args.model else [])
     for key, value in (("env.name", args.env), ("env.tasks", args.tasks), ("env.max_steps", args.max_steps)):
         if value:
             cfg.set(key, value)  # typed like a config override: "a, b" → [a, b]
@@ -214,12 +215,20 @@ def policy_context(args, with_memory_path: Path | None):
     return cfg, ctx
 
 
+def check_policy_source(args) -> None:
+    """What eval and adapt play, checked before they write anything: a run folder (its checkpoint and config), or a
+    model and/or a config (an untrained model played under a trained run's settings)."""
+    if args.run and args.config:
+        raise _config_error("--config goes with --model: a run folder plays under its own config.yaml")
+    if not (args.run or args.model or args.config):
+        raise _config_error("give --run RUN_DIR, --model NAME or --config YAML")
+
+
 def cmd_eval(args) -> int:
     from empo2.envs.factory import env_label, resolve_tasks
     from empo2.train.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
 
-    if not args.run and not args.model:
-        raise _config_error("give --run RUN_DIR or --model NAME")
+    check_policy_source(args)
     mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
     if args.with_memory and mem_path is None:
         raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
@@ -245,8 +254,7 @@ def cmd_adapt(args) -> int:
     from empo2.train.runlock import LOCK_NAME
 
     args.env, args.tasks = adapt.resolve_tasks(args.preset, args.tasks, args.max_tasks, args.env)
-    if not args.run and not args.model:
-        raise _config_error("give --run RUN_DIR or --model NAME")
+    check_policy_source(args)
     out = Path(args.out)
     _own_run_folder(args, out)  # a second adapt into the same folder is refused here, naming the first
     if any(p.name != LOCK_NAME for p in out.iterdir()):

@@ -74,6 +74,8 @@ def _add_eval_adapt_parsers(sub) -> None:
         p = sub.add_parser(name, help=helptext)
         p.add_argument("--run", help="run folder (uses its last checkpoint and config)")
         p.add_argument("--model", default=None, help="a model name instead of a run")
+        p.add_argument("--config", help="with --model or alone: play under this YAML's policy, memory and env settings "
+                                        "(the config a run trained with, for an untrained baseline played alike)")
         p.add_argument("--env", help="environment registry name (default: the run's)")
         p.add_argument("--tasks", help="comma-separated task or task-set names")
         p.add_argument("--split", default="dev" if name == "eval" else "test")
