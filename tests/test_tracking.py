@@ -113,7 +113,7 @@ def test_tensorboard_and_wandb_hold_the_scalars_of_metrics_jsonl(tmp_path, tiny_
     assert config["train"]["report_to"] == ["tensorboard", "wandb"]  # the run's config travels with it
 
 
-def test_a_resumed_run_continues_its_wandb_run_and_an_overwritten_one_starts_a_new_one(tmp_path, monkeypatch):
+def test_a_resumed_run_continues_its_wandb_run_unless_it_replays_iterations(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="wandb is a test extra (pip install -e '.[dev]')")
     from empo2.train.metrics import MetricsLog
     from empo2.train.runlock import clear_run_folder
@@ -123,23 +123,27 @@ def test_a_resumed_run_continues_its_wandb_run_and_an_overwritten_one_starts_a_n
     run = tmp_path / "run"
     run.mkdir()
 
-    def process(iteration: int) -> set[str]:
-        """One training process logging one iteration; the W&B run ids of every process so far."""
+    def process(iteration: int, kept_through: int | None = None) -> str:
+        """A training process (a resume from the checkpoint of ``kept_through``) logging one iteration: the id of
+        the W&B run it wrote to."""
         time.sleep(1.1)  # W&B names an offline run's folder by the second it started
-        log = MetricsLog(run, ["wandb"], {})
+        log = MetricsLog(run, ["wandb"], {}, kept_through)
         log.log({"iteration": iteration, "train": {"score_mean": float(iteration)}})
         log.close()
         wandb.teardown()  # what the process's exit does: the W&B service writes out what it holds
-        return {record.run.run_id for path in run.glob("wandb/offline-run-*/run-*.wandb")
-                for record in _wandb_records(path) if record.WhichOneof("record_type") == "run"}
+        newest = max(run.glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.stat().st_mtime)
+        [run_id] = {r.run.run_id for r in _wandb_records(newest) if r.WhichOneof("record_type") == "run"}
+        return run_id
 
     first = process(0)
-    assert len(first) == 1, sorted(str(p.relative_to(run)) for p in run.rglob("*"))
-    assert process(1) == first  # the resumed process wrote to the same W&B run
-    assert len(list(run.glob("wandb/offline-run-*"))) == 2
+    assert process(1, kept_through=0) == first  # killed after checkpoint 0's iteration: the same W&B run goes on
+    replayed = process(1, kept_through=0)  # killed after logging iteration 1, before its checkpoint: 1 is played again
+    assert replayed != first  # W&B would drop a step below its run's last
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1]
+    assert process(2, kept_through=1) == replayed
     clear_run_folder(run)  # train --overwrite
     assert not (run / "wandb").exists()
-    assert process(0).isdisjoint(first)
+    assert process(0) not in {first, replayed}
 
 
 def test_mlflow_holds_the_same_scalars_as_tensorboard(tmp_path, monkeypatch):
@@ -172,7 +176,6 @@ def test_trackers_are_imported_only_when_named(tmp_path):
     ``none`` and ``train.tensorboard=false`` write no events."""
     script = """
 import sys
-import time
 from pathlib import Path
 from empo2.config import Config
 from empo2.train.metrics import MetricsLog, check_trackers, trackers

@@ -38,19 +38,25 @@ class MetricsLog:
     """Appends each iteration's record to ``metrics.jsonl`` and its finite numeric leaves (``loss/rows``, …) to
     every tracker, at step = iteration, so all trackers hold the same scalars."""
 
-    def __init__(self, run_dir: Path, report_to: Sequence[str] = ("tensorboard",), config: dict | None = None):
+    def __init__(self, run_dir: Path, report_to: Sequence[str] = ("tensorboard",), config: dict | None = None,
+                 kept_through: int | None = None):
+        """``kept_through``: on a resume, the checkpoint's iteration (−1 for none); the lines of later iterations
+        are dropped, since the run plays them again, and a W&B run that holds them is not continued."""
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
-        opened = {"tensorboard": _TensorBoard, "wandb": _WandB, "mlflow": _MLflow}
+        replays = kept_through is not None and self.truncate_after(kept_through)
+        opened = {"tensorboard": _TensorBoard, "wandb": lambda d, c: _WandB(d, c, new_run=replays), "mlflow": _MLflow}
         self.trackers = [opened[name](run_dir, config or {}) for name in report_to]
 
-    def truncate_after(self, iteration: int) -> None:
-        """Drop lines of iterations after ``iteration`` (a run killed after logging but before its checkpoint)."""
+    def truncate_after(self, iteration: int) -> bool:
+        """Drop lines of iterations after ``iteration`` (a run killed after logging but before its checkpoint);
+        whether any was dropped."""
         if not self.path.is_file():
-            return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and _safe_iter(line) <= iteration]
+            return False
+        lines = [line for line in self.path.read_text().splitlines() if line.strip()]
+        kept = [line for line in lines if _safe_iter(line) <= iteration]
         self.path.write_text("".join(line + "\n" for line in kept))
+        return len(kept) < len(lines)
 
     def log(self, record: dict[str, Any]) -> None:
         with open(self.path, "a") as fh:
@@ -87,15 +93,16 @@ class _TensorBoard:
 
 
 class _WandB:
-    """One W&B run per run folder, its files under ``RUN/wandb``: a resumed run continues the W&B run its first
-    process opened (the id kept in ``RUN/wandb/run-id``). ``WANDB_MODE=offline`` keeps it local (``wandb sync``
-    uploads it later) and ``WANDB_PROJECT`` names the project (default ``empo2``)."""
+    """One W&B run per run folder, its files under ``RUN/wandb``: a resumed run continues the W&B run its last
+    process opened (the id kept in ``RUN/wandb/run-id``), unless it plays logged iterations again (``new_run``):
+    W&B ignores a step below its run's last, so those are logged to a new W&B run. ``WANDB_MODE=offline`` keeps it
+    local (``wandb sync`` uploads it later) and ``WANDB_PROJECT`` names the project (default ``empo2``)."""
 
-    def __init__(self, run_dir: Path, config: dict):
+    def __init__(self, run_dir: Path, config: dict, new_run: bool = False):
         import wandb
 
         id_file = run_dir / "wandb" / "run-id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:16]
+        run_id = id_file.read_text().strip() if id_file.is_file() and not new_run else uuid.uuid4().hex[:16]
         id_file.parent.mkdir(exist_ok=True)
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "empo2"), name=run_dir.name,

@@ -124,7 +124,10 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only now: a bad task/model/Java error writes nothing
         self.resume_from = pick_checkpoint(self.run_dir, cfg.policy.lora, self._say, self.dist) if resume else None
         self.memory = self._open_memory(resume) if self.use_memory else None
-        self.metrics = MetricsLog(self.run_dir, trackers(cfg.train), cfg.to_dict()) if self.dist.is_main else None
+        # a resume plays the iterations after its checkpoint again: their logged lines go before a tracker opens
+        kept_through = (self.resume_from[1]["iteration"] if self.resume_from else -1) if resume else None
+        self.metrics = MetricsLog(self.run_dir, trackers(cfg.train), cfg.to_dict(),
+                                  kept_through) if self.dist.is_main else None
         self.start_iteration = 0
         self.zero_adv_streak = 0
         self.resumed_step_counter = 0
@@ -183,8 +186,6 @@ class Trainer:
     def _restore(self) -> None:
         if self.resume_from is None:
             log.warning("no checkpoint in %s: starting from iteration 0", self.run_dir)
-            if self.metrics is not None:
-                self.metrics.truncate_after(-1)
             if self.dist.is_main:
                 truncate_samples(self.run_dir, -1)
             return
@@ -198,8 +199,6 @@ class Trainer:
         self.env_steps = state.get("env_steps", 0)
         ckpt.set_rng_state(state["rng"])
         self.start_iteration = state["iteration"] + 1
-        if self.metrics is not None:
-            self.metrics.truncate_after(state["iteration"])
         if self.dist.is_main:  # the iterations after the checkpoint are played again
             truncate_samples(self.run_dir, state["iteration"])
         self.resume_from = (last,)  # the loaded tensors are not kept
