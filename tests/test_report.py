@@ -1,7 +1,8 @@
 """``empo2 report``'s guards and its OOD table: no percentage gain over a trial 0 ≤ 0 (points instead), WebShop-fixture
 runs labelled ``webshop-fixture`` in every table, and the best-trial score and the gain over trial 0 each with a 95%
 CI over task variations (against numpy resampling in float64 here), "n/a" with a note for adaptation folders that
-store no per-variation scores.
+store no per-variation scores, and the later-trials gain (mean of trials 1…K−1 − trial 0), which picks no trial,
+against the same reference.
 
 The adaptation folders are written by adapt's own writer (``adaptation_report`` + ``write_adaptation``) from
 synthetic trials, and the run folders are synthetic (config.yaml + eval/final.json as train writes them): playing 10
@@ -98,8 +99,13 @@ def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path):
     gains = [b - s for b, s in zip(best, start)]
     assert cell["gain_ci"] == pytest.approx(_boot_ci(gains), abs=1e-9)
     assert cell["gain_ci"][0] < cell["gain"] < cell["gain_ci"][1]
+    # the later-trials gain picks no trial: per variation, the mean of trials 1 and 2 minus trial 0
+    later = (np.asarray(POSITIVE[1:], dtype=np.float64).mean(0) - np.asarray(start, dtype=np.float64)).tolist()
+    assert cell["later_gain"] == pytest.approx(float(np.mean(later)), abs=1e-12) and cell["later_gain"] < cell["gain"]
+    assert cell["later_gain_ci"] == pytest.approx(_boot_ci(later), abs=1e-9)
     row = next(line for line in md.splitlines() if line.startswith("| biology1→biology2 |"))
-    assert f"| 1 | 6 | 20.0 | 30.0 | {stats.fmt_ci(cell['best_ci'])} | +50% | {stats.fmt_ci(cell['gain_ci'])} |" in row
+    assert (f"| 1 | 6 | 20.0 | 30.0 | {stats.fmt_ci(cell['best_ci'])} | +50% | {stats.fmt_ci(cell['gain_ci'])} | "
+            f"{cell['later_gain']:+.1f} pts | {stats.fmt_ci(cell['later_gain_ci'])} |") in row
     assert "95% CIs over task variations" in md
     # two adaptations of one cell pool their variations
     ood, _ = _ood(tmp_path, _adapt_folder(tmp_path / "two", "a", POSITIVE), _adapt_folder(tmp_path / "two", "b",

@@ -115,14 +115,14 @@ def _remember_failures(ctx: RolloutContext, episodes: list[Episode]) -> None:
 
 
 def adaptation_report(trials: list[dict[str, Any]], **meta: Any) -> dict[str, Any]:
-    """Best score and the gain over trial 0 (in points, and in % of trial 0 only when trial 0 scored > 0), with
-    their CIs over task variations (:func:`ood_stats.ood_cell`)."""
+    """Best score and the gain over trial 0 (in points, and in % of trial 0 only when trial 0 scored > 0), and the
+    later-trials gain, with their CIs over task variations (:func:`ood_stats.ood_cell`)."""
     scores = [t["score_mean"] for t in trials]
     base, best = scores[0], max(scores)
     report = {**meta, "scores": scores, "best": best, "trial0": base, "gain": best - base,
               "gain_pct": ood_stats.gain_pct(base, best), "trials": trials}
     cell = ood_stats.ood_cell([report])
-    return {**report, "n_variations": cell["n_variations"], "best_ci": cell["best_ci"], "gain_ci": cell["gain_ci"]}
+    return {**report, **{k: cell[k] for k in ("n_variations", "best_ci", "gain_ci", "later_gain", "later_gain_ci")}}
 
 
 def finish(out: Path, tasks: list[str], trials: list[dict[str, Any]], checksum: str, cfg, *, preset: str | None,

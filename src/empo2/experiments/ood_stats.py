@@ -6,8 +6,10 @@
 - The CIs' unit is a (task, variation) pair, which adapt plays once per trial (``trials[k]["per_episode"]`` in
   ``adapt.json``). The best-trial score's CI is the percentile bootstrap (:func:`stats.mean_ci`) of that trial's
   per-variation scores; the gain's is that of the per-variation differences best trial − trial 0. The best trial is
-  picked on these same episodes, so its score leans optimistic, and the CIs do not include that choice. Several
-  adaptations of one cell (e.g. one per trained seed) pool their pairs.
+  picked on these same episodes, so its score leans optimistic, and the CIs do not include that choice: the best of
+  10 noisy trials beats trial 0 with no adaptation at all. The later-trials gain involves no pick: per variation,
+  the mean of trials 1…K−1 minus trial 0, with the same bootstrap CI. Several adaptations of one cell (e.g. one per
+  trained seed) pool their pairs.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from empo2.experiments import stats
 UNIT = "task variations"
 METHOD_TEXT = (f"95% CIs over {UNIT}: percentile bootstrap ({stats.N_RESAMPLES} resamples, seed "
                f"{stats.BOOTSTRAP_SEED}, needs ≥ {stats.MIN_BOOTSTRAP}) of the best trial's per-variation scores and "
-               "of the per-variation gains best trial − trial 0; the best trial is chosen on the same episodes. A "
-               "gain over a trial 0 ≤ 0 is given in points, never as a percentage.")
+               "of the per-variation gains best trial − trial 0; the best trial is chosen on the same episodes, so that "
+               "gain leans optimistic. The later-trials gain (mean of trials 1…K−1 − trial 0 per variation, same "
+               "CI) picks nothing. A gain over a trial 0 ≤ 0 is given in points, never as a percentage.")
 
 
 def gain_pct(trial0: float, best: float) -> float | None:
@@ -37,16 +40,22 @@ def gain_text(trial0: float | None, gain: float | None) -> str:
     return f"{gain / trial0 * 100:+.0f}%" if trial0 > 0 else f"{gain:+.1f} pts"
 
 
-def per_variation(report: dict[str, Any]) -> tuple[list[float], list[float]] | None:
-    """(best-trial scores, gains over trial 0) per (task, variation), or ``None`` when the trials store no
-    episodes."""
+def later_text(cell: dict[str, Any]) -> str:
+    """The later-trials gain in points, ``n/a`` when the trials store no episodes."""
+    return "n/a" if cell.get("later_gain") is None else f"{cell['later_gain']:+.1f} pts"
+
+
+def per_variation(report: dict[str, Any]) -> tuple[list[float], list[float], list[float]] | None:
+    """(best-trial scores, gains over trial 0, later-trials gains) per (task, variation), or ``None`` when the
+    trials store no episodes. A later-trials gain is the mean of trials 1…K−1 minus trial 0 (0 with one trial)."""
     trials = report.get("trials") or []
     if not trials or any("per_episode" not in t for t in trials):
         return None
     per = [{(e["task"], int(e["variation"])): float(e["score"]) for e in t["per_episode"]} for t in trials]
     best = int(np.argmax([t["score_mean"] for t in trials]))  # the first of equal trials, as max() picks
-    keys = sorted(set(per[0]) & set(per[best]))
-    return [per[best][k] for k in keys], [per[best][k] - per[0][k] for k in keys]
+    keys = sorted(set.intersection(*map(set, per)))
+    later = [float(np.mean([p[k] for p in per[1:]] or [per[0][k]], dtype=np.float64)) - per[0][k] for k in keys]
+    return [per[best][k] for k in keys], [per[best][k] - per[0][k] for k in keys], later
 
 
 def ood_cell(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -57,15 +66,19 @@ def ood_cell(reports: list[dict[str, Any]]) -> dict[str, Any]:
     best = float(np.mean([r["best"] for r in reports], dtype=np.float64))
     cell: dict[str, Any] = {"n": len(reports), "trial0": trial0, "best": best, "gain": best - trial0,
                             "gain_pct": gain_pct(trial0, best), "n_variations": None, "best_ci": None,
-                            "gain_ci": None, "note": ""}
+                            "gain_ci": None, "later_gain": None, "later_gain_ci": None, "note": ""}
     parts = [per_variation(r) for r in reports]
     if any(p is None for p in parts):
         cell["note"] = "adapt.json stores no per-variation scores (trials[k].per_episode): no CI; rerun adapt for one"
         return cell
     best_units = [s for p in parts for s in p[0]]
     gain_units = [g for p in parts for g in p[1]]
+    later_units = [g for p in parts for g in p[2]]
     best_ci, gain_ci = stats.mean_ci(best_units, UNIT), stats.mean_ci(gain_units, UNIT)
-    cell.update(n_variations=len(best_units), best_ci=best_ci["ci"], gain_ci=gain_ci["ci"], note=best_ci["note"])
+    later_ci = stats.mean_ci(later_units, UNIT)
+    cell.update(n_variations=len(best_units), best_ci=best_ci["ci"], gain_ci=gain_ci["ci"],
+                later_gain=float(np.mean(later_units, dtype=np.float64)), later_gain_ci=later_ci["ci"],
+                note=best_ci["note"])
     return cell
 
 
@@ -74,4 +87,4 @@ def cell_text(cell: dict[str, Any]) -> str:
     n = "n/a" if cell["n_variations"] is None else cell["n_variations"]
     return (f"best trial {cell['best']:.1f} (95% CI {stats.fmt_ci(cell['best_ci'])}); trial 0 {cell['trial0']:.1f}; "
             f"gain {gain_text(cell['trial0'], cell['gain'])} (95% CI in points {stats.fmt_ci(cell['gain_ci'])}); "
-            f"n = {n} {UNIT}" + (f" ({cell['note']})" if cell["note"] else ""))
+            f"later-trials gain {later_text(cell)} (95% CI {stats.fmt_ci(cell['later_gain_ci'])}); n = {n} {UNIT}" + (f" ({cell['note']})" if cell["note"] else ""))
