@@ -113,6 +113,10 @@ def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path):
     cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
     assert cell["n"] == 2 and cell["n_variations"] == 12
     assert cell["best_ci"] == pytest.approx(_boot_ci(POSITIVE[1] + NEGATIVE[2]), abs=1e-9)
+    # one trial has no later trials
+    ood, md = _ood(tmp_path / "one", _adapt_folder(tmp_path / "one", "a", POSITIVE[:1]))
+    cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
+    assert cell["later_gain"] is None and cell["later_gain_ci"] is None and "| n/a | n/a |" in md
 
 
 def test_adaptation_folder_without_per_variation_scores_prints_na(tmp_path):

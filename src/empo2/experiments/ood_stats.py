@@ -41,20 +41,20 @@ def gain_text(trial0: float | None, gain: float | None) -> str:
 
 
 def later_text(cell: dict[str, Any]) -> str:
-    """The later-trials gain in points, ``n/a`` when the trials store no episodes."""
+    """The later-trials gain in points, ``n/a`` when the trials store no episodes or there is one trial."""
     return "n/a" if cell.get("later_gain") is None else f"{cell['later_gain']:+.1f} pts"
 
 
 def per_variation(report: dict[str, Any]) -> tuple[list[float], list[float], list[float]] | None:
     """(best-trial scores, gains over trial 0, later-trials gains) per (task, variation), or ``None`` when the
-    trials store no episodes. A later-trials gain is the mean of trials 1…K−1 minus trial 0 (0 with one trial)."""
+    trials store no episodes. A later-trials gain is the mean of trials 1…K−1 minus trial 0 (none with one trial)."""
     trials = report.get("trials") or []
     if not trials or any("per_episode" not in t for t in trials):
         return None
     per = [{(e["task"], int(e["variation"])): float(e["score"]) for e in t["per_episode"]} for t in trials]
     best = int(np.argmax([t["score_mean"] for t in trials]))  # the first of equal trials, as max() picks
     keys = sorted(set.intersection(*map(set, per)))
-    later = [float(np.mean([p[k] for p in per[1:]] or [per[0][k]], dtype=np.float64)) - per[0][k] for k in keys]
+    later = [float(np.mean([p[k] for p in per[1:]], dtype=np.float64)) - per[0][k] for k in keys] if per[1:] else []
     return [per[best][k] for k in keys], [per[best][k] - per[0][k] for k in keys], later
 
 
@@ -75,10 +75,10 @@ def ood_cell(reports: list[dict[str, Any]]) -> dict[str, Any]:
     gain_units = [g for p in parts for g in p[1]]
     later_units = [g for p in parts for g in p[2]]
     best_ci, gain_ci = stats.mean_ci(best_units, UNIT), stats.mean_ci(gain_units, UNIT)
-    later_ci = stats.mean_ci(later_units, UNIT)
-    cell.update(n_variations=len(best_units), best_ci=best_ci["ci"], gain_ci=gain_ci["ci"],
-                later_gain=float(np.mean(later_units, dtype=np.float64)), later_gain_ci=later_ci["ci"],
-                note=best_ci["note"])
+    cell.update(n_variations=len(best_units), best_ci=best_ci["ci"], gain_ci=gain_ci["ci"], note=best_ci["note"])
+    if later_units:
+        cell.update(later_gain=float(np.mean(later_units, dtype=np.float64)),
+                    later_gain_ci=stats.mean_ci(later_units, UNIT)["ci"])
     return cell
 
 
@@ -87,4 +87,5 @@ def cell_text(cell: dict[str, Any]) -> str:
     n = "n/a" if cell["n_variations"] is None else cell["n_variations"]
     return (f"best trial {cell['best']:.1f} (95% CI {stats.fmt_ci(cell['best_ci'])}); trial 0 {cell['trial0']:.1f}; "
             f"gain {gain_text(cell['trial0'], cell['gain'])} (95% CI in points {stats.fmt_ci(cell['gain_ci'])}); "
-            f"later-trials gain {later_text(cell)} (95% CI {stats.fmt_ci(cell['later_gain_ci'])}); n = {n} {UNIT}" + (f" ({cell['note']})" if cell["note"] else ""))
+            f"later-trials gain {later_text(cell)} (95% CI {stats.fmt_ci(cell['later_gain_ci'])}); "
+            f"n = {n} {UNIT}" + (f" ({cell['note']})" if cell["note"] else ""))

@@ -9,8 +9,8 @@ bars per table:
 - WebShop: score and success per method (Table 2), one table per environment label, so the bundled fixture
   (``webshop-fixture``) is never shown as WebShop;
 - OOD: topic pairs × methods, the best trial's score, its gain over trial 0 and the later-trials gain (which picks
-  no trial), each with a 95% CI over task variations and its n (Table 3; :mod:`empo2.experiments.ood_stats`). A gain over a trial 0 ≤ 0 is shown in points,
-  never as a percentage.
+  no trial), each with a 95% CI over task variations and its n (Table 3; :mod:`empo2.experiments.ood_stats`). A
+  gain over a trial 0 ≤ 0 is shown in points, never as a percentage.
 
 Under each run table, the methods over seeds (:mod:`empo2.experiments.stats`): mean final score and success with
 95% bootstrap CIs, final − start, and the paired difference of every two methods (seeds paired by ``train.seed``)
