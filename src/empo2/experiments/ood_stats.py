@@ -42,7 +42,7 @@ def gain_text(trial0: float | None, gain: float | None) -> str:
 
 def later_text(cell: dict[str, Any]) -> str:
     """The later-trials gain in points, ``n/a`` when the trials store no episodes or there is one trial."""
-    return "n/a" if cell.get("later_gain") is None else f"{cell['later_gain']:+.1f} pts"
+    return "n/a" if cell["later_gain"] is None else f"{cell['later_gain']:+.1f} pts"
 
 
 def per_variation(report: dict[str, Any]) -> tuple[list[float], list[float], list[float]] | None:

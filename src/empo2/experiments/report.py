@@ -210,7 +210,7 @@ def _ood_lines(t: dict[str, Any]) -> list[str]:
             lines.append(f"| {pair} | {m} | {c['n']} | {n} | {_fmt(c['trial0'])} | {_fmt(c['best'])} | "
                          f"{stats.fmt_ci(c['best_ci'])} | {ood_stats.gain_text(c['trial0'], c['gain'])} | "
                          f"{stats.fmt_ci(c['gain_ci'])} | {ood_stats.later_text(c)} | "
-                         f"{stats.fmt_ci(c.get('later_gain_ci'))} |")
+                         f"{stats.fmt_ci(c['later_gain_ci'])} |")
             if c["note"]:
                 notes.append(f"- {pair}, {m}: {c['note']}.")
     return [*lines, "", *notes, *([""] if notes else []), f"Method: {t['method_text']}"]
