@@ -28,6 +28,8 @@ SETTINGS: dict[str, list[str]] = {
     "steps-15": ["env.max_steps=15"],                # more steps to reach "buy now"
     "products-22": ["env.webshop_num_products=22"],  # the first 22 products: fewer categories, nearer results
     "steps-15+products-22": ["env.max_steps=15", "env.webshop_num_products=22"],
+    "cutoff-55": ["env.action_cutoff=55"],            # text like no button is a no-op, not the nearest button
+    "cutoff-55+steps-15": ["env.action_cutoff=55", "env.max_steps=15"],
 }
 
 

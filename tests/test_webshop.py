@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from empo2.config_sections import EnvConfig
 from empo2.envs.base import EnvError, TextEnv
+from empo2.envs.factory import make_env_kwargs
 from empo2.envs.webshop import WebShopEnv, load_catalog
 from empo2.envs.webshop.catalog import OFFICIAL_FILES, Product, parse_options, parse_pricing
 from empo2.envs.webshop.goals import Goal
@@ -203,6 +205,22 @@ def test_action_correction_takes_a_product_title_for_its_link():
     assert r.info["action"] == f"click[{second.asin.lower()}]"
     env.step("click[< prev]")
     assert env.step("click[next page please]").info["action"] == "click[next >]"  # navigation still wins its words
+
+
+def test_action_cutoff_turns_unlike_text_into_a_no_op():
+    junk = "Sure! Here is the answer"
+    lenient = WebShopEnv(action_correction=True)  # cutoff 0: every output becomes the closest click
+    lenient.reset("webshop", 0)
+    lenient.step("search[body lotion]")
+    assert lenient.step(junk).info["accepted"]
+    strict = WebShopEnv(action_correction=True, action_cutoff=55)
+    strict.reset("webshop", 0)
+    results = strict.step("search[body lotion]").observation
+    r = strict.step(junk)
+    assert r.info["invalid"] and r.info["page"] == "results" and r.observation == results
+    r = strict.step("I would like to buy a body lotion for dry skin")  # names a product on the page
+    assert r.info["accepted"] and r.info["page"] == "item"
+    assert make_env_kwargs(EnvConfig(name="webshop", action_cutoff=55))["action_cutoff"] == 55  # config → env
 
 
 def test_demonstration_uses_other_goals(env):

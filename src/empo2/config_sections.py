@@ -31,9 +31,9 @@ class EnvConfig:
     action_correction: bool = True
     """Map free-form model output to a valid action (raw and corrected strings are both kept)."""
     action_cutoff: float = 0.0
-    """Similarity (0–100) a rejected output needs to its closest valid action to be replaced by it; below it the
-    output is sent as is (and rejected). 0 = always map to the closest valid action, as the released code does: a
-    small model that is not corrected this way almost never acts."""
+    """Similarity (0–100) a rejected output needs to its closest valid action (ScienceWorld) or clickable (WebShop)
+    to be replaced by it; below it the output is sent as is (and rejected). 0 = always map to the closest valid
+    action, as the released code does: a small model that is not corrected this way almost never acts."""
     webshop_data: str | None = None
     """Directory with the official WebShop small set; ``None`` = ``$EMPO2_WEBSHOP_DATA`` or the bundled fixture."""
     webshop_human_goals: bool = False

@@ -14,8 +14,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rapidfuzz import fuzz, process
+from rapidfuzz import process, utils
 
+from empo2.envs.actions import similarity
 from empo2.envs.base import EnvError, StepResult
 from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.webshop import pages
@@ -54,7 +55,6 @@ class _Session:
     done: bool = False
     observation: str = ""
     clickables: list[str] = field(default_factory=list)
-    title_clicks: dict[str, str] = field(default_factory=dict)  # click[<title>] → click[<asin>] on a results page
 
 
 class WebShopEnv:
@@ -65,10 +65,11 @@ class WebShopEnv:
     """
 
     def __init__(self, data_dir: str | None = None, seed: int = 0, max_steps: int = 15, action_correction: bool = True,
-                 num_products: int | None = None, human_goals: bool = False):
+                 num_products: int | None = None, human_goals: bool = False, action_cutoff: float = 0.0):
         self.catalog: Catalog = load_catalog(data_dir, seed=seed, num_products=num_products, human_goals=human_goals)
         self.name = "webshop" if self.catalog.source == "official" else "webshop-fixture"
         self.seed, self.max_steps, self.action_correction = seed, max_steps, action_correction
+        self.action_cutoff = float(action_cutoff)
         self.engine = SearchEngine(self.catalog.products)
         self.goals: list[Goal] = (make_human_goals if human_goals else synthetic_goals)(self.catalog.products, seed)
         if not self.goals:
@@ -186,14 +187,18 @@ class WebShopEnv:
         if s.page == "search":
             s.observation, s.clickables = pages.search_page(s.goal.instruction)
         elif s.page == "results":
-            start = (s.page_no - 1) * PAGE_SIZE
-            hits = [self.catalog.by_asin[a] for a in s.hits[start:start + PAGE_SIZE]]
+            hits = [self.catalog.by_asin[a] for a in self._page_hits(s)]
             s.observation, s.clickables = pages.results_page(hits, s.page_no, len(s.hits), PAGE_SIZE)
-            s.title_clicks = {f"click[{p.title.lower()}]": f"click[{p.asin.lower()}]" for p in hits}
         elif s.page == "item":
             s.observation, s.clickables = pages.item_page(self.catalog.by_asin[s.asin])
         elif s.page == "sub":
             s.observation, s.clickables = pages.sub_page(self.catalog.by_asin[s.asin], s.sub)
+
+    @staticmethod
+    def _page_hits(s: _Session) -> list[str]:
+        """ASINs shown on the current results page."""
+        start = (s.page_no - 1) * PAGE_SIZE
+        return s.hits[start:start + PAGE_SIZE]
 
     def _valid(self, s: _Session) -> list[str]:
         if s.done:
@@ -202,8 +207,10 @@ class WebShopEnv:
         return clicks if clicks else [SEARCH_TEMPLATE]
 
     def _correct(self, s: _Session, text: str) -> str:
-        """Map free-form output to a valid action: ``search[...]`` stays; else the closest valid click (rapidfuzz),
-        where a product's title on a results page stands for its link."""
+        """Map free-form output to a valid action: ``search[...]`` stays; on the search page other text becomes the
+        query; elsewhere the clickable most :func:`~empo2.envs.actions.similarity`-like to the output (its ``[...]``
+        argument, else its first line), where a product's title on a results page stands for its link. Below
+        ``action_cutoff`` the output is kept as is, an invalid no-op."""
         parsed = parse_action(text)
         if not (text or "").strip():
             return ""  # nothing to correct: an invalid no-op
@@ -211,17 +218,18 @@ class WebShopEnv:
             return f"search[{parsed[1]}]"
         if parsed and parsed[1] in s.clickables:
             return f"click[{parsed[1]}]"
-        clicks = [f"click[{c}]" for c in s.clickables]
-        line = (text or "").strip().splitlines()[0].strip() if (text or "").strip() else ""
-        if not clicks:  # the search page: treat the text as a query
+        line = text.strip().splitlines()[0].strip()
+        if not s.clickables:  # the search page: treat the text as a query
             query = parsed[1] if parsed else re.sub(r"^\s*search\b[:\s]*", "", line, flags=re.I)
             return f"search[{query}]" if query else text
-        candidate = f"click[{parsed[1]}]" if parsed else line
-        # A model names a product by its title more often than by its ASIN: on a results page a title counts as its
-        # product's link, else such text lands nearest to the short "back to search".
-        means = {c: c for c in clicks} | (s.title_clicks if s.page == "results" else {})
-        best = process.extractOne(candidate.lower(), list(means), scorer=fuzz.ratio)
-        return means[best[0]] if best else text
+        # Word overlap, not only edit distance: with edit distance alone a sentence naming a product lands nearest
+        # to the short "back to search". Punctuation is dropped so that "lotion" meets a title's "lotion,".
+        targets = {c: f"click[{c}]" for c in s.clickables}
+        if s.page == "results":
+            targets |= {self.catalog.by_asin[a].title.lower(): f"click[{a.lower()}]" for a in self._page_hits(s)}
+        best = process.extractOne(parsed[1] if parsed else line, list(targets), scorer=similarity,
+                                  processor=utils.default_process, score_cutoff=self.action_cutoff)
+        return targets[best[0]] if best else text
 
     def _gold(self, variation: int) -> list[str]:
         """search (the instruction stem, else the title) → [next >]* → click target → click options → buy now."""
@@ -272,7 +280,7 @@ GUIDE = (
 
 def _env_kwargs(cfg) -> dict:
     return {"data_dir": cfg.webshop_data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
-            "action_correction": cfg.action_correction, "human_goals": cfg.webshop_human_goals,
+            "action_correction": cfg.action_correction, "action_cutoff": cfg.action_cutoff, "human_goals": cfg.webshop_human_goals,
             "num_products": cfg.webshop_num_products}
 
 
