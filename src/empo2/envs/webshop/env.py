@@ -226,7 +226,8 @@ class WebShopEnv:
         # to the short "back to search". Punctuation is dropped so that "lotion" meets a title's "lotion,".
         targets = {c: f"click[{c}]" for c in s.clickables}
         if s.page == "results":
-            targets |= {self.catalog.by_asin[a].title.lower(): f"click[{a.lower()}]" for a in self._page_hits(s)}
+            titles = {self.catalog.by_asin[a].title.lower(): f"click[{a.lower()}]" for a in self._page_hits(s)}
+            targets |= titles
         best = process.extractOne(parsed[1] if parsed else line, list(targets), scorer=similarity,
                                   processor=utils.default_process, score_cutoff=self.action_cutoff)
         return targets[best[0]] if best else text
@@ -280,8 +281,8 @@ GUIDE = (
 
 def _env_kwargs(cfg) -> dict:
     return {"data_dir": cfg.webshop_data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
-            "action_correction": cfg.action_correction, "action_cutoff": cfg.action_cutoff, "human_goals": cfg.webshop_human_goals,
-            "num_products": cfg.webshop_num_products}
+            "action_correction": cfg.action_correction, "action_cutoff": cfg.action_cutoff,
+            "human_goals": cfg.webshop_human_goals, "num_products": cfg.webshop_num_products}
 
 
 def _label(cfg) -> str:
