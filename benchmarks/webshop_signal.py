@@ -5,10 +5,10 @@
 
 GRPO-style training learns only from groups whose episodes differ in reward, so a preset is useful only if the
 untrained model already gets some reward in some episodes (target: at least 10%). Each setting plays the test goals
-of the bundled fixture catalog with ``configs/webshop_cpu.yaml``'s policy at the training temperature (1.0), through
-``empo2 train`` with no iterations, so the episodes are the ones training would see. Prints a table (share with a
-95% Wilson interval, mean score) and writes ``benchmarks/results/webshop_signal.json`` with every episode's score
-and this machine.
+of the bundled fixture catalog with ``configs/webshop_cpu.yaml``'s policy at the training temperature (1.0 unless a
+setting changes it), through ``empo2 train`` with no iterations, so the episodes are the ones training would see.
+Prints a table (share with a 95% Wilson interval, mean score) and writes ``benchmarks/results/webshop_signal.json``
+with every episode's score and this machine.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ SETTINGS: dict[str, list[str]] = {
     "steps-15+products-22": ["env.max_steps=15", "env.webshop_num_products=22"],
     "cutoff-55": ["env.action_cutoff=55"],            # text like no button is a no-op, not the nearest button
     "cutoff-55+steps-15": ["env.action_cutoff=55", "env.max_steps=15"],
+    # cooler sampling for rollouts and these episodes alike: fewer queries that match no product
+    "temp-0.7+steps-15": ["policy.temperature=0.7", "policy.eval_temperature=0.7", "env.max_steps=15"],
+    "steps-20": ["env.max_steps=20"],
+    "from-results": ["env.webshop_start=results"],   # start on the results of the instruction's stem
 }
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from empo2.config import Config, ConfigError
 from empo2.config_sections import EnvConfig
 from empo2.envs.base import EnvError, TextEnv
-from empo2.envs.factory import make_env_kwargs
+from empo2.envs.factory import env_label, make_env_kwargs
 from empo2.envs.webshop import WebShopEnv, load_catalog
 from empo2.envs.webshop.catalog import OFFICIAL_FILES, Product, parse_options, parse_pricing
 from empo2.envs.webshop.goals import Goal
@@ -221,6 +222,29 @@ def test_action_cutoff_turns_unlike_text_into_a_no_op():
     r = strict.step("I would like to buy a body lotion for dry skin")  # names a product on the page
     assert r.info["accepted"] and r.info["page"] == "item"
     assert make_env_kwargs(EnvConfig(name="webshop", action_cutoff=55))["action_cutoff"] == 55  # config → env
+
+
+def test_results_start_opens_on_the_stems_results_and_is_labelled_apart():
+    env = WebShopEnv(start="results", max_steps=30)
+    assert env.name == "webshop-fixture-from-results"
+    for v in env.variations("webshop", "test"):
+        goal = env.goals[v]
+        obs, info = env.reset("webshop", v)
+        assert info["page"] == "results" and obs.startswith("Back to Search")
+        assert env._s.hits == env.engine.search(goal.base_instruction.lower())
+        gold = env.gold_actions()
+        assert not gold[0].startswith("search[")  # already searched, or back to search first
+        r = play(env, gold)
+        assert r.done and r.info["success"], (v, gold)
+    demo = env.demonstration("webshop", 0)
+    assert demo.splitlines()[1].startswith("> click[")  # demonstrations start where episodes start
+    cfg = EnvConfig(name="webshop", webshop_start="results")
+    assert make_env_kwargs(cfg)["start"] == "results" and env_label(cfg) == "webshop-fixture-from-results"
+    assert env_label(EnvConfig(name="webshop")) == "webshop-fixture"
+    with pytest.raises(EnvError, match="start page"):
+        WebShopEnv(start="item")
+    with pytest.raises(ConfigError, match="webshop_start"):
+        Config.from_dict({"env": {"name": "webshop", "webshop_start": "item"}})
 
 
 def test_demonstration_uses_other_goals(env):

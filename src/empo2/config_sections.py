@@ -41,6 +41,10 @@ class EnvConfig:
     instead of the synthetic ones (one per instructed product × option combination)."""
     webshop_num_products: int | None = None
     """Use only the first N catalog products (``None`` = all)."""
+    webshop_start: Literal["search", "results"] = "search"
+    """Where a WebShop episode starts: ``search``, the search page (WebShop's protocol); ``results``, the results page
+    of a search for the goal's instruction without its option and price clauses, an easier start for models too small
+    to write a query. Its results are labelled apart (``webshop-fixture-from-results``)."""
     seed: int = 0
     """Seed for environment-side randomness (WebShop prices/goals)."""
     pool: Literal["process", "ray"] = "process"

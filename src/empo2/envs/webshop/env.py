@@ -28,6 +28,7 @@ from empo2.envs.webshop.search import PAGE_SIZE, SearchEngine
 
 TASK = "webshop"
 SEARCH_TEMPLATE = "search[<query>]"
+STARTS = ("search", "results")
 _ACTION = re.compile(r"(search|click)\s*\[(.*?)\]", re.IGNORECASE | re.DOTALL)
 
 
@@ -65,9 +66,13 @@ class WebShopEnv:
     """
 
     def __init__(self, data_dir: str | None = None, seed: int = 0, max_steps: int = 15, action_correction: bool = True,
-                 num_products: int | None = None, human_goals: bool = False, action_cutoff: float = 0.0):
+                 num_products: int | None = None, human_goals: bool = False, action_cutoff: float = 0.0,
+                 start: str = "search"):
+        if start not in STARTS:
+            raise EnvError(f"unknown WebShop start page {start!r}; use one of {', '.join(STARTS)}")
         self.catalog: Catalog = load_catalog(data_dir, seed=seed, num_products=num_products, human_goals=human_goals)
-        self.name = "webshop" if self.catalog.source == "official" else "webshop-fixture"
+        self.start = start
+        self.name = env_name(self.catalog.source == "official", start)
         self.seed, self.max_steps, self.action_correction = seed, max_steps, action_correction
         self.action_cutoff = float(action_cutoff)
         self.engine = SearchEngine(self.catalog.products)
@@ -96,8 +101,7 @@ class WebShopEnv:
         if not 0 <= variation < len(self.goals):
             raise EnvError(f"WebShop goal {variation} out of range 0..{len(self.goals) - 1}")
         self._variation = variation
-        self._s = _Session(goal=self.goals[variation])
-        self._render(self._s)
+        self._s = self._new_session(self.goals[variation])
         return self._s.observation, self._info(self._s, "", "", 0.0)
 
     def step(self, action: str) -> StepResult:
@@ -133,8 +137,7 @@ class WebShopEnv:
         picks = random.Random(self.seed * 100_003 + variation).sample(pool, min(n, len(pool)))
         demos = []
         for g in picks:
-            s = _Session(goal=self.goals[g])
-            self._render(s)
+            s = self._new_session(self.goals[g])
             lines = [f"Instruction: {s.goal.instruction}"]
             for a in self._gold(g):
                 self._apply(s, a)
@@ -146,6 +149,15 @@ class WebShopEnv:
         self._s = None
 
     # ------------------------------------------------------------------ mechanics
+    def _new_session(self, goal: Goal) -> _Session:
+        """A session on the start page: the search page, or the results of searching the instruction's stem."""
+        s = _Session(goal=goal)
+        if self.start == "results":
+            query = goal.base_instruction.lower()
+            s.page, s.query, s.hits = "results", query, self.engine.search(query)
+        self._render(s)
+        return s
+
     def _apply(self, s: _Session, action: str) -> tuple[float, dict[str, Any]]:
         """Execute ``action`` on ``s`` (no-op when invalid); return (reward, extra info)."""
         parsed = parse_action(action)
@@ -246,6 +258,9 @@ class WebShopEnv:
                 break
         else:
             raise EnvError(f"gold path: target {goal.asin} of goal {variation} is not found by search")
+        if self.start == "results":  # already on the stem's results; when the title is the query, go back first
+            stem_found = actions[0] == f"search[{goal.base_instruction.lower()}]"
+            actions = actions[1:] if stem_found else ["click[back to search]"] + actions
         actions.append(f"click[{goal.asin.lower()}]")
         wanted = goal.options.values() if isinstance(goal.options, dict) else goal.options
         values = {v for vals in product.options.values() for v in vals}
@@ -282,12 +297,18 @@ GUIDE = (
 def _env_kwargs(cfg) -> dict:
     return {"data_dir": cfg.webshop_data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
             "action_correction": cfg.action_correction, "action_cutoff": cfg.action_cutoff,
-            "human_goals": cfg.webshop_human_goals, "num_products": cfg.webshop_num_products}
+            "human_goals": cfg.webshop_human_goals, "num_products": cfg.webshop_num_products,
+            "start": cfg.webshop_start}
+
+
+def env_name(official: bool, start: str) -> str:
+    """``webshop`` on the official data, ``webshop-fixture`` on the bundled one; ``-from-results`` for that start."""
+    return ("webshop" if official else "webshop-fixture") + ("-from-results" if start == "results" else "")
 
 
 def _label(cfg) -> str:
-    """WebShop on the bundled fixture is never reported as plain ``webshop``."""
-    return "webshop" if (cfg.webshop_data or os.environ.get("EMPO2_WEBSHOP_DATA")) else "webshop-fixture"
+    """WebShop on the bundled fixture is never reported as plain ``webshop``, nor an easier start as the usual one."""
+    return env_name(bool(cfg.webshop_data or os.environ.get("EMPO2_WEBSHOP_DATA")), cfg.webshop_start)
 
 
 register_env(EnvSpec("webshop", factory=WebShopEnv, kwargs=_env_kwargs, guide=GUIDE, tasks=lambda cfg: [TASK],
