@@ -34,6 +34,8 @@ SETTINGS: dict[str, list[str]] = {
     "temp-0.7+steps-15": ["policy.temperature=0.7", "policy.eval_temperature=0.7", "env.max_steps=15"],
     "steps-20": ["env.max_steps=20"],
     "from-results": ["env.webshop_start=results"],   # start on the results of the instruction's stem
+    "from-results+steps-15": ["env.webshop_start=results", "env.max_steps=15"],
+    "from-results+eval-0.4": ["env.webshop_start=results", "policy.eval_temperature=0.4"],  # as evals play
 }
 
 
