@@ -247,6 +247,17 @@ def test_results_start_opens_on_the_stems_results_and_is_labelled_apart():
         Config.from_dict({"env": {"name": "webshop", "webshop_start": "item"}})
 
 
+def test_play_starts_where_asked(capsys):
+    from empo2.cli import main
+
+    for start in ("search", "results"):
+        assert main(["play", "--env", "webshop", "--policy", "gold", "--variation", "0", "--webshop-start", start]) == 0
+        out = capsys.readouterr()
+        result = json.loads(out.out.strip().splitlines()[-1])
+        assert result["score"] == 100.0
+        assert ("> search[" in out.err) == (start == "search")
+
+
 def test_demonstration_uses_other_goals(env):
     env.reset("webshop", 5)
     demo = env.demonstration("webshop", 5, n=2)
