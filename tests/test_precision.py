@@ -96,6 +96,22 @@ def test_auto_is_settled_once_and_an_explicit_choice_is_kept(monkeypatch):
         precision.auto_precision.cache_clear()
 
 
+
+@pytest.mark.parametrize(("native", "autocast", "weights", "want"), [
+    ("1", "auto", "float32", "bfloat16"),   # a CPU or GPU with native bf16: the engine samples in bf16, as HF computes
+    ("0", "auto", "float32", "float32"),    # AVX2 only: float32 on both sides
+    ("1", "none", "float32", "float32"),    # an explicit "none" is the weights' dtype, whatever the hardware
+    ("0", "none", "bfloat16", "bfloat16"),  # bf16 weights (LoRA on a GPU) without autocast
+    ("0", "float16", "float32", "float16"),
+])
+def test_the_generation_engine_runs_in_the_trainers_compute_dtype(monkeypatch, native, autocast, weights, want):
+    monkeypatch.setenv(precision.OVERRIDE_ENV, native)
+    precision.auto_precision.cache_clear()
+    try:
+        assert precision.engine_dtype(autocast, weights) == want
+    finally:
+        precision.auto_precision.cache_clear()
+
 @pytest.mark.slow
 def test_a_run_prints_and_records_the_auto_decision(tmp_path, tiny_model, monkeypatch, capsys):
     """The banner names the decision and its reason; config.yaml records the precision itself, so a resume on

@@ -178,8 +178,10 @@ def test_two_iteration_empo2_run_samples_from_the_engine(engine, children_before
     from empo2.policy.vllm_backend import VLLMBackend
 
     engine[0].close()
-    syncs, closes = [], []
-    sync, close = VLLMBackend.sync_weights, VLLMBackend.close
+    syncs, closes, dtypes = [], [], []
+    sync, close, init = VLLMBackend.sync_weights, VLLMBackend.close, VLLMBackend.__init__
+    monkeypatch.setattr(VLLMBackend, "__init__", lambda self, *a, **k: (
+        init(self, *a, **k), dtypes.append((k.get("dtype"), self.llm.llm_engine.model_config.dtype)))[0])
     monkeypatch.setattr(VLLMBackend, "sync_weights", lambda self, m: (syncs.append(hasattr(m, "peft_config")), sync(self, m)))
     monkeypatch.setattr(VLLMBackend, "close", lambda self: (closes.append(1), close(self)))
     run = tmp_path / "run"
@@ -189,6 +191,8 @@ def test_two_iteration_empo2_run_samples_from_the_engine(engine, children_before
                "policy.max_completion_length=8", "policy.reflection_max_tokens=16", "train.progress=false",
                "train.tensorboard=false", "algo.intrinsic_weight=1.0"])
     assert rc == 0
+    # the suite fixes autocast=auto to "none" (conftest), so the engine gets the trainer's float32
+    assert dtypes == [("float32", torch.float32)]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
     steps = sum(1 for r in rows if r["loss"].get("optimizer_steps"))

@@ -64,12 +64,14 @@ def check_backend(name: str) -> None:
 
 
 def make_backend(name: str, model, tokenizer, model_path: str | None = None, lora_rank: int = 16,
-                 memory_fraction: float = 0.4, seed: int = 0) -> RolloutBackend:
-    """Build backend ``name`` (``hf`` or ``vllm``) for ``model``; vLLM is imported only here, and only if asked."""
+                 memory_fraction: float = 0.4, seed: int = 0, dtype: str | None = None) -> RolloutBackend:
+    """Build backend ``name`` (``hf`` or ``vllm``) for ``model``; vLLM is imported only here, and only if asked.
+    ``dtype``: the engine's (``None``: its device's default)."""
     if name == "hf":
         return HFBackend(model, tokenizer)
     if name == "vllm":
         from empo2.policy.vllm_backend import VLLMBackend
 
-        return VLLMBackend(model_path, tokenizer, lora_rank=lora_rank, memory_fraction=memory_fraction, seed=seed)
+        return VLLMBackend(model_path, tokenizer, lora_rank=lora_rank, memory_fraction=memory_fraction, seed=seed,
+                           dtype=dtype)
     raise BackendError(f"unknown policy.backend {name!r}; use {' or '.join(BACKENDS)}")

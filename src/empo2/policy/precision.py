@@ -81,3 +81,10 @@ def settle_autocast(policy_cfg) -> str | None:
     decision = auto_precision(policy_cfg.device)
     policy_cfg.autocast = decision.autocast
     return decision.reason
+
+
+def engine_dtype(autocast: str, weights_dtype: str, device: str = "auto") -> str:
+    """The dtype of a separate generation engine (``policy.backend: vllm``): the trainer's compute dtype, or the
+    weights' own where it has no autocast, so both sample and score from numbers of the same precision."""
+    compute = resolve_autocast(autocast, device)
+    return weights_dtype if compute == "none" else compute

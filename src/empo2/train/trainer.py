@@ -51,7 +51,7 @@ from empo2.memory.store import TipMemory
 from empo2.policy import loader
 from empo2.policy.backend import check_backend, make_backend
 from empo2.policy.loader import autocast_context, load_model
-from empo2.policy.precision import settle_autocast
+from empo2.policy.precision import engine_dtype, settle_autocast
 from empo2.policy.prefix import compute_options
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
@@ -144,9 +144,11 @@ class Trainer:
         if self.dist.enabled and self.memory is not None:
             self.ctx.memory_sync = dp.memory_sync(self.dist)
         if cfg.policy.backend != "hf":  # HF generates with self.model itself: nothing to build or sync
+            weights = str(next(self.model.parameters()).dtype).removeprefix("torch.")
             self.ctx.backend = make_backend(cfg.policy.backend, self.model, self.tokenizer,
                                             loader.resolve_model_path(cfg.policy.model),
-                                            cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed)
+                                            cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed,
+                                            engine_dtype(cfg.policy.autocast, weights, cfg.policy.device))
             self.ctx.backend.sync_weights(self.model)
         self.reflection = None
         overlap = overlap_wanted(cfg.memory.overlap_reflection, self.model, self.ctx.backend)
