@@ -135,6 +135,7 @@ def test_grpo_run_has_no_memory(tmp_path, tiny_model):
                  "--max-steps", "2"]) == 0
     result = json.loads((run / "eval" / "eval_dev.json").read_text())
     assert result["summary"]["episodes"] == 2 and result["per_task"]["find-animal"]["episodes"] == 2
+    assert all(len(e["actions"]) == e["steps"] >= 1 and all(e["actions"]) for e in result["episodes"])
     assert "| find-animal | 2 |" in (run / "eval" / "eval_dev.md").read_text()
 
 

@@ -93,7 +93,8 @@ def summarise(episodes: list[Episode], tasks: list[str], plan: EvalPlan) -> dict
                     "success_rate": float(np.mean([e.success for e in episodes])) if episodes else 0.0,
                     "failed_episodes": sum(e.failed for e in episodes), "accepted_rate": _accepted(episodes)},
         "per_task": per_task,
-        "episodes": [ep.summary() for ep in episodes],
+        # the actions taken, so that a score (a collapse to one wrong action, say) can be explained from the file
+        "episodes": [{**ep.summary(), "actions": [s.action for s in ep.steps]} for ep in episodes],
     }
 
 
