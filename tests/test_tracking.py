@@ -171,6 +171,38 @@ def test_mlflow_holds_the_same_scalars_as_tensorboard(tmp_path, monkeypatch):
     _same(got, want, rel=1e-12)
 
 
+
+def test_a_resumed_run_continues_its_mlflow_run_unless_it_replays_iterations(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow", reason="mlflow is optional and not installed: untested here")
+    from empo2.train.metrics import MetricsLog
+    from empo2.train.runlock import clear_run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    store = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+    def process(iteration: int, kept_through: int | None = None) -> str:
+        """A training process (a resume from the checkpoint of ``kept_through``) logging one iteration: the id of
+        the MLflow run it wrote to."""
+        log = MetricsLog(run, ["mlflow"], {"train": {"seed": 0}}, kept_through)
+        log.log({"iteration": iteration, "train": {"score_mean": float(iteration)}})
+        log.close()
+        return (run / "mlflow-run-id").read_text().strip()
+
+    first = process(0)
+    assert process(1, kept_through=0) == first  # killed after checkpoint 0's iteration: the same MLflow run goes on
+    client = mlflow.tracking.MlflowClient(store)
+    assert [(m.step, m.value) for m in client.get_metric_history(first, "train/score_mean")] == [(0, 0.0), (1, 1.0)]
+    replayed = process(1, kept_through=0)  # killed after logging iteration 1, before its checkpoint: 1 is played again
+    assert replayed != first
+    assert process(2, kept_through=1) == replayed
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "elsewhere").as_uri())
+    assert process(3) not in {first, replayed}  # the kept id is not in this store: a new run, not a crash
+    clear_run_folder(run)  # train --overwrite
+    assert not (run / "mlflow-run-id").exists()
+
 def test_trackers_are_imported_only_when_named(tmp_path):
     """A fresh interpreter: the default config writes TensorBoard events and imports neither wandb nor mlflow;
     ``none`` and ``train.tensorboard=false`` write no events."""

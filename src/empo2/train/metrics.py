@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import math
 import os
 import resource
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from empo2.config import ConfigError
+
+log = logging.getLogger(__name__)
 
 TRACKER_PACKAGES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 """The module each tracker imports; ``pip install NAME`` installs it (torch.utils.tensorboard needs tensorboard)."""
@@ -45,7 +48,7 @@ class MetricsLog:
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
         replays = kept_through is not None and self.truncate_after(kept_through)
-        opened = {"tensorboard": _TensorBoard, "wandb": lambda d, c: _WandB(d, c, new_run=replays), "mlflow": _MLflow}
+        opened = {"tensorboard": _TensorBoard, "wandb": lambda d, c: _WandB(d, c, new_run=replays), "mlflow": lambda d, c: _MLflow(d, c, new_run=replays)}
         self.trackers = [opened[name](run_dir, config or {}) for name in report_to]
 
     def truncate_after(self, iteration: int) -> bool:
@@ -116,16 +119,29 @@ class _WandB:
 
 
 class _MLflow:
-    """One MLflow run in experiment ``MLFLOW_EXPERIMENT_NAME`` (default ``empo2``), in the store or server that
-    MLflow's own settings name (``MLFLOW_TRACKING_URI``), as TRL and Hugging Face's MLflow callback leave it."""
+    """One MLflow run per run folder in experiment ``MLFLOW_EXPERIMENT_NAME`` (default ``empo2``), in the store or
+    server that MLflow's own settings name (``MLFLOW_TRACKING_URI``), as TRL and Hugging Face's MLflow callback leave
+    it. A resumed run continues the MLflow run its last process opened (the id kept in ``RUN/mlflow-run-id``), unless
+    it plays logged iterations again (``new_run``: MLflow would hold two values at their steps) or that run is not in
+    the store the settings name now."""
 
-    def __init__(self, run_dir: Path, config: dict):
+    def __init__(self, run_dir: Path, config: dict, new_run: bool = False):
         import mlflow
+        from mlflow.exceptions import MlflowException
 
         self.mlflow = mlflow
+        id_file = run_dir / "mlflow-run-id"
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "empo2"))
-        self.run = mlflow.start_run(run_name=run_dir.name)
-        mlflow.log_dict(config, "config.json")
+        self.run = None
+        if id_file.is_file() and not new_run:
+            try:
+                self.run = mlflow.start_run(run_id=id_file.read_text().strip())
+            except MlflowException as exc:
+                log.warning("MLflow run %s not found (%s); logging to a new one", id_file.read_text().strip(), exc)
+        if self.run is None:
+            self.run = mlflow.start_run(run_name=run_dir.name)
+            mlflow.log_dict(config, "config.json")
+        id_file.write_text(self.run.info.run_id + "\n")
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics(values, step=step)

@@ -21,7 +21,7 @@ RUN_MARKER = ".empo2-run"
 for runs made before the marker existed, nothing but what a run writes: :data:`RUN_LAYOUT`)."""
 RUN_LAYOUT = {"config.yaml", "metrics.jsonl", "memory.sqlite", "memory.sqlite-wal", "memory.sqlite-shm",
               "memory.sqlite-journal", "checkpoints", "eval", "tb", "wandb", "trajectories.jsonl", "scores.png",
-              "modes.png", "memory.png", "machine.jsonl", LOCK_NAME, RUN_MARKER}
+              "modes.png", "memory.png", "machine.jsonl", "mlflow-run-id", LOCK_NAME, RUN_MARKER}
 
 
 class RunLockError(RuntimeError):
