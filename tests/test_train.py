@@ -7,6 +7,7 @@ the suite's time budget; it exercises the same code (loading by path, LoRA, gene
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -119,11 +120,15 @@ def test_empo2_with_a_learning_signal_moves_every_lora_matrix(tmp_path, tiny_mod
     assert [n for n in lora if torch.equal(first[n], second[n])] == []
 
 
-def test_grpo_run_has_no_memory(tmp_path, tiny_model):
+def test_grpo_run_has_no_memory(tmp_path, tiny_model, capsys):
     run = tmp_path / "grpo"
     rc = main(["train", "--config", "configs/scienceworld_cpu.yaml", "--algo", "grpo", f"train.output_dir={run}",
-               "train.iterations=2", f"policy.model={tiny_model}", *FAST])
+               "train.iterations=2", f"policy.model={tiny_model}", *FAST, "train.progress=true"])
     assert rc == 0
+    # output to a file (here a capture), not a terminal: progress comes as plain lines, every stage's end included
+    out = capsys.readouterr().out
+    for line in ("iter 0: rollouts: 2/2", "iter 1: rollouts: 2/2", "update: ", "eval final: 1/1"):
+        assert f"  {line}" in out, line
     rows = _metrics(run)
     assert [r["iteration"] for r in rows] == [0, 1]
     assert all(r["modes"] == ["on"] for r in rows)
@@ -138,6 +143,27 @@ def test_grpo_run_has_no_memory(tmp_path, tiny_model):
     assert all(len(e["actions"]) == e["steps"] >= 1 and all(e["actions"]) for e in result["episodes"])
     assert "| find-animal | 2 |" in (run / "eval" / "eval_dev.md").read_text()
 
+
+
+def test_progress_lines_come_at_a_stages_start_and_end_and_at_most_once_a_minute_between():
+    from rich.console import Console
+
+    from empo2.progress import LINE_EVERY_S, ProgressBar
+
+    out, now = io.StringIO(), [0.0]
+    with ProgressBar(Console(file=out, width=200), True, clock=lambda: now[0]) as progress:
+        for t, done in [(0, 0), (1, 1), (LINE_EVERY_S + 0.5, 2), (LINE_EVERY_S + 1, 3), (LINE_EVERY_S + 2, 4)]:
+            now[0] = t
+            progress("iter 0: rollouts", done, 4)
+        now[0] = 100.0
+        progress("update", 1, 2)
+    assert out.getvalue().splitlines() == ["  iter 0: rollouts: 0/4 (0 s)", "  iter 0: rollouts: 2/4 (60 s)",
+                                           "  iter 0: rollouts: 4/4 (62 s)", "  update: 1/2 (0 s)"]
+    terminal = Console(file=io.StringIO(), force_terminal=True)
+    with ProgressBar(terminal, True) as progress:
+        assert progress.__name__ == "update"  # a live bar where someone watches
+    with ProgressBar(terminal, False) as progress:
+        assert progress is None
 
 def test_adapt_updates_memory_only(tmp_path, tiny_model):
     out = tmp_path / "adapt"

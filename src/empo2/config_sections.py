@@ -317,7 +317,8 @@ class TrainConfig:
     """Write TensorBoard events to ``RUN/tb`` when ``report_to`` names ``tensorboard`` (its default); false leaves
     TensorBoard out whatever ``report_to`` says."""
     progress: bool = True
-    """Show a progress bar (only on a terminal)."""
+    """Show progress: a bar on a terminal; where output goes to a file, a plain line as each stage (rollouts, update,
+    an eval) starts and ends, and at most once a minute between."""
     max_consecutive_env_failures: int = 8
     """Stop the run (exit 2) after this many training episodes in a row were lost to a crashed environment worker
     (a dead JVM is restarted and its episode dropped from the update; a steady stream of crashes is not a run)."""

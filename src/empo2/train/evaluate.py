@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,17 +45,17 @@ class EvalPlan:
 
 
 def evaluate(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
-             dist: Dist | None = None) -> dict[str, Any]:
+             dist: Dist | None = None, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Play ``plan`` for every task, ``plan.batch_size`` at a time, and summarise the scores.
 
     With a data-parallel ``dist`` each rank plays its share of every chunk of ``batch_size × ranks`` episodes and the
-    result covers all of them.
+    result covers all of them. ``progress(done, total)`` hears of finished episodes.
     """
-    return summarise(play_split(ctx, tasks, plan, reflect, dist), tasks, plan)
+    return summarise(play_split(ctx, tasks, plan, reflect, dist, progress), tasks, plan)
 
 
 def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
-               dist: Dist | None = None) -> list[Episode]:
+               dist: Dist | None = None, progress: Callable[[int, int], None] | None = None) -> list[Episode]:
     """The episodes of :func:`evaluate` (one per task variation, in task order). Where ``ctx`` has a memory, each
     chunk's tip uses are recorded and, with ``reflect``, every episode writes a tip."""
     specs = []
@@ -67,13 +69,20 @@ def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: b
     step = plan.batch_size * ranks
     for start in range(0, len(specs), step):  # every rank runs as many batches (memory sync)
         chunk = specs[start:start + step]
-        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=plan.temperature)
+        overall = None if progress is None else partial(_overall_progress, progress, start, ranks, len(specs))
+        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=plan.temperature,
+                              progress=overall)
         if ctx.memory is not None:
             reflect_into_memory(ctx, eps, eps if reflect else [])
         episodes += eps
     if ranks > 1:
         episodes = gather_episodes(dist, episodes)
     return episodes
+
+
+def _overall_progress(progress, before: int, ranks: int, total: int, done: int, _chunk: int) -> None:
+    """A chunk's finished episodes (this rank's share of it) as a count over the whole split."""
+    progress(min(before + done * ranks, total), total)
 
 
 def summarise(episodes: list[Episode], tasks: list[str], plan: EvalPlan) -> dict[str, Any]:

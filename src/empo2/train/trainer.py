@@ -214,7 +214,8 @@ class Trainer:
         if cfg.train.eval_at_start and self.start_iteration == 0 and not start_done:
             rng, counter = ckpt.rng_state(), self.ctx.step_counter  # training then runs as without this evaluation
             signals.set_phase("the start evaluation")
-            start = self.evaluate(tag="start")  # the untrained policy: a learning curve's point at 0 env steps
+            # the untrained policy: a learning curve's point at 0 env steps
+            start = self.evaluate(tag="start", progress=progress)
             ckpt.set_rng_state(rng)
             self.ctx.step_counter = counter
             self._say(f"start eval (no memory, {cfg.env.eval_split}): score {start['summary']['score_mean']:.1f}")
@@ -229,7 +230,7 @@ class Trainer:
                 if cfg.train.eval_every and (it + 1) % cfg.train.eval_every == 0 and it + 1 < cfg.train.iterations \
                         and not stopping:
                     signals.set_phase(f"the evaluation after iteration {it}")
-                    last_eval = self.evaluate(tag=f"iter_{it:06d}")
+                    last_eval = self.evaluate(tag=f"iter_{it:06d}", progress=progress)
                     record["eval"] = last_eval["summary"]
                 record["time"]["iteration"] = time.perf_counter() - t_iter
                 if self.metrics is not None:
@@ -240,7 +241,7 @@ class Trainer:
                 self._say(iteration_line(record))
                 signals.raise_pending()
         signals.set_phase("the final evaluation")
-        final = self.evaluate(tag="final")
+        final = self.evaluate(tag="final", progress=progress)
         score = final["summary"]["score_mean"]
         start_file = self.run_dir / "eval" / "start.json"
         versus = ""
@@ -346,13 +347,13 @@ class Trainer:
         return iteration_record(whole, self.cfg.algo.intrinsic_aggregation, memory_size, self.env_steps)
 
     # ----------------------------------------------------------------------------------------------- eval/save
-    def evaluate(self, tag: str, with_memory: bool = False) -> dict[str, Any]:
+    def evaluate(self, tag: str, with_memory: bool = False, progress=None) -> dict[str, Any]:
         cfg = self.cfg
         self.ctx.sampling_seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling \
             else None
         with sharding.generating(self.model, self.cfg.policy.autocast, self.ctx.backend):
             result = evaluate(self.ctx, self.task_names, EvalPlan.from_config(cfg, self.pool_size, with_memory),
-                              dist=self.dist)
+                              dist=self.dist, progress=None if progress is None else partial(progress, f"eval {tag}"))
         if self.dist.is_main:
             write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg.env))
         return result
