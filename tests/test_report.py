@@ -166,6 +166,44 @@ def test_webshop_fixture_runs_are_labelled_so_in_every_table(tmp_path, monkeypat
     assert (tmp_path / "report" / "webshop-fixture.png").is_file()
 
 
+
+def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_path, tiny_model, monkeypatch):
+    """Real WebShop-fixture episodes with the tiny model, 3 variations in chunks of 2: a trial plays with the memory
+    it started with (none in trial 0, even for the second chunk), and its sampling is seeded, so the tips and the
+    Reflexion cell play the same trial 0 and a second tips cell repeats the first."""
+    from empo2.cli import policy_context
+
+    sizes, play = [], adapt.play_split
+
+    def play_and_count(ctx, *args, **kwargs):
+        before = ctx.memory.stats()["tips"]
+        episodes = play(ctx, *args, **kwargs)
+        sizes.append((before, ctx.memory.stats()["tips"]))
+        return episodes
+
+    monkeypatch.setattr(adapt, "play_split", play_and_count)
+
+    def cell(name: str, baseline: str) -> list[dict]:
+        args = argparse.Namespace(run=None, model=tiny_model, env="webshop", tasks=None, max_steps=2, batch=2)
+        cfg, ctx = policy_context(args, None if baseline == "reflexion" else tmp_path / name / "memory.sqlite")
+        for key, value in (("max_completion_length", 6), ("reflection_max_tokens", 8), ("few_shot", 0)):
+            setattr(ctx.policy_cfg, key, value)
+        if baseline == "reflexion":
+            adapt.use_reflexion(ctx)
+        try:
+            trials, _ = adapt.run_trials(ctx, ["webshop"], 2, "test", 3, 1.0, 2, baseline, say=lambda _: None, seed=3)
+        finally:
+            ctx.pool.close()
+            ctx.memory.close()
+        return trials
+
+    tips, again, reflexion = cell("tips", "memory"), cell("again", "memory"), cell("reflexion", "reflexion")
+    assert tips[0]["memory_size"] >= 1  # trial 0 wrote tips, read from trial 1 on
+    assert all(before == after for before, after in sizes) and sizes[1][0] >= 1  # none while a trial plays
+    assert tips[0]["per_episode"] == reflexion[0]["per_episode"]
+    assert all(e["actions"] for e in tips[0]["per_episode"])
+    assert [t["per_episode"] for t in tips] == [t["per_episode"] for t in again]
+
 def test_adapt_trials_store_one_episode_per_variation(tmp_path, tiny_model):
     """Real WebShop-fixture episodes with the tiny model: each trial stores its episodes, one per task variation, whose
     mean is the trial's score, and the report's CI counts them."""

@@ -266,7 +266,8 @@ def cmd_adapt(args) -> int:
     try:
         tasks = resolve_tasks(cfg.env)
         trials, checksum = adapt.run_trials(ctx, tasks, args.trials or adapt.PRESET_TRIALS, args.split,
-                                            args.variations, args.temperature, args.batch, args.baseline)
+                                            args.variations, args.temperature, args.batch, args.baseline,
+                                            seed=args.seed)
     except adapt.WeightsChanged as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -274,7 +275,7 @@ def cmd_adapt(args) -> int:
         ctx.pool.close()
         ctx.memory.close()
     report = adapt.finish(out, tasks, trials, checksum, cfg, preset=args.preset, baseline=args.baseline, run=args.run,
-                          split=args.split)
+                          split=args.split, seed=args.seed)
     print(json.dumps({k: report[k] for k in ("preset", "method", "scores", "best", "trial0", "gain", "gain_pct")}))
     return 0
 

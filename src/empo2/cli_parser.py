@@ -93,6 +93,8 @@ def _add_eval_adapt_parsers(sub) -> None:
             p.add_argument("--preset", choices=["bio1-to-bio2", "bio2-to-elec", "elec-to-chem"],
                            help="the paper's OOD pairs: adapt a run trained on the first topic to the second")
             p.add_argument("--max-tasks", type=int, default=None, help="only the first N tasks (quick checks)")
+            p.add_argument("--seed", type=int, default=0,
+                           help="seeds every trial's sampling: cells with one seed and model share trial 0")
             p.add_argument("--baseline", choices=["memory", "reflexion"], default="memory",
                            help="memory: EMPO²'s state-retrieved tips; reflexion: reflections on failed trials, "
                                 "shown in the same variation's next trial")

@@ -27,9 +27,10 @@ from empo2.envs.factory import env_label
 from empo2.experiments import ood_stats
 from empo2.experiments.report import method_label
 from empo2.memory.reflexion import REFLEXION_BUFFER, ReflexionBuffer
+from empo2.policy.seeded import row_seed
 from empo2.train.episode import Episode
 from empo2.train.evaluate import EvalPlan, play_split, summarise
-from empo2.train.reflection import write_tips
+from empo2.train.reflection import reflect, write_tips
 from empo2.train.rollout import RolloutContext
 
 PRESETS: dict[str, tuple[str, str]] = {
@@ -83,9 +84,13 @@ def use_reflexion(ctx: RolloutContext) -> ReflexionBuffer:
 
 
 def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, variations: int, temperature: float,
-               batch: int, baseline: str = "memory", say: Callable[[str], None] = print
+               batch: int, baseline: str = "memory", say: Callable[[str], None] = print, seed: int = 0
                ) -> tuple[list[dict[str, Any]], str]:
     """Play every task variation ``trials`` times, remembering between trials.
+
+    A trial plays with the memory it started with and writes to it when it ends, so trial 0 has none. Its sampling is
+    seeded by (``seed``, trial, episode, turn): where two cells' prompts agree they draw the same tokens, so the
+    cells of one model start from the same trial 0, and a rerun repeats a cell.
 
     Returns one summary per trial, with its episodes (one per task variation: the unit of the report's CIs), and
     the weights' checksum (equal before and after, else :class:`WeightsChanged`).
@@ -94,9 +99,12 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
     out = []
     plan = EvalPlan(split, variations, None, temperature, batch, with_memory=True)
     for trial in range(trials):
-        episodes = play_split(ctx, tasks, plan, reflect=baseline == "memory")
+        ctx.sampling_seed = row_seed(seed, trial)
+        episodes = play_split(ctx, tasks, plan)
         if baseline == "reflexion":
             _remember_failures(ctx, episodes)
+        else:
+            reflect(ctx, [], episodes)  # one tip per episode (the trial's tip uses were recorded as it played)
         result = summarise(episodes, tasks, plan)
         out.append({"trial": trial, **result["summary"], "per_task": result["per_task"],
                     "memory_size": ctx.memory.stats()["tips"], "per_episode": result["episodes"]})
@@ -126,13 +134,13 @@ def adaptation_report(trials: list[dict[str, Any]], **meta: Any) -> dict[str, An
 
 
 def finish(out: Path, tasks: list[str], trials: list[dict[str, Any]], checksum: str, cfg, *, preset: str | None,
-           baseline: str, run: str | None, split: str) -> dict[str, Any]:
+           baseline: str, run: str | None, split: str, seed: int = 0) -> dict[str, Any]:
     """Label the method, build the report, write it (:func:`write_adaptation`) and print its table."""
     method = "reflexion" if baseline == "reflexion" else (f"{method_label(cfg)} + tips" if run else "base model + tips")
     report = adaptation_report(trials, tasks=tasks, preset=preset,
                                pair="→".join(PRESETS[preset]) if preset else None, method=method,
                                label=env_label(cfg.env), run=run, model=cfg.policy.model, split=split,
-                               weights_sha256=checksum, weights_unchanged=True)
+                               weights_sha256=checksum, weights_unchanged=True, seed=seed)
     for path in write_adaptation(out, report):
         print(f"wrote {path}")
     print(adaptation_markdown(report))
