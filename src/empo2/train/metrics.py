@@ -48,7 +48,8 @@ class MetricsLog:
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
         replays = kept_through is not None and self.truncate_after(kept_through)
-        opened = {"tensorboard": _TensorBoard, "wandb": lambda d, c: _WandB(d, c, new_run=replays), "mlflow": lambda d, c: _MLflow(d, c, new_run=replays)}
+        opened = {"tensorboard": _TensorBoard, "wandb": lambda d, c: _WandB(d, c, new_run=replays),
+                  "mlflow": lambda d, c: _MLflow(d, c, new_run=replays)}
         self.trackers = [opened[name](run_dir, config or {}) for name in report_to]
 
     def truncate_after(self, iteration: int) -> bool:
