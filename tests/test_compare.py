@@ -129,6 +129,23 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     assert f"| {cut.name} | empo2 | 1 | {resumed['start']:.1f} | {resumed['score']:.1f} |" in \
         (out / "summary.md").read_text()
 
+    # a later command that names one arm and seed keeps the earlier runs of the same settings in the summary
+    whole = json.loads((out / "summary.json").read_text())
+    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "1", "--out",
+                 str(out), f"policy.model={tiny_model}", *TINY]) == 0
+    again = json.loads((out / "summary.json").read_text())
+    assert sorted(r["name"] for r in again["runs"]) == sorted(names) and again["algos"] == ["grpo", "empo2"]
+    assert again["seeds"] == [0, 1] and again["stats"] == whole["stats"]
+    # an earlier run whose settings differ from this command's is not one of its runs: left out, with a line
+    saved = out / "runs" / "empo2-seed0" / "config.yaml"
+    saved.write_text(re.sub(r"learning_rate: .*", "learning_rate: 0.5", saved.read_text()))
+    capfd.readouterr()
+    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "1", "--out",
+                 str(out), f"policy.model={tiny_model}", *TINY]) == 0
+    assert "empo2-seed0: left out of the summary (" in capfd.readouterr().out
+    assert sorted(r["name"] for r in json.loads((out / "summary.json").read_text())["runs"]) == \
+        sorted(n for n in names if n != "empo2-seed0")
+
 
 def test_a_record_without_checkpoints_is_finished_only_after_its_last_iteration(tmp_path):
     """A comparison's folders kept without checkpoints (committed to git, copied to another machine) are skipped as

@@ -9,7 +9,9 @@ sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gig
 ``3``, ``1,4,7``, ``0-4``. Runs go one after another (``--jobs N``: N at once, see :func:`run_all`), each in its own
 ``empo2 train`` subprocess and session: a crash in one run cannot take the others down, and the model, the
 environment workers (ScienceWorld JVMs) and the CUDA context are freed when the run ends instead of piling up in one
-long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``).
+long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``);
+a command with other arms or seeds into the same ``--out`` adds its runs to the earlier ones in the summary
+(:func:`earlier_runs`).
 
 The untrained model's start eval is played once per seed: the first arm of a seed runs it, and a later arm with the
 same model, seed and eval settings (:func:`start_eval_key`) gets a copy in its folder instead (``reused_from`` in
@@ -74,9 +76,11 @@ def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overri
     at_once = f", {jobs} at a time" if jobs > 1 else ""
     say(f"empo2 compare: {', '.join(algos)} × seeds {seeds} = {len(plans)} runs{at_once} → {out}")
     failed = run_all(plans, config, overrides, jobs, out / "logs")
-    meta = {"config": config, "overrides": overrides, "algos": algos, "seeds": seeds,
-            "label": env_label(plans[0].cfg.env)}
-    write_summary(plans, out, meta, algos)
+    earlier = earlier_runs(config, out, overrides, plans, check)
+    every = list(dict.fromkeys([*algos, *(p.algo for p in earlier)]))
+    meta = {"config": config, "overrides": overrides, "algos": every,
+            "seeds": sorted({*seeds, *(p.seed for p in earlier)}), "label": env_label(plans[0].cfg.env)}
+    write_summary(plans + earlier, out, meta, every)
     say((out / "summary.md").read_text())
     say(f"comparison folder: {out}  (summary.md, summary.json, curves.png, runs/)")
     if failed:
@@ -389,6 +393,30 @@ def _spawn(cmd: list[str], log: Path | None, env: dict[str, str] | None) -> subp
 
 
 # ---------------------------------------------------------------------------------------------------- summary
+def earlier_runs(config: str, out: Path, overrides: list[str], plans: list[RunPlan],
+                 check: Callable[[Config], None] | None = None) -> list[RunPlan]:
+    """The finished runs of earlier commands into ``out`` (those its ``summary.json`` holds) that this command did not
+    name, when they ran under the same config and overrides: a comparison built up over several commands (other
+    arms, more seeds) keeps all its runs in one summary. A run with other settings is left out, with a line."""
+    path = Path(out) / "summary.json"
+    try:
+        names = [(r["algo"], int(r["seed"])) for r in json.loads(path.read_text())["runs"]] if path.is_file() else []
+    except (ValueError, KeyError, TypeError) as exc:
+        say(f"{path} is unreadable ({exc}); the summary holds this command's runs only")
+        return []
+    named = {(p.algo, p.seed) for p in plans}
+    kept = []
+    for algo, seed in dict.fromkeys(n for n in names if n not in named):
+        try:
+            (plan,) = plan_runs(config, [algo], [seed], out, overrides, check)
+        except ConfigError as exc:
+            say(f"{algo}-seed{seed}: left out of the summary ({exc})")
+            continue
+        if run_status(plan) == "finished":
+            kept.append(plan)
+    return kept
+
+
 def _final(plan: RunPlan) -> dict[str, Any]:
     return json.loads((plan.folder / "eval" / "final.json").read_text())
 
