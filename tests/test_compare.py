@@ -138,13 +138,21 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     assert again["seeds"] == [0, 1] and again["stats"] == whole["stats"]
     # an earlier run whose settings differ from this command's is not one of its runs: left out, with a line
     saved = out / "runs" / "empo2-seed0" / "config.yaml"
-    saved.write_text(re.sub(r"learning_rate: .*", "learning_rate: 0.5", saved.read_text()))
+    original = saved.read_text()
+    saved.write_text(re.sub(r"learning_rate: .*", "learning_rate: 0.5", original))
     capfd.readouterr()
     assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "1", "--out",
                  str(out), f"policy.model={tiny_model}", *TINY]) == 0
     assert "empo2-seed0: left out of the summary (" in capfd.readouterr().out
     assert sorted(r["name"] for r in json.loads((out / "summary.json").read_text())["runs"]) == \
         sorted(n for n in names if n != "empo2-seed0")
+    # earlier runs are found in runs/, not through the summary: with the settings back and no summary left (a
+    # command stopped before writing it), the left-out run comes back
+    saved.write_text(original)
+    (out / "summary.json").unlink()
+    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "1", "--out",
+                 str(out), f"policy.model={tiny_model}", *TINY]) == 0
+    assert sorted(r["name"] for r in json.loads((out / "summary.json").read_text())["runs"]) == sorted(names)
 
 
 def test_a_record_without_checkpoints_is_finished_only_after_its_last_iteration(tmp_path):

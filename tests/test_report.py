@@ -17,6 +17,7 @@ import json
 import re
 import statistics
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,10 +39,11 @@ def _trial(k: int, scores: list[float], with_episodes: bool = True) -> dict:
 
 
 def _adapt_folder(root: Path, name: str, per_trial: list[list[float]], with_episodes: bool = True,
-                  pair: str = "biology1→biology2", label: str = "scienceworld", method: str = "base model + tips"
-                  ) -> Path:
+                  pair: str = "biology1→biology2", label: str = "scienceworld", method: str = "base model + tips",
+                  **seeded: Any) -> Path:
     trials = [_trial(k, s, with_episodes) for k, s in enumerate(per_trial)]
-    report = adapt.adaptation_report(trials, tasks=["t1", "t2"], preset=None, pair=pair, method=method, label=label)
+    report = adapt.adaptation_report(trials, tasks=["t1", "t2"], preset=None, pair=pair, method=method, label=label,
+                                     **seeded)
     adapt.write_adaptation(root / name, report)
     return root / name
 
@@ -88,7 +90,7 @@ def _boot_ci(x: list[float]) -> list[float]:
     return np.percentile(x[idx].mean(1), [2.5, 97.5]).tolist()
 
 
-def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path):
+def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path, capsys):
     ood, md = _ood(tmp_path, _adapt_folder(tmp_path, "pos", POSITIVE))
     cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
     best, start = POSITIVE[1], POSITIVE[0]  # trial 1 has the best mean
@@ -113,6 +115,14 @@ def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path):
     cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
     assert cell["n"] == 2 and cell["n_variations"] == 12
     assert cell["best_ci"] == pytest.approx(_boot_ci(POSITIVE[1] + NEGATIVE[2]), abs=1e-9)
+    # a seeded adaptation rerun with the same weights and seed played the same episodes: it is refused, not pooled
+    same = {"weights_sha256": "ab" * 32, "seed": 0}
+    rerun = [_adapt_folder(tmp_path / "rerun", name, POSITIVE, **same) for name in ("a", "b")]
+    assert main(["report", *map(str, rerun), "--out", str(tmp_path / "rerun-report")]) == 2
+    assert "--seed 0, so they played the same episodes" in capsys.readouterr().err
+    other_seed = _adapt_folder(tmp_path / "rerun", "c", POSITIVE, **{**same, "seed": 1})
+    ood, _ = _ood(tmp_path / "seeds", rerun[0], other_seed)
+    assert ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]["n"] == 2
     # one trial has no later trials
     ood, md = _ood(tmp_path / "one", _adapt_folder(tmp_path / "one", "a", POSITIVE[:1]))
     cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
@@ -173,12 +183,18 @@ def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_p
     Reflexion cell play the same trial 0 and a second tips cell repeats the first."""
     from empo2.cli import policy_context
 
-    sizes, play = [], adapt.play_split
+    sizes, retrieved, play = [], [], adapt.play_split
+
+    def memory_state(memory) -> tuple:
+        """Tips, rated tips and use counts: what a trial's play must leave as it found it."""
+        stats = memory.stats()
+        return stats["tips"], stats.get("rated_tips"), {ns: v["uses"] for ns, v in stats.get("namespaces", {}).items()}
 
     def play_and_count(ctx, *args, **kwargs):
-        before = ctx.memory.stats()["tips"]
+        before = memory_state(ctx.memory)
         episodes = play(ctx, *args, **kwargs)
-        sizes.append((before, ctx.memory.stats()["tips"]))
+        sizes.append((before, memory_state(ctx.memory)))
+        retrieved.append(sum(len({tid for step in ep.steps for tid in step.tip_ids}) for ep in episodes))
         return episodes
 
     monkeypatch.setattr(adapt, "play_split", play_and_count)
@@ -192,6 +208,8 @@ def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_p
             adapt.use_reflexion(ctx)
         try:
             trials, _ = adapt.run_trials(ctx, ["webshop"], 2, "test", 3, 1.0, 2, baseline, say=lambda _: None, seed=3)
+            if baseline == "memory":  # each episode's retrieved tips count one use each, recorded as its trial ended
+                assert sum(memory_state(ctx.memory)[2].values()) == sum(retrieved[-2:]) > 0
         finally:
             ctx.pool.close()
             ctx.memory.close()
@@ -199,7 +217,7 @@ def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_p
 
     tips, again, reflexion = cell("tips", "memory"), cell("again", "memory"), cell("reflexion", "reflexion")
     assert tips[0]["memory_size"] >= 1  # trial 0 wrote tips, read from trial 1 on
-    assert all(before == after for before, after in sizes) and sizes[1][0] >= 1  # none while a trial plays
+    assert all(before == after for before, after in sizes) and sizes[1][0][0] >= 1  # none while a trial plays
     assert tips[0]["per_episode"] == reflexion[0]["per_episode"]
     assert all(e["actions"] for e in tips[0]["per_episode"])
     assert [t["per_episode"] for t in tips] == [t["per_episode"] for t in again]

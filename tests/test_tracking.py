@@ -183,10 +183,10 @@ def test_a_resumed_run_continues_its_mlflow_run_unless_it_replays_iterations(tmp
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
 
-    def process(iteration: int, kept_through: int | None = None) -> str:
-        """A training process (a resume from the checkpoint of ``kept_through``) logging one iteration: the id of
-        the MLflow run it wrote to."""
-        log = MetricsLog(run, ["mlflow"], {"train": {"seed": 0}}, kept_through)
+    def process(iteration: int, kept_through: int | None = None, seed: int = 0) -> str:
+        """A training process (a resume from the checkpoint of ``kept_through``, a fresh run for None) logging one
+        iteration: the id of the MLflow run it wrote to."""
+        log = MetricsLog(run, ["mlflow"], {"train": {"seed": seed}}, kept_through)
         log.log({"iteration": iteration, "train": {"score_mean": float(iteration)}})
         log.close()
         return (run / "mlflow-run-id").read_text().strip()
@@ -197,9 +197,15 @@ def test_a_resumed_run_continues_its_mlflow_run_unless_it_replays_iterations(tmp
     assert [(m.step, m.value) for m in client.get_metric_history(first, "train/score_mean")] == [(0, 0.0), (1, 1.0)]
     replayed = process(1, kept_through=0)  # killed after logging iteration 1, before its checkpoint: 1 is played again
     assert replayed != first
-    assert process(2, kept_through=1) == replayed
+    assert process(2, kept_through=1, seed=5) == replayed
+    config = Path(client.download_artifacts(replayed, "config.json", str(tmp_path)))
+    assert json.loads(config.read_text()) == {"train": {"seed": 5}}  # the resume's config, not the first one's
+    assert process(0) not in {first, replayed}  # a fresh run never continues a run an old id file names
+    (run / "mlflow-run-id").write_text("\n")
+    blank = process(1, kept_through=0)  # a blank id file is no id: a new run
+    assert blank not in {first, replayed} and (run / "mlflow-run-id").read_text().strip() == blank
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "elsewhere").as_uri())
-    assert process(3) not in {first, replayed}  # the kept id is not in this store: a new run, not a crash
+    assert process(2, kept_through=1) not in {first, replayed, blank}  # the kept id is not in this store: no crash
     clear_run_folder(run)  # train --overwrite
     assert not (run / "mlflow-run-id").exists()
 

@@ -159,11 +159,17 @@ def test_progress_lines_come_at_a_stages_start_and_end_and_at_most_once_a_minute
         progress("update", 1, 2)
     assert out.getvalue().splitlines() == ["  iter 0: rollouts: 0/4 (0 s)", "  iter 0: rollouts: 2/4 (60 s)",
                                            "  iter 0: rollouts: 4/4 (62 s)", "  update: 1/2 (0 s)"]
-    terminal = Console(file=io.StringIO(), force_terminal=True)
-    with ProgressBar(terminal, True) as progress:
-        assert progress.__name__ == "update"  # a live bar where someone watches
-    with ProgressBar(terminal, False) as progress:
-        assert progress is None
+    coloured_log = Console(file=io.StringIO(), force_terminal=True)  # as FORCE_COLOR makes it in a CI log
+    with ProgressBar(coloured_log, True) as progress:
+        assert progress.__name__ == "line"
+    main_end, other_end = os.openpty()  # a real terminal device
+    with open(other_end, "w") as tty:
+        terminal = Console(file=tty)
+        with ProgressBar(terminal, True) as progress:
+            assert progress.__name__ == "update"  # a live bar where someone watches
+        with ProgressBar(terminal, False) as progress:
+            assert progress is None
+    os.close(main_end)
 
 def test_adapt_updates_memory_only(tmp_path, tiny_model):
     out = tmp_path / "adapt"

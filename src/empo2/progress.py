@@ -22,7 +22,7 @@ class ProgressBar:
     def __enter__(self):
         if not self.enabled:
             return None
-        if not self.console.is_terminal:
+        if not _watched(self.console):
             return self.line
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -50,3 +50,11 @@ class ProgressBar:
         if self.bar is not None:
             self.bar.__exit__(*exc)
         return False
+
+
+def _watched(console) -> bool:
+    """Whether the console writes to a terminal. Asked of its file, not of rich: ``FORCE_COLOR`` or
+    ``TTY_COMPATIBLE``, set for colours in a CI log, make rich call a file a terminal, and a live bar there shows
+    nothing until it ends."""
+    isatty = getattr(console.file, "isatty", None)
+    return bool(isatty and isatty())

@@ -88,7 +88,8 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
                ) -> tuple[list[dict[str, Any]], str]:
     """Play every task variation ``trials`` times, remembering between trials.
 
-    A trial plays with the memory it started with and writes to it when it ends, so trial 0 has none. Its sampling is
+    A trial plays with the memory it started with and updates it when it ends (its tips, and the counts and utility of
+    the tips it used), so trial 0 has none and retrieval cannot change within a trial. Its sampling is
     seeded by (``seed``, trial, episode, turn): where two cells' prompts agree they draw the same tokens, so the
     cells of one model start from the same trial 0, and a rerun repeats a cell.
 
@@ -100,11 +101,11 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
     plan = EvalPlan(split, variations, None, temperature, batch, with_memory=True)
     for trial in range(trials):
         ctx.sampling_seed = row_seed(seed, trial)
-        episodes = play_split(ctx, tasks, plan)
+        episodes = play_split(ctx, tasks, plan, update_memory=False)
         if baseline == "reflexion":
             _remember_failures(ctx, episodes)
         else:
-            reflect(ctx, [], episodes)  # one tip per episode (the trial's tip uses were recorded as it played)
+            reflect(ctx, episodes, episodes)  # one tip per episode, and the uses of the tips it retrieved
         result = summarise(episodes, tasks, plan)
         out.append({"trial": trial, **result["summary"], "per_task": result["per_task"],
                     "memory_size": ctx.memory.stats()["tips"], "per_episode": result["episodes"]})

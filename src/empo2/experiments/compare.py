@@ -395,21 +395,21 @@ def _spawn(cmd: list[str], log: Path | None, env: dict[str, str] | None) -> subp
 # ---------------------------------------------------------------------------------------------------- summary
 def earlier_runs(config: str, out: Path, overrides: list[str], plans: list[RunPlan],
                  check: Callable[[Config], None] | None = None) -> list[RunPlan]:
-    """The finished runs of earlier commands into ``out`` (those its ``summary.json`` holds) that this command did not
-    name, when they ran under the same config and overrides: a comparison built up over several commands (other
-    arms, more seeds) keeps all its runs in one summary. A run with other settings is left out, with a line."""
-    path = Path(out) / "summary.json"
-    try:
-        names = [(r["algo"], int(r["seed"])) for r in json.loads(path.read_text())["runs"]] if path.is_file() else []
-    except (ValueError, KeyError, TypeError) as exc:
-        say(f"{path} is unreadable ({exc}); the summary holds this command's runs only")
-        return []
+    """The finished runs in ``out/runs/`` that this command did not name, when they ran under the same config and
+    overrides: a comparison built up over several commands (other arms, more seeds) keeps all its runs in one
+    summary, even one whose command stopped before writing it. A run with other settings is left out, with a line;
+    its folder stays, so a later command with its settings finds it again."""
     named = {(p.algo, p.seed) for p in plans}
+    found = []
+    for folder in sorted((Path(out) / "runs").glob("*-seed*")):
+        algo, _, seed = folder.name.rpartition("-seed")
+        if folder.is_dir() and seed.isdigit() and (algo, int(seed)) not in named:
+            found.append((algo, int(seed)))
     kept = []
-    for algo, seed in dict.fromkeys(n for n in names if n not in named):
+    for algo, seed in sorted(found, key=lambda n: (n[1], n[0])):
         try:
             (plan,) = plan_runs(config, [algo], [seed], out, overrides, check)
-        except ConfigError as exc:
+        except (ConfigError, OSError) as exc:  # another arm's name, other settings, an unreadable config.yaml
             say(f"{algo}-seed{seed}: left out of the summary ({exc})")
             continue
         if run_status(plan) == "finished":

@@ -107,7 +107,7 @@ def _read_adapt(folder: Path) -> dict[str, Any]:
     return {"path": str(folder), "method": data.get("method", "?"), "label": data.get("label", "?"),
             "pair": data.get("pair") or data.get("preset") or ", ".join(data.get("tasks", [])),
             "best": data["best"], "scores": data["scores"], "trial0": data.get("trial0", data["scores"][0]),
-            "trials": data.get("trials", [])}
+            "trials": data.get("trials", []), "seed": data.get("seed"), "weights": data.get("weights_sha256")}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -140,10 +140,27 @@ def tables(found: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         cells: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for a in found["adapt"]:
             cells[a["pair"]][f"{a['method']} ({a['label']})"].append(a)
+        for pair, row in cells.items():
+            for m, adapts in row.items():
+                _refuse_repeated_adapt(pair, m, adapts)
         methods = sorted({m for row in cells.values() for m in row})
         out["ood"] = {"kind": "ood", "methods": methods, "method_text": ood_stats.METHOD_TEXT, "pairs": {
             pair: {m: ood_stats.ood_cell(row[m]) for m in row} for pair, row in sorted(cells.items())}}
     return out
+
+
+def _refuse_repeated_adapt(pair: str, method: str, adapts: list[dict[str, Any]]) -> None:
+    """A seeded adaptation replays the same episodes when rerun with the same weights and seed; pooling the rerun
+    would count its variations twice. Cells from before adapt recorded a seed sampled unseeded and are kept."""
+    seen: dict[tuple, str] = {}
+    for a in adapts:
+        if a["seed"] is None:
+            continue
+        key = (a["weights"], a["seed"])
+        if key in seen:
+            raise ConfigError(f"OOD cell {pair} / {method}: {seen[key]} and {a['path']} adapted the same weights with "
+                              f"--seed {a['seed']}, so they played the same episodes; give each seed once")
+        seen[key] = a["path"]
 
 
 def _over_seeds(methods: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

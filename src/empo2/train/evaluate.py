@@ -55,9 +55,11 @@ def evaluate(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: boo
 
 
 def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
-               dist: Dist | None = None, progress: Callable[[int, int], None] | None = None) -> list[Episode]:
-    """The episodes of :func:`evaluate` (one per task variation, in task order). Where ``ctx`` has a memory, each
-    chunk's tip uses are recorded and, with ``reflect``, every episode writes a tip."""
+               dist: Dist | None = None, progress: Callable[[int, int], None] | None = None,
+               update_memory: bool = True) -> list[Episode]:
+    """The episodes of :func:`evaluate` (one per task variation, in task order). Where ``ctx`` has a memory and
+    ``update_memory`` is on, each chunk's tip uses are recorded and, with ``reflect``, every episode writes a tip;
+    off, the memory is read only, and the caller updates it."""
     specs = []
     for task in tasks:
         variations = list(ctx.pool.call(0, "variations", task, plan.split, retries=1))[:plan.variations_per_task]
@@ -72,7 +74,7 @@ def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: b
         overall = None if progress is None else partial(_overall_progress, progress, start, ranks, len(specs))
         eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=plan.temperature,
                               progress=overall)
-        if ctx.memory is not None:
+        if ctx.memory is not None and update_memory:
             reflect_into_memory(ctx, eps, eps if reflect else [])
         episodes += eps
     if ranks > 1:

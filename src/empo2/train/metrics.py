@@ -47,9 +47,10 @@ class MetricsLog:
         are dropped, since the run plays them again, and a W&B run that holds them is not continued."""
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
-        replays = kept_through is not None and self.truncate_after(kept_through)
-        opened = {"tensorboard": _TensorBoard, "wandb": lambda d, c: _WandB(d, c, new_run=replays),
-                  "mlflow": lambda d, c: _MLflow(d, c, new_run=replays)}
+        # a tracker run is continued only by a resume that plays no logged iteration again
+        new_run = kept_through is None or self.truncate_after(kept_through)
+        opened = {"tensorboard": _TensorBoard, "wandb": lambda d, c: _WandB(d, c, new_run=new_run),
+                  "mlflow": lambda d, c: _MLflow(d, c, new_run=new_run)}
         self.trackers = [opened[name](run_dir, config or {}) for name in report_to]
 
     def truncate_after(self, iteration: int) -> bool:
@@ -106,7 +107,7 @@ class _WandB:
         import wandb
 
         id_file = run_dir / "wandb" / "run-id"
-        run_id = id_file.read_text().strip() if id_file.is_file() and not new_run else uuid.uuid4().hex[:16]
+        run_id = (None if new_run else _kept_id(id_file)) or uuid.uuid4().hex[:16]
         id_file.parent.mkdir(exist_ok=True)
         id_file.write_text(run_id + "\n")
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "empo2"), name=run_dir.name,
@@ -133,15 +134,15 @@ class _MLflow:
         self.mlflow = mlflow
         id_file = run_dir / "mlflow-run-id"
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "empo2"))
-        self.run = None
-        if id_file.is_file() and not new_run:
+        self.run, kept = None, None if new_run else _kept_id(id_file)
+        if kept:
             try:
-                self.run = mlflow.start_run(run_id=id_file.read_text().strip())
+                self.run = mlflow.start_run(run_id=kept)
             except MlflowException as exc:
-                log.warning("MLflow run %s not found (%s); logging to a new one", id_file.read_text().strip(), exc)
+                log.warning("MLflow run %s not found (%s); logging to a new one", kept, exc)
         if self.run is None:
             self.run = mlflow.start_run(run_name=run_dir.name)
-            mlflow.log_dict(config, "config.json")
+        mlflow.log_dict(config, "config.json")  # a resume may change the config: the run keeps the one in use
         id_file.write_text(self.run.info.run_id + "\n")
 
     def log(self, values: dict[str, float], step: int) -> None:
@@ -149,6 +150,11 @@ class _MLflow:
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+def _kept_id(id_file: Path) -> str | None:
+    """The tracker run id a run folder kept; None when there is none (a missing or blank file)."""
+    return (id_file.read_text().strip() or None) if id_file.is_file() else None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
