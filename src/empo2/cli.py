@@ -259,9 +259,8 @@ def cmd_adapt(args) -> int:
     _own_run_folder(args, out)  # a second adapt into the same folder is refused here, naming the first
     if any(p.name != LOCK_NAME for p in out.iterdir()):
         raise _config_error(f"{out} is not empty")
-    reflexion = args.baseline == "reflexion"
-    cfg, ctx = policy_context(args, None if reflexion else out / "memory.sqlite")
-    if reflexion:
+    cfg, ctx = policy_context(args, out / "memory.sqlite" if args.baseline == "memory" else None)
+    if args.baseline == "reflexion":
         adapt.use_reflexion(ctx)
     try:
         tasks = resolve_tasks(cfg.env)
@@ -273,7 +272,8 @@ def cmd_adapt(args) -> int:
         return 1
     finally:
         ctx.pool.close()
-        ctx.memory.close()
+        if ctx.memory is not None:
+            ctx.memory.close()
     report = adapt.finish(out, tasks, trials, checksum, cfg, preset=args.preset, baseline=args.baseline, run=args.run,
                           split=args.split, seed=args.seed)
     print(json.dumps({k: report[k] for k in ("preset", "method", "scores", "best", "trial0", "gain", "gain_pct")}))

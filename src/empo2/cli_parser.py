@@ -95,9 +95,10 @@ def _add_eval_adapt_parsers(sub) -> None:
             p.add_argument("--max-tasks", type=int, default=None, help="only the first N tasks (quick checks)")
             p.add_argument("--seed", type=int, default=0,
                            help="seeds every trial's sampling: cells with one seed and model share trial 0")
-            p.add_argument("--baseline", choices=["memory", "reflexion"], default="memory",
+            p.add_argument("--baseline", choices=["memory", "reflexion", "none"], default="memory",
                            help="memory: EMPO²'s state-retrieved tips; reflexion: reflections on failed trials, "
-                                "shown in the same variation's next trial")
+                                "shown in the same variation's next trial; none: no memory, the control for how "
+                                "much trials differ by sampling alone")
             p.add_argument("--out", required=True)
 
 

@@ -7,6 +7,9 @@ Two ways to remember between trials:
 - ``reflexion`` (Shinn et al., 2023, the paper's baseline): after a FAILED trial the agent writes a verbal reflection
   (the same reflection prompt); the last :data:`REFLEXION_BUFFER` reflections of a (task, variation) are shown in
   every step of that variation's next trial, whatever the state.
+- ``none`` (the control): no memory at all. Its trials differ only by their sampling seeds, so the change of its
+  later trials over trial 0 is what sampling alone moves, and a memory cell of the same weights and seed, which plays
+  the same trial 0, is compared with it variation by variation.
 
 The weights are hashed before and after; a difference is an error (:class:`WeightsChanged`).
 """
@@ -41,7 +44,7 @@ PRESETS: dict[str, tuple[str, str]] = {
 """The paper's OOD pairs: preset -> (topic the run was trained on, topic adapted to); topics are ScienceWorld
 ``TASK_SETS``."""
 PRESET_TRIALS = 10
-BASELINES = ("memory", "reflexion")
+BASELINES = ("memory", "reflexion", "none")
 
 
 def resolve_tasks(preset: str | None, tasks: str | None, max_tasks: int | None, env: str | None
@@ -98,17 +101,17 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
     """
     before = parameter_checksum(ctx.model)
     out = []
-    plan = EvalPlan(split, variations, None, temperature, batch, with_memory=True)
+    plan = EvalPlan(split, variations, None, temperature, batch, with_memory=baseline != "none")
     for trial in range(trials):
         ctx.sampling_seed = row_seed(seed, trial)
         episodes = play_split(ctx, tasks, plan, update_memory=False)
         if baseline == "reflexion":
             _remember_failures(ctx, episodes)
-        else:
+        elif baseline == "memory":
             reflect(ctx, episodes, episodes)  # one tip per episode, and the uses of the tips it retrieved
         result = summarise(episodes, tasks, plan)
         out.append({"trial": trial, **result["summary"], "per_task": result["per_task"],
-                    "memory_size": ctx.memory.stats()["tips"], "per_episode": result["episodes"]})
+                    "memory_size": ctx.memory.stats()["tips"] if ctx.memory is not None else 0, "per_episode": result["episodes"]})
         say(f"trial {trial}: mean score {out[-1]['score_mean']:.1f}, success {out[-1]['success_rate']:.2f} "
             f"({baseline}: {out[-1]['memory_size']} entries)")
     if parameter_checksum(ctx.model) != before:
@@ -137,8 +140,9 @@ def adaptation_report(trials: list[dict[str, Any]], **meta: Any) -> dict[str, An
 def finish(out: Path, tasks: list[str], trials: list[dict[str, Any]], checksum: str, cfg, *, preset: str | None,
            baseline: str, run: str | None, split: str, seed: int = 0) -> dict[str, Any]:
     """Label the method, build the report, write it (:func:`write_adaptation`) and print its table."""
-    method = "reflexion" if baseline == "reflexion" else (f"{method_label(cfg)} + tips" if run else "base model + tips")
-    report = adaptation_report(trials, tasks=tasks, preset=preset,
+    model = method_label(cfg) if run else "base model"
+    method = {"reflexion": "reflexion", "memory": f"{model} + tips", "none": f"{model}, no memory"}[baseline]
+    report = adaptation_report(trials, tasks=tasks, preset=preset, baseline=baseline,
                                pair="→".join(PRESETS[preset]) if preset else None, method=method,
                                label=env_label(cfg.env), run=run, model=cfg.policy.model, split=split,
                                weights_sha256=checksum, weights_unchanged=True, seed=seed)
