@@ -129,6 +129,38 @@ def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path, capsys):
     assert cell["later_gain"] is None and cell["later_gain_ci"] is None and "| n/a | n/a |" in md
 
 
+def test_ood_cell_against_its_no_memory_control(tmp_path):
+    """A memory cell and a ``--baseline none`` cell of the same weights and seed share trial 0; report compares their
+    later trials variation by variation (float64 reference here), leaves a cell of another seed unmatched, and says
+    when the two trial 0s disagree."""
+    control_trials = [POSITIVE[0], [10.0, 20.0, 30.0, 20.0, 20.0, 20.0], [20.0, 30.0, 20.0, 10.0, 20.0, 20.0]]
+    seeded = {"weights_sha256": "cd" * 32, "seed": 0}
+    cell = _adapt_folder(tmp_path, "tips", POSITIVE, baseline="memory", **seeded)
+    control = _adapt_folder(tmp_path, "none", control_trials, method="base model, no memory", baseline="none",
+                            **seeded)
+    unmatched = _adapt_folder(tmp_path, "reflexion", NEGATIVE, method="reflexion", baseline="reflexion",
+                              **{**seeded, "seed": 1})
+    ood, md = _ood(tmp_path, cell, control, unmatched)
+    versus = ood["versus_control"]["biology1→biology2"]
+    assert list(versus) == ["base model + tips − base model, no memory"]
+    v = versus["base model + tips − base model, no memory"]
+    diffs = (np.asarray(POSITIVE[1:], dtype=np.float64).mean(0)
+             - np.asarray(control_trials[1:], dtype=np.float64).mean(0)).tolist()
+    assert v["n_variations"] == 6 and v["trial0_differs"] == 0
+    assert v["diff"] == pytest.approx(float(np.mean(diffs)), abs=1e-12)
+    assert v["ci"] == pytest.approx(_boot_ci(diffs), abs=1e-9)
+    assert (f"| biology1→biology2 | base model + tips − base model, no memory | 6 | {v['diff']:+.1f} pts | "
+            f"{stats.fmt_ci(v['ci'])} |") in md
+    assert "trial 0 differs" not in md
+    # a control whose trial 0 is not the cell's did not play the same start
+    moved = _adapt_folder(tmp_path / "moved", "none", [[0.0] * 6, *control_trials[1:]],
+                          method="base model, no memory", baseline="none", **seeded)
+    ood, md = _ood(tmp_path / "moved", cell, moved)
+    assert ood["versus_control"]["biology1→biology2"]["base model + tips − base model, no memory"][
+        "trial0_differs"] == 6
+    assert "trial 0 differs in 6 variations" in md
+
+
 def test_adaptation_folder_without_per_variation_scores_prints_na(tmp_path):
     old = _adapt_folder(tmp_path, "old", POSITIVE, with_episodes=False)
     ood, md = _ood(tmp_path, old)
@@ -179,14 +211,16 @@ def test_webshop_fixture_runs_are_labelled_so_in_every_table(tmp_path, monkeypat
 
 def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_path, tiny_model, monkeypatch):
     """Real WebShop-fixture episodes with the tiny model, 3 variations in chunks of 2: a trial plays with the memory
-    it started with (none in trial 0, even for the second chunk), and its sampling is seeded, so the tips and the
-    Reflexion cell play the same trial 0 and a second tips cell repeats the first."""
+    it started with (none in trial 0, even for the second chunk), and its sampling is seeded, so the tips, the
+    Reflexion and the no-memory control cell play the same trial 0 and a second tips cell repeats the first."""
     from empo2.cli import policy_context
 
     sizes, retrieved, play = [], [], adapt.play_split
 
     def memory_state(memory) -> tuple:
         """Tips, rated tips and use counts: what a trial's play must leave as it found it."""
+        if memory is None:
+            return None
         stats = memory.stats()
         return stats["tips"], stats.get("rated_tips"), {ns: v["uses"] for ns, v in stats.get("namespaces", {}).items()}
 
@@ -201,7 +235,7 @@ def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_p
 
     def cell(name: str, baseline: str) -> list[dict]:
         args = argparse.Namespace(run=None, model=tiny_model, env="webshop", tasks=None, max_steps=2, batch=2)
-        cfg, ctx = policy_context(args, None if baseline == "reflexion" else tmp_path / name / "memory.sqlite")
+        cfg, ctx = policy_context(args, tmp_path / name / "memory.sqlite" if baseline == "memory" else None)
         for key, value in (("max_completion_length", 6), ("reflection_max_tokens", 8), ("few_shot", 0)):
             setattr(ctx.policy_cfg, key, value)
         if baseline == "reflexion":
@@ -212,15 +246,21 @@ def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_p
                 assert sum(memory_state(ctx.memory)[2].values()) == sum(retrieved[-2:]) > 0
         finally:
             ctx.pool.close()
-            ctx.memory.close()
+            if ctx.memory is not None:
+                ctx.memory.close()
         return trials
 
     tips, again, reflexion = cell("tips", "memory"), cell("again", "memory"), cell("reflexion", "reflexion")
+    control = cell("none", "none")
     assert tips[0]["memory_size"] >= 1  # trial 0 wrote tips, read from trial 1 on
     assert all(before == after for before, after in sizes) and sizes[1][0][0] >= 1  # none while a trial plays
     assert tips[0]["per_episode"] == reflexion[0]["per_episode"]
     assert all(e["actions"] for e in tips[0]["per_episode"])
     assert [t["per_episode"] for t in tips] == [t["per_episode"] for t in again]
+    played = [({k: v for k, v in e.items() if k != "mode"}) for e in tips[0]["per_episode"]]
+    assert [{k: v for k, v in e.items() if k != "mode"} for e in control[0]["per_episode"]] == played
+    assert {e["mode"] for t in control for e in t["per_episode"]} == {"on"}  # no tips retrieved, ever
+    assert [t["memory_size"] for t in control] == [0, 0] and not (tmp_path / "none").exists()
 
 def test_adapt_trials_store_one_episode_per_variation(tmp_path, tiny_model):
     """Real WebShop-fixture episodes with the tiny model: each trial stores its episodes, one per task variation, whose

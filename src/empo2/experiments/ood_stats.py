@@ -10,6 +10,9 @@
   10 noisy trials beats trial 0 with no adaptation at all. The later-trials gain involves no pick: per variation,
   the mean of trials 1…K−1 minus trial 0, with the same bootstrap CI. Several adaptations of one cell (e.g. one per
   trained seed) pool their pairs.
+- Against its control: a cell of the same weights and ``--seed`` played with ``--baseline none`` starts from the same
+  trial 0 and differs afterwards only by memory. Per variation, the mean of trials 1…K−1 of the cell minus that of
+  the control, with the same bootstrap CI, is the gain memory adds over what sampling alone moves.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ METHOD_TEXT = (f"95% CIs over {UNIT}: percentile bootstrap ({stats.N_RESAMPLES} 
                f"{stats.BOOTSTRAP_SEED}, needs ≥ {stats.MIN_BOOTSTRAP}) of the best trial's per-variation scores and "
                "of the per-variation gains best trial − trial 0; the best trial is chosen on the same episodes, so that "
                "gain leans optimistic. The later-trials gain (mean of trials 1…K−1 − trial 0 per variation, same "
-               "CI) picks nothing. A gain over a trial 0 ≤ 0 is given in points, never as a percentage.")
+               "CI) picks nothing. A gain over a trial 0 ≤ 0 is given in points, never as a percentage. Against a "
+               "no-memory control, the per-variation difference of the later-trial means, same CI.")
 
 
 def gain_pct(trial0: float, best: float) -> float | None:
@@ -45,13 +49,21 @@ def later_text(cell: dict[str, Any]) -> str:
     return "n/a" if cell["later_gain"] is None else f"{cell['later_gain']:+.1f} pts"
 
 
-def per_variation(report: dict[str, Any]) -> tuple[list[float], list[float], list[float]] | None:
-    """(best-trial scores, gains over trial 0, later-trials gains) per (task, variation), or ``None`` when the
-    trials store no episodes. A later-trials gain is the mean of trials 1…K−1 minus trial 0 (none with one trial)."""
+def _per_trial(report: dict[str, Any]) -> list[dict[tuple[str, int], float]] | None:
+    """Each trial's score per (task, variation), or ``None`` when the trials store no episodes."""
     trials = report.get("trials") or []
     if not trials or any("per_episode" not in t for t in trials):
         return None
-    per = [{(e["task"], int(e["variation"])): float(e["score"]) for e in t["per_episode"]} for t in trials]
+    return [{(e["task"], int(e["variation"])): float(e["score"]) for e in t["per_episode"]} for t in trials]
+
+
+def per_variation(report: dict[str, Any]) -> tuple[list[float], list[float], list[float]] | None:
+    """(best-trial scores, gains over trial 0, later-trials gains) per (task, variation), or ``None`` when the
+    trials store no episodes. A later-trials gain is the mean of trials 1…K−1 minus trial 0 (none with one trial)."""
+    per = _per_trial(report)
+    if per is None:
+        return None
+    trials = report["trials"]
     best = int(np.argmax([t["score_mean"] for t in trials]))  # the first of equal trials, as max() picks
     keys = sorted(set.intersection(*map(set, per)))
     later = [float(np.mean([p[k] for p in per[1:]], dtype=np.float64)) - per[0][k] for k in keys] if per[1:] else []
@@ -89,3 +101,22 @@ def cell_text(cell: dict[str, Any]) -> str:
             f"gain {gain_text(cell['trial0'], cell['gain'])} (95% CI in points {stats.fmt_ci(cell['gain_ci'])}); "
             f"later-trials gain {later_text(cell)} (95% CI {stats.fmt_ci(cell['later_gain_ci'])}); "
             f"n = {n} {UNIT}" + (f" ({cell['note']})" if cell["note"] else ""))
+
+
+def versus_control(matched: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """A cell against its no-memory control, from (cell ``adapt.json``, control ``adapt.json``) pairs of the same
+    weights and seed: the per-variation difference of their later-trial means, pooled over the pairs, with its CI;
+    ``trial0_differs`` counts the variations whose trial 0 scores disagree (they should not: same prompts, same
+    seeds)."""
+    diffs, differs = [], 0
+    for cell, control in matched:
+        a, b = _per_trial(cell), _per_trial(control)
+        if a is None or b is None or len(a) < 2 or len(b) < 2:
+            continue
+        for key in sorted(set.intersection(*map(set, a), *map(set, b))):
+            diffs.append(float(np.mean([p[key] for p in a[1:]], dtype=np.float64)
+                               - np.mean([p[key] for p in b[1:]], dtype=np.float64)))
+            differs += a[0][key] != b[0][key]
+    ci = stats.mean_ci(diffs, UNIT)
+    return {"n": len(matched), "n_variations": len(diffs), "diff": ci["mean"], "ci": ci["ci"], "note": ci["note"],
+            "trial0_differs": differs}

@@ -10,7 +10,8 @@ bars per table:
   (``webshop-fixture``) is never shown as WebShop;
 - OOD: topic pairs × methods, the best trial's score, its gain over trial 0 and the later-trials gain (which picks
   no trial), each with a 95% CI over task variations and its n (Table 3; :mod:`empo2.experiments.ood_stats`). A
-  gain over a trial 0 ≤ 0 is shown in points, never as a percentage.
+  gain over a trial 0 ≤ 0 is shown in points, never as a percentage. A cell with a no-memory control of the same
+  weights and seed (``adapt --baseline none``) is also compared with it, variation by variation.
 
 Under each run table, the methods over seeds (:mod:`empo2.experiments.stats`): mean final score and success with
 95% bootstrap CIs, final − start, and the paired difference of every two methods (seeds paired by ``train.seed``)
@@ -107,7 +108,8 @@ def _read_adapt(folder: Path) -> dict[str, Any]:
     return {"path": str(folder), "method": data.get("method", "?"), "label": data.get("label", "?"),
             "pair": data.get("pair") or data.get("preset") or ", ".join(data.get("tasks", [])),
             "best": data["best"], "scores": data["scores"], "trial0": data.get("trial0", data["scores"][0]),
-            "trials": data.get("trials", []), "seed": data.get("seed"), "weights": data.get("weights_sha256")}
+            "trials": data.get("trials", []), "seed": data.get("seed"), "weights": data.get("weights_sha256"),
+            "baseline": data.get("baseline", "reflexion" if data.get("method") == "reflexion" else "memory")}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -145,8 +147,23 @@ def tables(found: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 _refuse_repeated_adapt(pair, m, adapts)
         methods = sorted({m for row in cells.values() for m in row})
         out["ood"] = {"kind": "ood", "methods": methods, "method_text": ood_stats.METHOD_TEXT, "pairs": {
-            pair: {m: ood_stats.ood_cell(row[m]) for m in row} for pair, row in sorted(cells.items())}}
+            pair: {m: ood_stats.ood_cell(row[m]) for m in row} for pair, row in sorted(cells.items())},
+            "versus_control": _versus_control(found["adapt"])}
     return out
+
+
+def _versus_control(adapts: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every memory cell against the no-memory control (``--baseline none``) of the same pair, weights and seed:
+    ``{pair: {"<method> − <control>": versus}}`` (:func:`ood_stats.versus_control`)."""
+    controls = {(a["pair"], a["weights"], a["seed"]): a for a in adapts
+                if a["baseline"] == "none" and a["seed"] is not None}
+    matched: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for a in adapts:
+        control = controls.get((a["pair"], a["weights"], a["seed"]))
+        if control is not None and a["baseline"] != "none":
+            matched[a["pair"]][f"{a['method']} − {control['method']}"].append((a, control))
+    return {pair: {m: ood_stats.versus_control(v) for m, v in sorted(row.items())}
+            for pair, row in sorted(matched.items())}
 
 
 def _refuse_repeated_adapt(pair: str, method: str, adapts: list[dict[str, Any]]) -> None:
@@ -230,6 +247,20 @@ def _ood_lines(t: dict[str, Any]) -> list[str]:
                          f"{stats.fmt_ci(c['later_gain_ci'])} |")
             if c["note"]:
                 notes.append(f"- {pair}, {m}: {c['note']}.")
+    versus = [(pair, m, v) for pair, row in t.get("versus_control", {}).items() for m, v in row.items()]
+    if versus:
+        lines += ["", "Against the no-memory control of the same weights and seed (same trial 0; per variation, the "
+                  "mean of trials 1…K−1 of the cell minus the control's):", "",
+                  "| pair | cell − control | n variations | later trials, difference | 95% CI (points) |",
+                  "|---|---|---:|---:|---|"]
+        for pair, m, v in versus:
+            diff = "n/a" if v["diff"] is None else f"{v['diff']:+.1f} pts"
+            lines.append(f"| {pair} | {m} | {v['n_variations']} | {diff} | {stats.fmt_ci(v['ci'])} |")
+            if v["trial0_differs"]:
+                notes.append(f"- {pair}, {m}: trial 0 differs in {v['trial0_differs']} variations (played by "
+                             "different code or settings?), so the control does not share its start.")
+            if v["note"]:
+                notes.append(f"- {pair}, {m}: {v['note']}.")
     return [*lines, "", *notes, *([""] if notes else []), f"Method: {t['method_text']}"]
 
 
