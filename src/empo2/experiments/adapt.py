@@ -1,6 +1,6 @@
 """Out-of-distribution adaptation (paper: OOD tests): trials on unseen tasks that change memory only, never the weights.
 
-Two ways to remember between trials:
+Two ways to remember between trials, and a control that remembers nothing:
 
 - ``memory`` (EMPO²): every episode writes a tip into the tip memory; each step retrieves the tips whose key is most
   similar to the current state.
@@ -110,8 +110,9 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
         elif baseline == "memory":
             reflect(ctx, episodes, episodes)  # one tip per episode, and the uses of the tips it retrieved
         result = summarise(episodes, tasks, plan)
+        remembered = ctx.memory.stats()["tips"] if ctx.memory is not None else 0
         out.append({"trial": trial, **result["summary"], "per_task": result["per_task"],
-                    "memory_size": ctx.memory.stats()["tips"] if ctx.memory is not None else 0, "per_episode": result["episodes"]})
+                    "memory_size": remembered, "per_episode": result["episodes"]})
         say(f"trial {trial}: mean score {out[-1]['score_mean']:.1f}, success {out[-1]['success_rate']:.2f} "
             f"({baseline}: {out[-1]['memory_size']} entries)")
     if parameter_checksum(ctx.model) != before:
