@@ -397,7 +397,7 @@ def test_gradient_checkpointing_update_equals_stored_activations(lora):
         model = tiny_lm(3)
         if checkpointing:
             enable_gradient_checkpointing(model, "tiny")
-        if lora:  # after checkpointing, as Trainer._adapt does; B starts at 0, so the step moves it
+        if lora:  # after checkpointing, as loader.make_trainable does; B starts at 0, so the step moves it
             from peft import LoraConfig, get_peft_model
 
             model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))

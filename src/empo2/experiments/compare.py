@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -316,18 +315,6 @@ def train_command(plan: RunPlan, config: str, overrides: list[str], status: str)
     return cmd + [*overrides, *_own_overrides(plan.algo, plan.seed, plan.folder)]
 
 
-def _die_with_parent() -> Callable[[], None] | None:
-    """A child hook that SIGTERMs the run if this process dies (``kill -9`` included): in its own session no group
-    or terminal signal reaches it any more. Linux only (``prctl(PR_SET_PDEATHSIG)``); libc is loaded here, before
-    the fork, because loading a library between fork and exec can deadlock."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
 def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int = 1,
             logs: Path | None = None) -> list[str]:
     """Run, resume or skip every plan in order, ``jobs`` at a time; returns the names of runs that failed.
@@ -337,7 +324,7 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
     is still playing the start eval it can reuse. Each run is its own process with its own seeds, so running several
     at once changes their wall time, not their results.
     """
-    from empo2.experiments.parallel import run_at_most, threads_per_job
+    from empo2.experiments.parallel import run_at_most, spawn_run, threads_per_job
 
     failed, t_all, heads = [], time.perf_counter(), {}
     env = {**os.environ, "OMP_NUM_THREADS": threads_per_job(jobs)} if jobs > 1 else None
@@ -355,7 +342,7 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
             say(f"{heads[i]}: start eval (untrained model, seed {plan.seed}) reused from {donor}")
         set_phase(f"compare run {plan.name} (its own line above says where it stopped)" if log is None else
                   f"compare, {jobs} runs at once (each run's log in {logs} says where it stopped)")
-        return _spawn(train_command(plan, config, overrides, status), log, env)
+        return spawn_run(train_command(plan, config, overrides, status), log, env)
 
     def ready(i: int, running: list[int]) -> bool:
         key = start_eval_key(plans[i].cfg)
@@ -374,22 +361,6 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
 
     run_at_most(jobs, range(len(plans)), launch, ready, finish)
     return failed
-
-
-def _spawn(cmd: list[str], log: Path | None, env: dict[str, str] | None) -> subprocess.Popen:
-    """One training subprocess in its own session, so a Ctrl-C typed in the terminal reaches only this process,
-    which passes it on (:mod:`empo2.experiments.parallel`); its output goes to this terminal or to ``log``."""
-    out = None
-    if log is not None:
-        log.parent.mkdir(parents=True, exist_ok=True)
-        out = log.open("ab")
-    try:
-        # preexec_fn: one prctl call of a library loaded before the fork, nothing that takes a lock other threads hold
-        return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent(),  # noqa: PLW1509
-                                stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
-    finally:
-        if out is not None:
-            out.close()  # the child holds its own copy
 
 
 # ---------------------------------------------------------------------------------------------------- summary

@@ -1,9 +1,10 @@
 """Run a list of subprocesses at most N at a time, in order, each started only when it may start.
 
 ``empo2 compare --jobs N`` runs its training runs through :func:`run_at_most`. Every run stays an ordinary ``empo2
-train`` subprocess in its own session; this module only decides when each starts and passes stop signals on. A stop
-(SIGTERM, Ctrl-C) reaches every running child once, each is waited for while it saves its checkpoint, and a second
-signal is passed on too, so a second Ctrl-C stops the runs at once, as it stops ``empo2 train``.
+train`` subprocess in its own session (:func:`spawn_run`); this module decides when each starts and passes stop
+signals on. A stop (SIGTERM, Ctrl-C) reaches every running child once, each is waited for while it saves its
+checkpoint, and a second signal is passed on too, so a second Ctrl-C stops the runs at once, as it stops ``empo2
+train``.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from empo2.signals import SIGNALS, Stopped
 
@@ -67,3 +70,31 @@ def _stop_all(procs: list[subprocess.Popen], signum: int) -> None:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def spawn_run(cmd: list[str], log: Path | None, env: dict[str, str] | None) -> subprocess.Popen:
+    """One training subprocess in its own session, so a Ctrl-C typed in the terminal reaches only this process,
+    which passes it on (:func:`run_at_most`); its output goes to this terminal or to ``log``."""
+    out = None
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        out = log.open("ab")
+    try:
+        # preexec_fn: one prctl call of a library loaded before the fork, nothing that takes a lock other threads hold
+        return subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent(),  # noqa: PLW1509
+                                stdout=out, stderr=subprocess.STDOUT if out else None, env=env)
+    finally:
+        if out is not None:
+            out.close()  # the child holds its own copy
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A child hook that SIGTERMs the run if this process dies (``kill -9`` included): in its own session no group
+    or terminal signal reaches it any more. Linux only (``prctl(PR_SET_PDEATHSIG)``); libc is loaded here, before
+    the fork, because loading a library between fork and exec can deadlock."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG

