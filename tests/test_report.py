@@ -209,6 +209,29 @@ def test_webshop_fixture_runs_are_labelled_so_in_every_table(tmp_path, monkeypat
 
 
 
+def test_unfinished_run_is_refused_unless_partial_which_names_it(tmp_path, capsys):
+    """A compare still under way: by default one line and nothing written; with ``--partial`` the finished runs make
+    the tables (n counts them only) and report.md names the run left out, above the tables."""
+    root = tmp_path / "cmp" / "runs"
+    finished = [_webshop_run(root, f"grpo-seed{s}", s, "webshop-fixture") for s in (0, 1)]
+    stopped = _webshop_run(root, "grpo-seed2", 2, "webshop-fixture")
+    (stopped / "eval" / "final.json").unlink()  # stopped after its checkpoints, before its final eval
+    out = tmp_path / "report"
+    assert main(["report", str(tmp_path / "cmp"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{stopped} has no eval/final.json (the run has not finished; --partial" in err and not out.exists()
+    assert main(["report", str(tmp_path / "cmp"), "--out", str(out), "--partial"]) == 0
+    table = json.loads((out / "report.json").read_text())["webshop-fixture"]
+    assert table["methods"]["grpo"]["n"] == len(finished) == 2
+    assert table["methods"]["grpo"]["score"] == pytest.approx(statistics.fmean([5.0, 15.0]), abs=1e-12)
+    md = (out / "report.md").read_text()
+    assert md.startswith(f"**Partial report.** Left out, not finished (each n counts finished runs only): `{stopped}`.")
+    assert "| grpo | 2 |" in md and md.count("grpo-seed2") == 1
+    (stopped / "eval" / "final.json").write_text((finished[0] / "eval" / "final.json").read_text())
+    assert main(["report", str(tmp_path / "cmp"), "--out", str(tmp_path / "whole"), "--partial"]) == 0
+    assert "Partial report" not in (tmp_path / "whole" / "report.md").read_text()  # nothing left out: a full report
+
+
 def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_path, tiny_model, monkeypatch):
     """Real WebShop-fixture episodes with the tiny model, 3 variations in chunks of 2: a trial plays with the memory
     it started with (none in trial 0, even for the second chunk), and its sampling is seeded, so the tips, the

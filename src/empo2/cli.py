@@ -284,7 +284,7 @@ def cmd_report(args) -> int:
     """The paper's comparison tables from run, compare and adaptation folders."""
     from empo2.experiments.report import write_report
 
-    write_report(args.folders, Path(args.out))
+    write_report(args.folders, Path(args.out), partial=args.partial)
     print((Path(args.out) / "report.md").read_text())
     print(f"wrote {args.out}/report.md, report.json and one PNG per table")
     return 0

@@ -21,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="the paper's tables (ScienceWorld, WebShop, OOD) from run/compare/adapt folders")
     p.add_argument("folders", nargs="+", metavar="RUN_OR_COMPARE_DIR")
     p.add_argument("--out", required=True)
+    p.add_argument("--partial", action="store_true",
+                   help="report the finished runs of a compare still under way; report.md names the runs left out")
 
     p = sub.add_parser("export", help="a run's last checkpoint (sharded or not, LoRA merged) as Hugging Face weights")
     p.add_argument("run", metavar="RUN_DIR")

@@ -54,9 +54,10 @@ def method_label(cfg) -> str:
     return f"{label}-std" if estimator == "gigpo" and std else label
 
 
-def collect(paths: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
-    """Read every input into ``{"runs": [...], "adapt": [...]}``; a folder that is none of the kinds is an error."""
-    found: dict[str, list[dict[str, Any]]] = {"runs": [], "adapt": []}
+def collect(paths: list[str | Path], partial: bool = False) -> dict[str, list]:
+    """Read every input into ``{"runs": [...], "adapt": [...], "unfinished": [...]}``; a folder that is none of the
+    kinds is an error, and so is a run without its final eval unless ``partial``, which lists it in ``unfinished``."""
+    found: dict[str, list] = {"runs": [], "adapt": [], "unfinished": []}
     for p in map(Path, paths):
         if not p.is_dir():
             raise ConfigError(f"no such folder: {p}")
@@ -66,7 +67,11 @@ def collect(paths: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
             raise ConfigError(f"{p} is not a run folder (config.yaml), a compare folder (runs/) or an adaptation "
                               "folder (adapt.json)")
         try:
-            found["runs"] += [_read_run(r) for r in runs if (r / "config.yaml").is_file()]
+            for r in runs:
+                if partial and not (r / "eval" / "final.json").is_file():
+                    found["unfinished"].append(str(r))
+                elif (r / "config.yaml").is_file():
+                    found["runs"].append(_read_run(r))
             found["adapt"] += [_read_adapt(a) for a in adapts]
         except (ValueError, yaml.YAMLError, KeyError, TypeError, AttributeError) as exc:  # JSON errors are ValueErrors
             raise ConfigError(f"{p}: unreadable run or adaptation file ({type(exc).__name__}: {exc})") from None
@@ -76,7 +81,8 @@ def collect(paths: list[str | Path]) -> dict[str, list[dict[str, Any]]]:
 def _read_run(run: Path) -> dict[str, Any]:
     final = run / "eval" / "final.json"
     if not final.is_file():
-        raise ConfigError(f"{run} has no eval/final.json (the run has not finished)")
+        raise ConfigError(f"{run} has no eval/final.json (the run has not finished; --partial reports the finished "
+                          "runs and names the others)")
     cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
     result = json.loads(final.read_text())
     env = cfg.get("env", {}).get("name", "scienceworld")
@@ -298,12 +304,18 @@ def plot(tabs: dict[str, Any], out: Path) -> list[Path]:
     return paths
 
 
-def write_report(paths: list[str | Path], out: Path) -> dict[str, Any]:
-    """Read ``paths``, then write ``report.md``, ``report.json`` and the PNGs into ``out``; returns the tables."""
-    tabs = tables(collect(paths))  # every input is read (and may fail) before anything is written
+def write_report(paths: list[str | Path], out: Path, partial: bool = False) -> dict[str, Any]:
+    """Read ``paths``, then write ``report.md``, ``report.json`` and the PNGs into ``out``; returns the tables. With
+    ``partial``, runs that have not finished are left out and report.md names them above the tables."""
+    found = collect(paths, partial)  # every input is read (and may fail) before anything is written
+    tabs = tables(found)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(markdown(tabs))
+    head = ""
+    if found["unfinished"]:
+        head = ("**Partial report.** Left out, not finished (each n counts finished runs only): "
+                + ", ".join(f"`{r}`" for r in found["unfinished"]) + ".\n\n")
+    (out / "report.md").write_text(head + markdown(tabs))
     (out / "report.json").write_text(json.dumps(tabs, indent=2))
     plot(tabs, out)
     return tabs
