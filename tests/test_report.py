@@ -224,12 +224,14 @@ def test_unfinished_run_is_refused_unless_partial_which_names_it(tmp_path, capsy
     table = json.loads((out / "report.json").read_text())["webshop-fixture"]
     assert table["methods"]["grpo"]["n"] == len(finished) == 2
     assert table["methods"]["grpo"]["score"] == pytest.approx(statistics.fmean([5.0, 15.0]), abs=1e-12)
+    assert table["unfinished"] == [{"path": str(stopped), "method": "grpo"}]  # the JSON names it too, in its table
     md = (out / "report.md").read_text()
     assert md.startswith(f"**Partial report.** Left out, not finished (each n counts finished runs only): `{stopped}`.")
     assert "| grpo | 2 |" in md and md.count("grpo-seed2") == 1
     (stopped / "eval" / "final.json").write_text((finished[0] / "eval" / "final.json").read_text())
     assert main(["report", str(tmp_path / "cmp"), "--out", str(tmp_path / "whole"), "--partial"]) == 0
     assert "Partial report" not in (tmp_path / "whole" / "report.md").read_text()  # nothing left out: a full report
+    assert "unfinished" not in json.loads((tmp_path / "whole" / "report.json").read_text())["webshop-fixture"]
 
 
 def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_path, tiny_model, monkeypatch):

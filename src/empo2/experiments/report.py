@@ -69,7 +69,7 @@ def collect(paths: list[str | Path], partial: bool = False) -> dict[str, list]:
         try:
             for r in runs:
                 if partial and not (r / "eval" / "final.json").is_file():
-                    found["unfinished"].append(str(r))
+                    found["unfinished"].append(_read_unfinished(r))
                 elif (r / "config.yaml").is_file():
                     found["runs"].append(_read_run(r))
             found["adapt"] += [_read_adapt(a) for a in adapts]
@@ -92,6 +92,12 @@ def _read_run(run: Path) -> dict[str, Any]:
             "per_task": result.get("per_task", {}), "score": stats.run_score(result, str(final)),
             "success": stats.run_success(result),
             "start": stats.run_score(json.loads(start.read_text()), str(start)) if start.is_file() else None}
+
+
+def _read_unfinished(run: Path) -> dict[str, Any]:
+    """A run left out by ``--partial``: its folder, and the method and table it will join once it has finished."""
+    cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    return {"path": str(run), "method": method_label(cfg), "label": _run_label(run, cfg, {})}
 
 
 def _run_label(run: Path, cfg: dict[str, Any], result: dict[str, Any]) -> str:
@@ -144,6 +150,9 @@ def tables(found: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                     "success": _mean([r["summary"]["success_rate"] * 100 for r in runs])}
                 for m, runs in sorted(methods.items())}}
         out[label]["stats"] = over_seeds
+        left_out = [{"path": u["path"], "method": u["method"]} for u in found["unfinished"] if u["label"] == label]
+        if left_out:
+            out[label]["unfinished"] = left_out
     if found["adapt"]:
         cells: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for a in found["adapt"]:
@@ -306,7 +315,8 @@ def plot(tabs: dict[str, Any], out: Path) -> list[Path]:
 
 def write_report(paths: list[str | Path], out: Path, partial: bool = False) -> dict[str, Any]:
     """Read ``paths``, then write ``report.md``, ``report.json`` and the PNGs into ``out``; returns the tables. With
-    ``partial``, runs that have not finished are left out and report.md names them above the tables."""
+    ``partial``, runs that have not finished are left out: report.md names them above the tables, and report.json
+    lists them as ``unfinished`` in the table they will join (a table none of whose runs has finished is not made)."""
     found = collect(paths, partial)  # every input is read (and may fail) before anything is written
     tabs = tables(found)
     out = Path(out)
@@ -314,7 +324,7 @@ def write_report(paths: list[str | Path], out: Path, partial: bool = False) -> d
     head = ""
     if found["unfinished"]:
         head = ("**Partial report.** Left out, not finished (each n counts finished runs only): "
-                + ", ".join(f"`{r}`" for r in found["unfinished"]) + ".\n\n")
+                + ", ".join(f"`{u['path']}`" for u in found["unfinished"]) + ".\n\n")
     (out / "report.md").write_text(head + markdown(tabs))
     (out / "report.json").write_text(json.dumps(tabs, indent=2))
     plot(tabs, out)
