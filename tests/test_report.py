@@ -216,6 +216,8 @@ def test_unfinished_run_is_refused_unless_partial_which_names_it(tmp_path, capsy
     finished = [_webshop_run(root, f"grpo-seed{s}", s, "webshop-fixture") for s in (0, 1)]
     stopped = _webshop_run(root, "grpo-seed2", 2, "webshop-fixture")
     (stopped / "eval" / "final.json").unlink()  # stopped after its checkpoints, before its final eval
+    bare = root / "grpo-seed3"
+    bare.mkdir()  # stopped before it saved its config: named, in no table
     out = tmp_path / "report"
     assert main(["report", str(tmp_path / "cmp"), "--out", str(out)]) == 2
     err = capsys.readouterr().err
@@ -226,9 +228,11 @@ def test_unfinished_run_is_refused_unless_partial_which_names_it(tmp_path, capsy
     assert table["methods"]["grpo"]["score"] == pytest.approx(statistics.fmean([5.0, 15.0]), abs=1e-12)
     assert table["unfinished"] == [{"path": str(stopped), "method": "grpo"}]  # the JSON names it too, in its table
     md = (out / "report.md").read_text()
-    assert md.startswith(f"**Partial report.** Left out, not finished (each n counts finished runs only): `{stopped}`.")
+    assert md.startswith("**Partial report.** Left out, not finished (each n counts finished runs only): "
+                         f"`{stopped}`, `{bare}`.")
     assert "| grpo | 2 |" in md and md.count("grpo-seed2") == 1
     (stopped / "eval" / "final.json").write_text((finished[0] / "eval" / "final.json").read_text())
+    bare.rmdir()
     assert main(["report", str(tmp_path / "cmp"), "--out", str(tmp_path / "whole"), "--partial"]) == 0
     assert "Partial report" not in (tmp_path / "whole" / "report.md").read_text()  # nothing left out: a full report
     assert "unfinished" not in json.loads((tmp_path / "whole" / "report.json").read_text())["webshop-fixture"]

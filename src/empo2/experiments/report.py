@@ -95,7 +95,10 @@ def _read_run(run: Path) -> dict[str, Any]:
 
 
 def _read_unfinished(run: Path) -> dict[str, Any]:
-    """A run left out by ``--partial``: its folder, and the method and table it will join once it has finished."""
+    """A run left out by ``--partial``: its folder, and the method and table it will join once it has finished (none
+    known for a run stopped before it saved its config)."""
+    if not (run / "config.yaml").is_file():
+        return {"path": str(run), "method": None, "label": None}
     cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
     return {"path": str(run), "method": method_label(cfg), "label": _run_label(run, cfg, {})}
 
