@@ -294,9 +294,10 @@ def test_ctrl_c_to_compares_group_reaches_its_run_once(tmp_path, tiny_model):
     out = tmp_path / "cmp"
     run = out / "runs" / "grpo-seed0"
     proc = Run("compare", "--config", CONFIG, "--algos", "grpo", "--seeds", "0", "--out", str(out),
-               f"policy.model={tiny_model}", *SMALL, "train.iterations=2", "train.preempt_save=true")
+               f"policy.model={tiny_model}", *SMALL, "train.iterations=2", "train.preempt_save=true", "train.progress=true")
     try:
-        proc.wait_line("start eval (no memory")  # the run's next step is iteration 0, inside the grace period
+        # the run's own progress line (compare passes it through): iteration 0 has begun, inside the grace period
+        proc.wait_line("iter 0: rollouts")
         proc.signal(signal.SIGINT, group=True)
         rc = proc.finish()
     finally:

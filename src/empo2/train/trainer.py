@@ -205,6 +205,7 @@ class Trainer:
             ckpt.set_rng_state(rng)
             self.ctx.step_counter = counter
             self._say(f"start eval (no memory, {cfg.env.eval_split}): score {start['summary']['score_mean']:.1f}")
+            signals.set_phase("the step from the start evaluation to iteration 0")
         if self.dist.is_main and self.start_iteration < cfg.train.iterations:  # training is left to do, so
             for stale in ("final.json", "final.md"):  # a final eval already here (a resume that added iterations) is old
                 (self.run_dir / "eval" / stale).unlink(missing_ok=True)
