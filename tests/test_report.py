@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import tdist
 from empo2.cli import main
 from empo2.config import Config
 from empo2.experiments import adapt, stats
@@ -83,13 +84,6 @@ def test_no_percentage_gain_over_a_start_at_or_below_zero(tmp_path):
     assert "gain +50%" in (folders[1] / "adapt.md").read_text()
 
 
-def _boot_ci(x: list[float]) -> list[float]:
-    """The 95% percentile bootstrap CI of the mean, resampled here with numpy in float64 (scipy's resampling)."""
-    x = np.asarray(x, dtype=np.float64)
-    idx = np.random.default_rng(stats.BOOTSTRAP_SEED).integers(0, x.size, (stats.N_RESAMPLES, x.size))
-    return np.percentile(x[idx].mean(1), [2.5, 97.5]).tolist()
-
-
 def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path, capsys):
     ood, md = _ood(tmp_path, _adapt_folder(tmp_path, "pos", POSITIVE))
     cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
@@ -97,14 +91,14 @@ def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path, capsys):
     assert cell["n_variations"] == 6 and cell["n"] == 1
     assert cell["best"] == pytest.approx(statistics.fmean(best), abs=1e-12)
     assert cell["trial0"] == pytest.approx(statistics.fmean(start), abs=1e-12)
-    assert cell["best_ci"] == pytest.approx(_boot_ci(best), abs=1e-9)
+    assert cell["best_ci"] == pytest.approx(tdist.mean_interval(best), abs=1e-9)
     gains = [b - s for b, s in zip(best, start)]
-    assert cell["gain_ci"] == pytest.approx(_boot_ci(gains), abs=1e-9)
+    assert cell["gain_ci"] == pytest.approx(tdist.mean_interval(gains), abs=1e-9)
     assert cell["gain_ci"][0] < cell["gain"] < cell["gain_ci"][1]
     # the later-trials gain picks no trial: per variation, the mean of trials 1 and 2 minus trial 0
     later = (np.asarray(POSITIVE[1:], dtype=np.float64).mean(0) - np.asarray(start, dtype=np.float64)).tolist()
     assert cell["later_gain"] == pytest.approx(float(np.mean(later)), abs=1e-12) and cell["later_gain"] < cell["gain"]
-    assert cell["later_gain_ci"] == pytest.approx(_boot_ci(later), abs=1e-9)
+    assert cell["later_gain_ci"] == pytest.approx(tdist.mean_interval(later), abs=1e-9)
     row = next(line for line in md.splitlines() if line.startswith("| biology1→biology2 |"))
     assert (f"| 1 | 6 | 20.0 | 30.0 | {stats.fmt_ci(cell['best_ci'])} | +50% | {stats.fmt_ci(cell['gain_ci'])} | "
             f"{cell['later_gain']:+.1f} pts | {stats.fmt_ci(cell['later_gain_ci'])} |") in row
@@ -114,7 +108,7 @@ def test_ood_best_trial_and_gain_with_cis_over_variations(tmp_path, capsys):
                                                                                           NEGATIVE))
     cell = ood["pairs"]["biology1→biology2"]["base model + tips (scienceworld)"]
     assert cell["n"] == 2 and cell["n_variations"] == 12
-    assert cell["best_ci"] == pytest.approx(_boot_ci(POSITIVE[1] + NEGATIVE[2]), abs=1e-9)
+    assert cell["best_ci"] == pytest.approx(tdist.mean_interval(POSITIVE[1] + NEGATIVE[2]), abs=1e-9)
     # a seeded adaptation rerun with the same weights and seed played the same episodes: it is refused, not pooled
     same = {"weights_sha256": "ab" * 32, "seed": 0}
     rerun = [_adapt_folder(tmp_path / "rerun", name, POSITIVE, **same) for name in ("a", "b")]
@@ -148,7 +142,7 @@ def test_ood_cell_against_its_no_memory_control(tmp_path):
              - np.asarray(control_trials[1:], dtype=np.float64).mean(0)).tolist()
     assert v["n_variations"] == 6 and v["trial0_differs"] == 0
     assert v["diff"] == pytest.approx(float(np.mean(diffs)), abs=1e-12)
-    assert v["ci"] == pytest.approx(_boot_ci(diffs), abs=1e-9)
+    assert v["ci"] == pytest.approx(tdist.mean_interval(diffs), abs=1e-9)
     assert (f"| biology1→biology2 | base model + tips − base model, no memory | 6 | {v['diff']:+.1f} pts | "
             f"{stats.fmt_ci(v['ci'])} |") in md
     assert "trial 0 differs" not in md

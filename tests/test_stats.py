@@ -1,6 +1,6 @@
-"""``empo2.experiments.stats`` against float64 references computed here: numpy resampling with the same seed for the
-bootstrap, the textbook paired t with closed-form t distributions (df 1, 2, 4) for p-values and intervals, an
-enumeration of sign flips for the exact Wilcoxon test, and a seeded simulation for the power."""
+"""``empo2.experiments.stats`` against float64 references computed here: the textbook t interval of a mean and paired
+t with closed-form t distributions (``tdist``) for p-values and intervals, an enumeration of sign flips for the exact
+Wilcoxon test, and a seeded simulation for the power."""
 
 from __future__ import annotations
 
@@ -11,34 +11,8 @@ import statistics
 import numpy as np
 import pytest
 
+import tdist
 from empo2.experiments import stats
-
-
-def _bootstrap_reference(values: list[float]) -> list[float]:
-    """Percentile bootstrap of the mean: resample indices with the module's seed, 2.5th and 97.5th percentiles."""
-    x = np.asarray(values, dtype=np.float64)
-    idx = np.random.default_rng(stats.BOOTSTRAP_SEED).integers(0, x.size, (stats.N_RESAMPLES, x.size))
-    return np.percentile(x[idx].mean(axis=1), [2.5, 97.5]).tolist()
-
-
-def _t_cdf(t: float, df: int) -> float:
-    """Student t CDF in closed form for df 1, 2 and 4."""
-    if df == 1:
-        return 0.5 + math.atan(t) / math.pi
-    if df == 2:
-        return 0.5 + t / (2 * math.sqrt(2 + t * t))
-    assert df == 4
-    u = 1 + t * t / 4
-    return 0.5 + 3 / 8 * t / math.sqrt(u) * (1 - t * t / (12 * u))
-
-
-def _t_crit(df: int) -> float:
-    """The t with two-sided tail 0.05, by bisection of the closed-form CDF."""
-    lo, hi = 0.0, 100.0
-    for _ in range(200):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_cdf(mid, df) < 0.975 else (lo, mid)
-    return lo
 
 
 def _paired_reference(a: list[float], b: list[float]) -> tuple[float, float, float, list[float]]:
@@ -47,25 +21,34 @@ def _paired_reference(a: list[float], b: list[float]) -> tuple[float, float, flo
     n, mean, sd = len(d), statistics.fmean(d), statistics.stdev(d)
     se = sd / math.sqrt(n)
     t = mean / se
-    p = 2 * (1 - _t_cdf(abs(t), n - 1))
-    half = _t_crit(n - 1) * se
+    p = 2 * (1 - tdist.cdf(abs(t), n - 1))
+    half = tdist.quantile_975(n - 1) * se
     return mean, t, p, [mean - half, mean + half]
 
 
-def test_bootstrap_ci_matches_numpy_resampling():
+def test_mean_ci_is_the_t_interval():
     scores = [-11.2, 3.5, 27.0, -4.25, 8.0, 0.5]
     got = stats.mean_ci(scores)
-    assert got["n"] == 6 and got["mean"] == statistics.fmean(scores)
-    assert got["ci"] == pytest.approx(_bootstrap_reference(scores), abs=1e-12)
-    assert got["ci"][0] < got["mean"] < got["ci"][1]
-    assert stats.mean_ci(scores) == got  # seeded: the same folders give the same interval
+    assert got["n"] == 6 and got["mean"] == pytest.approx(statistics.fmean(scores), abs=1e-12)
+    assert got["ci"] == pytest.approx(tdist.mean_interval(scores), abs=1e-9)
+    three = [-40.0, -12.0, -29.0]  # 3 seeds: t(0.975, 2) ≈ 4.30, far wider than the seeds' range
+    assert stats.mean_ci(three)["ci"] == pytest.approx(tdist.mean_interval(three), abs=1e-9)
+    assert stats.mean_ci(three)["ci"][0] < -40.0 and stats.mean_ci(three)["ci"][1] > -12.0
     assert stats.mean_ci([4.0, 4.0, 4.0])["ci"] == [4.0, 4.0]
 
 
-def test_ci_undefined_below_three_seeds_is_said():
-    for values in ([12.5], [12.5, -3.0]):
-        got = stats.mean_ci(values)
-        assert got["ci"] is None and f"n={len(values)}" in got["note"] and got["mean"] == statistics.fmean(values)
+def test_rate_ci_is_clipped_to_its_range():
+    rates = [0.0, 0.0, 0.125]
+    raw = tdist.mean_interval(rates)
+    assert raw[0] < 0.0  # the unclipped interval leaves [0, 1]
+    assert stats.mean_ci(rates, bounds=(0.0, 1.0))["ci"] == pytest.approx([0.0, raw[1]], abs=1e-9)
+
+
+def test_ci_undefined_below_two_seeds_is_said():
+    got = stats.mean_ci([12.5])
+    assert got["ci"] is None and "n=1" in got["note"] and got["mean"] == 12.5
+    two = stats.mean_ci([12.5, -3.0])  # t(0.975, 1) ≈ 12.7: honest, and very wide
+    assert two["ci"] == pytest.approx(tdist.mean_interval([12.5, -3.0]), abs=1e-8)
 
 
 def test_paired_difference_whose_ci_includes_zero():
@@ -92,7 +75,7 @@ def test_paired_difference_distinguishable_at_five_seeds():
     assert stats.verdict("b − a", got).endswith("distinguishable from zero at this n.")
 
 
-def test_two_seeds_have_a_t_test_but_no_bootstrap():
+def test_two_seeds_have_a_t_test():
     a, b = [10.0, 20.0], [14.0, 30.0]
     _, _, p, ci = _paired_reference(a, b)
     got = stats.paired(a, b)
@@ -128,9 +111,7 @@ def test_power_and_seeds_needed_against_simulation():
     n, effect = 8, 0.9
     d = rng.normal(effect, 1.0, (200_000, n))
     t = d.mean(1) / (d.std(1, ddof=1) / math.sqrt(n))
-    from scipy.stats import t as tdist
-
-    simulated = float(np.mean(np.abs(t) > tdist.ppf(0.975, n - 1)))
+    simulated = float(np.mean(np.abs(t) > tdist.quantile_975(n - 1)))
     assert stats.power(effect, n) == pytest.approx(simulated, abs=0.005)
 
 
@@ -141,7 +122,7 @@ def test_summarise_arms_pairs_seeds_and_gains():
                 ("empo2", 2, -8.2, 0.5, -25.0), ("empo2", 0, -13.0, 0.0, -30.0), ("empo2", 1, -12.0, 0.0, -20.0)]]
     got = stats.summarise_arms(runs, ["grpo", "empo2"])
     assert list(got["arms"]) == ["grpo", "empo2"] and got["arms"]["empo2"]["seeds"] == [0, 1, 2]
-    assert got["arms"]["grpo"]["score"]["ci"] == pytest.approx(_bootstrap_reference([-40.0, -12.0, -29.0]), abs=1e-12)
+    assert got["arms"]["grpo"]["score"]["ci"] == pytest.approx(tdist.mean_interval([-40.0, -12.0, -29.0]), abs=1e-9)
     _, _, p_gain, _ = _paired_reference([-30.0, -20.0, -25.0], [-13.0, -12.0, -8.2])
     assert got["arms"]["empo2"]["gain"]["p"] == pytest.approx(p_gain, abs=1e-10)
     (pair,) = got["pairs"]

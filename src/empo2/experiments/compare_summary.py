@@ -53,7 +53,7 @@ def run_result(plan) -> dict[str, Any]:
 
 def aggregate(results: list[dict[str, Any]], algos: list[str]) -> dict[str, dict[str, Any]]:
     """Per algorithm: mean / min / max over seeds of the final score, success and env steps, and the mean curve with
-    its 95% bootstrap CI band over seeds (``None`` below :data:`stats.MIN_BOOTSTRAP` seeds).
+    its 95% t-interval band over seeds (``None`` below :data:`stats.MIN_CI` seeds).
 
     Runs of one algorithm evaluate at the same iterations, so curves are aligned by evaluation index; the x of a
     point is the seeds' mean env steps there.
@@ -121,7 +121,7 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
              *arms.describe(meta.get("algos", [])),
              f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
              ("Learning curve: `curves.png` (eval score vs environment steps; line = mean over seeds, band = 95% "
-              f"bootstrap CI over seeds, drawn from {stats.MIN_BOOTSTRAP} seeds on)."), ""]
+              f"t interval over seeds, drawn from {stats.MIN_CI} seeds on)."), ""]
     if summary_stats is not None:
         lines += ["## Final eval per arm (95% CIs over seeds)", "", *stats.arm_table(summary_stats["arms"]), ""]
         if summary_stats["pairs"]:

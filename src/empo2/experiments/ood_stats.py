@@ -4,15 +4,15 @@
   a start ≤ 0 in points: a percentage of a negative or zero score says nothing (−50 → 0 would read +100%). Its CI is
   always in points.
 - The CIs' unit is a (task, variation) pair, which adapt plays once per trial (``trials[k]["per_episode"]`` in
-  ``adapt.json``). The best-trial score's CI is the percentile bootstrap (:func:`stats.mean_ci`) of that trial's
+  ``adapt.json``). The best-trial score's CI is the Student t interval (:func:`stats.mean_ci`) of that trial's
   per-variation scores; the gain's is that of the per-variation differences best trial − trial 0. The best trial is
   picked on these same episodes, so its score leans optimistic, and the CIs do not include that choice: the best of
   10 noisy trials beats trial 0 with no adaptation at all. The later-trials gain involves no pick: per variation,
-  the mean of trials 1…K−1 minus trial 0, with the same bootstrap CI. Several adaptations of one cell (e.g. one per
+  the mean of trials 1…K−1 minus trial 0, with the same t interval. Several adaptations of one cell (e.g. one per
   trained seed) pool their pairs.
 - Against its control: a cell of the same weights and ``--seed`` played with ``--baseline none`` starts from the same
   trial 0 and differs afterwards only by memory. Per variation, the mean of trials 1…K−1 of the cell minus that of
-  the control, with the same bootstrap CI, is the gain memory adds over what sampling alone moves.
+  the control, with the same t interval, is the gain memory adds over what sampling alone moves.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import numpy as np
 from empo2.experiments import stats
 
 UNIT = "task variations"
-METHOD_TEXT = (f"95% CIs over {UNIT}: percentile bootstrap ({stats.N_RESAMPLES} resamples, seed "
-               f"{stats.BOOTSTRAP_SEED}, needs ≥ {stats.MIN_BOOTSTRAP}) of the best trial's per-variation scores and "
+METHOD_TEXT = (f"95% CIs over {UNIT}: Student t interval (needs ≥ {stats.MIN_CI}) of the best trial's per-variation scores and "
                "of the per-variation gains best trial − trial 0; the best trial is chosen on the same episodes, so that "
                "gain leans optimistic. The later-trials gain (mean of trials 1…K−1 − trial 0 per variation, same "
                "CI) picks nothing. A gain over a trial 0 ≤ 0 is given in points, never as a percentage. Against a "

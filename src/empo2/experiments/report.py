@@ -14,7 +14,7 @@ bars per table:
   weights and seed (``adapt --baseline none``) is also compared with it, variation by variation.
 
 Under each run table, the methods over seeds (:mod:`empo2.experiments.stats`): mean final score and success with
-95% bootstrap CIs, final − start, and the paired difference of every two methods (seeds paired by ``train.seed``)
+95% t intervals, final − start, and the paired difference of every two methods (seeds paired by ``train.seed``)
 with its 95% CI, paired t-test p and one sentence on whether it is distinguishable from zero at this n. A run's score
 there is the mean of the episodes its ``eval/final.json`` stores.
 
