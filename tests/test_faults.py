@@ -185,7 +185,8 @@ def test_jvms_that_keep_dying_stop_the_run_with_one_line(tmp_path, tiny_model):
     msg = last_line(err)
     assert msg.startswith("error: ") and "in a row were lost to crashed environment workers" in msg, msg
     assert "train.max_consecutive_env_failures=1" in msg
-    assert not (run / "metrics.jsonl").exists() or iterations(run) == []
+    # the iteration that met the dead JVMs wrote nothing (the tiny model may finish iteration 0 before they die)
+    assert not (run / "metrics.jsonl").exists() or iterations(run) in ([], [0])
     assert seen and not [p for p in seen if pid_alive(p)]  # restarted JVMs included
     assert (run / LOCK_NAME).read_text() == ""
 

@@ -33,6 +33,7 @@ from empo2.train.resume import RESUME_SAFE, changed_keys, memory_digest
 from empo2.train.runlock import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
+HOLD = Path(__file__).with_name("phase_hold.py")
 CONFIG = "configs/scienceworld_cpu.yaml"
 SMALL = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
          "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
@@ -43,12 +44,16 @@ FAST = [*SMALL, "algo.p_memory=1.0"]
 # ------------------------------------------------------------------------------------------------------ helpers
 class Run:
     """``python -m empo2.cli -v ARGS`` in its own session; stdout and stderr are read line by line as they come, and
-    every process below it (environment workers, JVMs) is remembered so that the test can check none outlives it."""
+    every process below it (environment workers, JVMs) is remembered so that the test can check none outlives it.
+    ``hold``: a phase the process stays in until a signal comes (tests/phase_hold.py)."""
 
-    def __init__(self, *args: str, verbose: bool = True):
+    def __init__(self, *args: str, verbose: bool = True, hold: str | None = None):
         flags = ["-v"] if verbose else []
+        cli, env = ["-m", "empo2.cli"], None
+        if hold is not None:
+            cli, env = [str(HOLD)], {**os.environ, "EMPO2_TEST_HOLD_PHASE": hold}
         # SIGINT back to its default in the child: a runner that starts tests in the background leaves it ignored
-        self.proc = subprocess.Popen([sys.executable, "-m", "empo2.cli", *flags, *args], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, *cli, *flags, *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.lines: list[str] = []  # stderr: logs, errors, the stop message
@@ -157,13 +162,13 @@ def _unprefixed(line: str) -> str:
     return line.strip().removeprefix("[warning]").strip()
 
 
-def train(run: Path, model: str, *overrides: str, verbose: bool = True) -> Run:
+def train(run: Path, model: str, *overrides: str, verbose: bool = True, hold: str | None = None) -> Run:
     return Run("train", "--config", CONFIG, f"train.output_dir={run}", f"policy.model={model}", *FAST, *overrides,
-               verbose=verbose)
+               verbose=verbose, hold=hold)
 
 
-def resume(run: Path, *overrides: str) -> Run:
-    return Run("train", "--resume", str(run), *overrides)
+def resume(run: Path, *overrides: str, hold: str | None = None) -> Run:
+    return Run("train", "--resume", str(run), *overrides, hold=hold)
 
 
 def iterations(run: Path) -> list[int]:
@@ -206,7 +211,8 @@ def test_signals_in_every_phase_stop_cleanly_and_resume_loses_nothing(tmp_path, 
     ]
     outcomes = []
     for n, (signum, group, phase, overrides) in enumerate(stops):
-        proc = train(run, tiny_model, "train.iterations=2") if n == 0 else resume(run, *overrides)
+        held = phase if phase != "the rollout of iteration 0" else None  # the others can end within milliseconds
+        proc = train(run, tiny_model, "train.iterations=2", hold=held) if n == 0 else resume(run, *overrides, hold=held)
         try:
             proc.wait_line(f"phase: {phase}")
             proc.signal(signum, group)
@@ -338,7 +344,7 @@ def test_kill9_between_memory_and_checkpoint_and_during_saves(tmp_path, tiny_mod
     finished run has each iteration and sample once. Then the latest checkpoint is cut short: the resume falls back
     to the one before with one warning line."""
     run = tmp_path / "run"
-    proc = train(run, tiny_model, "train.iterations=3")
+    proc = train(run, tiny_model, "train.iterations=3", hold="the update of iteration 1")
     try:
         proc.wait_line("phase: the update of iteration 1")  # iteration 1's tips are in memory.sqlite, not saved
     finally:
