@@ -54,6 +54,7 @@ def cmd_train(args) -> int:
     from empo2.train.distributed import env_rank
     from empo2.train.runlock import start_run_folder
     from empo2.train.trainer import Trainer
+    from empo2.train.update import compute_dtype, old_logprobs_source
 
     main_rank = env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
     console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
@@ -71,6 +72,7 @@ def cmd_train(args) -> int:
     console.print("[bold]empo2 train[/bold] " + escape(  # names and paths are the user's text, not markup
         f"algo={method_label(cfg)} env={env_label(cfg.env)} tasks={_tasks_text(cfg)} model={cfg.policy.model} "
         f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} "
+        f"old_logprobs={old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend, compute_dtype(cfg.policy))} "
         f"malloc={allocator.active()} → {run_dir}"))
     signals.set_phase("the start of the run (model, environment workers)")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)

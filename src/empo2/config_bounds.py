@@ -45,7 +45,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "policy.reflection_max_tokens": (1, 1_000_000), "policy.history_window": (0, 100_000),
     "policy.few_shot": (0, 1000),
     "memory.top_k_tips": (0, 100_000), "memory.capacity": (1, _BIG), "memory.max_tip_words": (1, 1_000_000),
-    "algo.num_generations": (1, 4096),
+    "algo.num_generations": (1, 4096), "algo.intrinsic_schedule_iterations": (0, _BIG),
     "train.iterations": (0, _BIG), "train.tasks_per_batch": (1, 1_000_000), "train.num_iterations": (1, 10_000),
     "train.mini_batch_size": (0, _BIG), "train.micro_batch_tokens": (1, _BIG),
     "train.logprob_chunk_tokens": (1, _BIG), "train.eval_every": (0, _BIG),
@@ -56,7 +56,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
 """Inclusive [low, high] of every integer field; a field missing here is a programming error (a test checks)."""
 
 FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
-    "policy.lora_dropout": (0.0, 0.99), "policy.temperature": (0.0, 100.0), "policy.eval_temperature": (0.0, 100.0),
+    "policy.lora_dropout": (0.0, 0.0), "policy.temperature": (0.0, 100.0), "policy.eval_temperature": (0.0, 100.0),
     "policy.reflection_temperature": (0.0, 100.0),
     "memory.similarity_threshold": (-1.0, 1.0), "memory.dedup_threshold": (-1.0, 2.0),
     "memory.rerank_score_weight": (0.0, 1e6), "memory.rerank_utility_weight": (0.0, 1e6),

@@ -209,12 +209,17 @@ class AlgoConfig:
     dual_clip: float = 10.0
     """Dual-clip constant c for negative advantages (0 disables)."""
     delta: float = 0.01
-    """Low-probability mask: drop tokens with π_θ(a|tip-free prompt) < δ (0 disables)."""
+    """Low-probability mask: drop tokens whose probability under the current policy, on the prompt the row trains
+    on, is below δ (0 disables). That prompt is tip-free for ``on`` and ``off_tips`` rows (the paper's
+    π_θ(a|s,u) ≥ δ) and holds the tips for ``on_tips`` rows, which train with them: testing those on a tip-free
+    prompt would take one more forward per row for on-policy samples, whose ratio starts at 1."""
     mask_granularity: Literal["token", "sequence"] = "token"
     """Where the δ mask acts: ``token`` (paper), or ``sequence`` (released code: drop a response if any old log-prob
     < log δ)."""
     beta: float = 0.0
-    """KL-to-reference coefficient (k3 estimator)."""
+    """KL-to-reference coefficient (k3 estimator). The KL term averages over the rows sampled from the prompt they
+    train on (``on``, ``on_tips``); ``off_tips`` rows were sampled with tips, so their tokens are no sample of
+    π_θ(·|s, u) and the term leaves them out."""
     loss_type: Literal["token_mean", "sequence_mean"] = "token_mean"
     """Loss aggregation: ``token_mean`` (sum over tokens / tokens of the mini-batch; TRL's ``dapo``/``bnpo``) or
     ``sequence_mean`` (per-response mean, then mean over responses; TRL's ``grpo``). Either way the mean runs over
@@ -229,8 +234,10 @@ class AlgoConfig:
     """Where the ratio's π_old(a|s, tips) comes from. ``engine``: the log-probs the rollout engine recorded while
     sampling. ``trainer``: recomputed by the training model's own forward on the sampling prompt before the first
     optimizer step (verl's default), so an on-policy ratio starts at 1 whatever precision or kernels the engine
-    sampled with. ``auto``: ``trainer`` when a separate engine samples (``policy.backend=vllm``), ``engine`` with
-    ``hf``, where the training model itself samples."""
+    sampled with. ``auto``: ``trainer`` when a separate engine samples (``policy.backend=vllm``) or the forwards
+    compute in bfloat16/float16 (decode-time and full-forward rounding differ there, so the ratio would not start at
+    1); ``engine`` only with ``hf`` in float32, where the training model itself samples and the two agree. The
+    banner prints the choice."""
     tis_cap: float = 2.0
     """Truncated importance sampling for the engine/trainer mismatch (TRL's ``vllm_importance_sampling_correction``):
     when π_old comes from the trainer, each token's advantage is weighted by min(π_trainer(a)/π_engine(a), tis_cap),
@@ -253,6 +260,10 @@ class AlgoConfig:
     """Weight at the first iteration under the ``linear`` schedule."""
     intrinsic_weight_end: float = 0.2
     """Weight at the last iteration under the ``linear`` schedule."""
+    intrinsic_schedule_iterations: int = 0
+    """Iterations the ``linear`` schedule spans (the weight stays at ``intrinsic_weight_end`` after them). ``0``: the
+    run's ``train.iterations`` at its first start, recorded in its saved config, so a resume that changes
+    ``train.iterations`` leaves the weights of the iterations already planned as they were."""
     novelty_threshold: float = 0.9
     """Cosine above which two observations (of one task) count as the same state for the novelty reward."""
 

@@ -69,23 +69,22 @@ class AdvantageInput:
     step_rewards: list[np.ndarray]
     """N arrays [T_i] float64: each step's reward (step index = position)."""
     state_keys: list[list[str]]
-    """N lists of T_i strings: the observation each step's action answered, verbatim (GiGPO's anchor key; anchor
-    groups never span two episode groups, and one episode group is one task and variation)."""
+    """N lists of T_i strings: the state each step's action answered, as the environment defines it (GiGPO's anchor
+    key; anchor groups never span two episode groups, and one episode group is one task and variation)."""
     options: AdvantageOptions = field(default_factory=AdvantageOptions)
 
     @classmethod
     def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
                       intrinsic_aggregation: str = "mean") -> AdvantageInput:
         """From rollout episodes (plain data: ``task``, ``variation``, ``group``, ``steps`` with ``reward``,
-        ``intrinsic`` and ``state_observation``). Step reward = r_t + w·r_int_t (``mean`` aggregation, as the
-        config's default: w·r_int_t / T_i, so the step rewards add up to the episode's return); state key = the
-        observation the step answered, exactly as the environment wrote it (not ``state_text``, which folds
-        whitespace and cuts long observations, so two distinct states could share an anchor group)."""
+        ``intrinsic`` and ``state_text``). Step reward = r_t + w·r_int_t (``mean`` aggregation, as the config's
+        default: w·r_int_t / T_i, so the step rewards add up to the episode's return); state key = the state the step
+        answered (:func:`empo2.envs.base.state_of`)."""
         rewards = []
         for ep in episodes:
             w = intrinsic_weight / max(len(ep.steps), 1) if intrinsic_aggregation == "mean" else intrinsic_weight
             rewards.append(np.array([s.reward + w * s.intrinsic for s in ep.steps], dtype=np.float64))
-        keys = [[s.state_observation for s in ep.steps] for ep in episodes]
+        keys = [[s.state_text for s in ep.steps] for ep in episodes]
         groups = np.array([ep.group for ep in episodes], dtype=np.int64)
         return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options)
 
@@ -221,14 +220,15 @@ def intrinsic_weight(algo, iteration: int, total_iterations: int) -> float:
 
     - ``algo.intrinsic_schedule = constant``: ``algo.intrinsic_weight`` (0 = intrinsic reward off).
     - ``linear``: ``algo.intrinsic_weight_start`` at iteration 0, ``algo.intrinsic_weight_end`` at iteration
-      ``total_iterations - 1`` and after, linear in between (``algo.intrinsic_weight`` is ignored).
+      ``n - 1`` and after, linear in between (``algo.intrinsic_weight`` is ignored), where n is
+      ``algo.intrinsic_schedule_iterations``, or ``total_iterations`` where that is 0.
     """
     schedule = algo.intrinsic_schedule
     if schedule == "constant":
         return float(algo.intrinsic_weight)
     if schedule == "linear":
         start, end = algo.intrinsic_weight_start, algo.intrinsic_weight_end
-        span = max(int(total_iterations) - 1, 1)
+        span = max(int(getattr(algo, "intrinsic_schedule_iterations", 0) or total_iterations) - 1, 1)
         frac = min(max(iteration / span, 0.0), 1.0)
         return float(start + (end - start) * frac)
     raise ValueError(f"unknown intrinsic schedule {schedule!r}; use 'constant' or 'linear'")

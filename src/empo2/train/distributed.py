@@ -207,7 +207,7 @@ def memory_sync(dist: Dist) -> Callable:
 def light_episode(ep):
     """A copy of an episode without token ids, prompts and embeddings: what rank 0 needs for metrics and tables."""
     steps = [dataclasses.replace(s, prompt_ids=[], train_prompt_ids=[], response_ids=[], logp_old=[],
-                                 state_embedding=None, state_text="", state_observation="", observation="")
+                                 state_embedding=None, observation="")
              for s in ep.steps]
     return dataclasses.replace(ep, steps=steps)
 

@@ -81,6 +81,8 @@ class Trainer:
         seed = cfg.train.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         settle_autocast(cfg.policy)  # "auto" becomes this machine's precision, recorded in the saved config
+        if cfg.algo.intrinsic_schedule == "linear" and not cfg.algo.intrinsic_schedule_iterations:
+            cfg.algo.intrinsic_schedule_iterations = cfg.train.iterations  # kept when a resume changes the length
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
         check_backend(cfg.policy.backend)
         self.dist = dp.init_from_env()
