@@ -15,8 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from empo2.algo import gigpo  # noqa: F401 - registers the "gigpo" advantage estimator
-from empo2.algo import proxmo  # noqa: F401 - registers the "proxmo" advantage estimator
+from empo2.algo import (
+    gigpo,  # noqa: F401 - registers the "gigpo" advantage estimator
+    proxmo,  # noqa: F401 - registers the "proxmo" advantage estimator
+)
 from empo2.algo.modes import MODES
 
 
