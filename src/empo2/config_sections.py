@@ -174,7 +174,7 @@ class AlgoConfig:
 
     name: str = "empo2"
     """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
-    only, no memory) or ``gigpo`` (GRPO's loop with the ``gigpo`` estimator). The algorithm decides memory use, mode
+    only, no memory), ``gigpo`` or ``proxmo`` (GRPO's loop with the ``gigpo`` / ``proxmo`` estimator). The algorithm decides memory use, mode
     probabilities, loss and (by default) estimator."""
     arm: str | None = None
     """The ablation this run is labelled as (``empo2.experiments.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
@@ -185,9 +185,9 @@ class AlgoConfig:
     advantage: str = "grpo"
     """Advantage-estimator registry name (``empo2.algo.advantages``), for algorithms that do not fix their own."""
     gamma: float = 0.95
-    """GiGPO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (paper: 0.95)."""
+    """GiGPO and ProxMO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (both papers: 0.95)."""
     step_advantage_weight: float = 1.0
-    """GiGPO: ω in A = A_episode + ω·A_step (paper: 1.0)."""
+    """GiGPO and ProxMO: ω in A = A_episode + ω·A_step (both papers: 1.0)."""
     step_similarity: float | None = None
     """GiGPO: ``None`` = anchor states grouped by their exact observation text (the reference default); a ratio in
     (0, 1] puts an observation in the first anchor group whose first observation is at least this similar (difflib
@@ -197,6 +197,19 @@ class AlgoConfig:
     ``algo.advantage=gigpo`` under EMPO² alike: ``mean_norm`` (default; the reference code's default and the stronger
     "GiGPO w/o std" of the EMPO² paper's WebShop table) subtracts the group mean; ``mean_std_norm`` also divides by
     the group's sample std (ddof 1) + ``adv_eps``. Compare and report label the runs ``gigpo`` / ``gigpo-std``."""
+    proxmo_psc: bool = True
+    """ProxMO: weight the episode advantage by the polarized signal controller, from the group's success rate (off:
+    the ``proxmo-no-psc`` arm)."""
+    proxmo_psa: bool = True
+    """ProxMO: add the proximity-weighted step advantage ω·A^S (off: the ``proxmo-no-psa`` arm)."""
+    proxmo_alpha: float = 4.0
+    """ProxMO PSC: steepness α of σ((1 − p)^α) and σ(−p^α) (the official scripts: 4.0)."""
+    proxmo_range: float = 0.05
+    """ProxMO PSC: the episode weights lie in [1 − range, 1 + range] (the official scripts: 0.05)."""
+    proxmo_tau: float = 0.1
+    """ProxMO PSA: softmax temperature τ over the TF-IDF cosine similarities of a group's steps (paper: 0.1)."""
+    proxmo_max_features: int = 1024
+    """ProxMO PSA: TF-IDF keeps the global batch's this many most frequent terms (official code: 1024; 0 = all)."""
     scale_rewards: bool = True
     """GRPO: divide group-centred returns by the group's sample std (ddof 1) + ``adv_eps`` (GiGPO's switch is
     ``gigpo_normalization``)."""

@@ -15,7 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from empo2.algo import gigpo  # noqa: F401 - registers the "gigpo" advantage estimator
+from empo2.algo import (
+    gigpo,  # noqa: F401 - registers the "gigpo" advantage estimator
+    proxmo,  # noqa: F401 - registers the "proxmo" advantage estimator
+)
 from empo2.algo.modes import MODES
 
 
@@ -74,3 +77,4 @@ def get_algorithm(name: str) -> AlgorithmSpec:
 register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes))
 register_algorithm(AlgorithmSpec("grpo", uses_memory=False, loss="grpo"))
 register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo"))  # Feng et al. 2025
+register_algorithm(AlgorithmSpec("proxmo", uses_memory=False, loss="grpo", advantage="proxmo"))  # arXiv 2602.19225

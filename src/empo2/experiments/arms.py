@@ -54,6 +54,10 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
         needs_novelty=True),
     Arm("grpo-no-novelty", "grpo", "plain GRPO: no tips, no intrinsic reward (algo.intrinsic_weight=0, constant "
         "schedule)", {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}),
+    Arm("proxmo-no-psc", "proxmo", "ProxMO without its polarized signal controller: the episode advantage is "
+        "unweighted (algo.proxmo_psc=false)", {"proxmo_psc": False, "proxmo_psa": True}),
+    Arm("proxmo-no-psa", "proxmo", "ProxMO without its proximity-weighted step advantage: A = the weighted episode "
+        "advantage only (algo.proxmo_psa=false)", {"proxmo_psc": True, "proxmo_psa": False}),
 )}
 """Every ablation arm, by name."""
 

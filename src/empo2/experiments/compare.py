@@ -3,7 +3,8 @@
 Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2 train`` (same code path, with
 ``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also
 sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gigpo-std``) picks GiGPO's
-``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``; an ablation arm of
+``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``; ``proxmo`` and ``empo2+proxmo``
+run both of ProxMO's parts (``algo.proxmo_psc`` and ``algo.proxmo_psa`` set true); an ablation arm of
 :mod:`empo2.experiments.arms` (``empo2-no-offpolicy`` …) sets its algorithm, its settings and ``algo.arm``, the label
 ``report`` shows). ``--seeds`` names seed values:
 ``3``, ``1,4,7``, ``0-4``. Runs go one after another (``--jobs N``: N at once, see :func:`run_all`), each in its own
@@ -42,8 +43,8 @@ from empo2.policy.precision import settle_autocast
 from empo2.signals import set_phase
 from empo2.train import checkpoint as ckpt
 
-SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "train.seed", "train.output_dir",
-                  "train.eval_at_start")
+SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "algo.proxmo_psc", "algo.proxmo_psa",
+                  "train.seed", "train.output_dir", "train.eval_at_start")
 STD_SUFFIX = "-std"
 """``--algos gigpo-std``: GiGPO divided by the group std (``mean_std_norm``); report's ``method_label`` writes it so."""
 COSMETIC = ("train.output_dir", "train.progress")  # may differ between invocations without changing a run
@@ -177,6 +178,7 @@ def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
     else:  # algo.arm emptied: a config file's arm would label a plain algorithm's run as an ablation
         name, estimator, std = _split(algo)
         chosen = [f"algo.name={name}", "algo.arm="] + ([f"algo.advantage={estimator}"] if estimator else [])
+        chosen += ["algo.proxmo_psc=true", "algo.proxmo_psa=true"]  # ProxMO's parts are switched off by arms only
     # always set, so that a config file's choice cannot run under a label that says the other one
     chosen.append(f"algo.gigpo_normalization={'mean_std_norm' if std else 'mean_norm'}")
     return [*chosen, f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]

@@ -12,7 +12,7 @@ the Method section and its figure of the three learning modes), one call per ste
 4. novelty (``_novelty``): the intrinsic reward r_int = 1/n of each state reached, n the number of similar states
    seen (the state-novelty reward; :func:`empo2.train.intrinsic.novelty_rewards`).
 5. returns and advantages (``_advantages``): R = R_ext + w·R_int and GRPO's group-normalised advantage
-   A_i = (R_i − mean_G R) / (std_G R + ε), or GiGPO's (:func:`empo2.algo.advantages.compute_advantages`).
+   A_i = (R_i − mean_G R) / (std_G R + ε), or GiGPO's or ProxMO's (:func:`empo2.algo.advantages.compute_advantages`).
 6. update (``_update``): the modified GRPO loss, a clipped ratio ρ (for ``off_tips`` π_θ(a|s,u) / π_θold(a|s,u,tips)),
    the low-probability mask 1[π_θ(a|s,u) ≥ δ] and β·D_KL (:class:`empo2.train.update.PolicyUpdate`, ``algo.losses``).
 7. sync (``_sync``): tips generated beside the update are written, a separate rollout backend takes the new weights.
@@ -303,7 +303,7 @@ class Trainer:
         algo = self.cfg.algo
         inputs = AdvantageInput.from_episodes(batch.ran, batch.returns(algo.intrinsic_aggregation),
                                               batch.intrinsic_weight, AdvantageOptions.from_config(algo),
-                                              algo.intrinsic_aggregation)
+                                              algo.intrinsic_aggregation, gather=self.dist.all_gather)
         batch.advantages, batch.advantage_metrics = compute_advantages(self.algorithm.estimator(algo), inputs)
 
     def _update(self, batch: Batch, progress) -> None:
