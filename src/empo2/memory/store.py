@@ -68,6 +68,7 @@ class TipMemory:
         self._lock = threading.RLock()
         self._index: dict[str, NamespaceIndex] = {}
         self._conn: sqlite3.Connection | None = None
+        self.skipped: dict[str, int] = {}  # stored tips that fail the tip checks, by reason (see _load)
         self.read_only = read_only
         if embedder is not None and dim is not None and getattr(embedder, "dim", dim) != dim:
             raise DimensionMismatchError(f"embedder gives {embedder.dim}-d vectors but dim={dim}")
@@ -120,9 +121,11 @@ class TipMemory:
         return stored
 
     def _load(self) -> None:
-        """Read every tip's embeddings into the per-namespace matrices."""
+        """Read the embeddings of every tip that passes the checks a new tip passes into the per-namespace matrices.
+        A tip that fails (too long, undecodable, …: a file from elsewhere) stays in the file but is never retrieved;
+        :attr:`skipped` counts them by reason."""
         try:
-            rows = read_embeddings(self._conn, self.dim)
+            rows, self.skipped = read_embeddings(self._conn, self.dim, self.max_tip_words)
         except (sqlite3.DatabaseError, MemoryStoreError) as exc:
             self.close()
             raise MemoryStoreError(f"{self.path} is corrupt: {exc}") from None

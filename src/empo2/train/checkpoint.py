@@ -3,7 +3,8 @@
 A checkpoint folder ``checkpoints/iter_000007/`` holds the adapter (or full model) as safetensors, ``optimizer.pt``
 (tensors and numbers only: read with ``torch.load(weights_only=True)``), ``state.json`` (iteration, counters,
 task-sampler / mode-sampler state, Python and numpy RNG states), ``state.safetensors`` (the torch RNG state and the
-novelty counts) and ``memory.sqlite``; under ``train.sharding: fsdp`` the weights and optimizer are a
+novelty counts), ``memory.sqlite`` and, written last, ``manifest.json`` (every file's sha256,
+:mod:`empo2.train.manifest`); under ``train.sharding: fsdp`` the weights and optimizer are a
 ``sharded/`` folder of ``torch.distributed.checkpoint`` shards instead (:mod:`empo2.train.sharding`). A pickle is never unpickled, so a run folder from someone else cannot run
 code on ``--resume``. A crash while writing leaves only a ``.tmp-*`` folder that the next save removes.
 
@@ -27,6 +28,8 @@ import numpy as np
 import torch
 
 from empo2.config import ConfigError
+from empo2.file_modes import share_tree
+from empo2.train.manifest import write_manifest
 
 PREFIX = "iter_"
 STATE = "state.json"
@@ -92,6 +95,8 @@ def save_checkpoint(
         write_state(tmp, {**state, "iteration": iteration, "rng": rng_state()})
         if memory_copy is not None:
             memory_copy(tmp / "memory.sqlite")
+        share_tree(tmp)  # a teammate can read the checkpoint (mkdtemp made it private)
+        write_manifest(tmp)  # last: the checksums of everything above
         _fsync_tree(tmp)
     except BaseException:  # e.g. disk full or SIGTERM: give the space back; the previous checkpoints are untouched
         shutil.rmtree(tmp, ignore_errors=True)
