@@ -198,10 +198,23 @@ def check_integrity(path: Path, level: str = "quick") -> None:
                                f"{restore_hint(path)}")
 
 
+def check_regular_file(path: Path) -> None:
+    """Refuse a memory path that exists but is no regular file (a folder, a link to ``/dev/null``, a pipe) or is a
+    dangling link, before SQLite opens it: it would write its journal beside whatever the path leads to."""
+    path = Path(path)
+    if path.is_file() or not (path.exists() or path.is_symlink()):
+        return
+    where = f" (a link to {os.path.realpath(path)})" if path.is_symlink() else ""
+    kind = "a folder" if path.is_dir() else "a link that leads nowhere" if not path.exists() else "not a regular file"
+    raise MemoryStoreError(f"{path} is {kind}{where}; a tip memory must be a regular file: move it away, or point "
+                           "the run elsewhere")
+
+
 def check_file(path: Path, level: str = "quick") -> None:
     """:func:`check_header` + :func:`check_integrity` + :func:`check_objects` of an existing non-empty file (a
-    missing one passes), all read-only."""
+    missing one passes), all read-only; a path that is not a regular file is refused (:func:`check_regular_file`)."""
     path = Path(path)
+    check_regular_file(path)
     if path.is_file() and path.stat().st_size > 0:
         check_header(path)
         check_integrity(path, level)

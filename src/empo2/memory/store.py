@@ -20,9 +20,9 @@ import numpy as np
 # isort: off
 from .index import EVICTION_POLICIES, NamespaceIndex
 from .schema import (APPLICATION_ID, SCHEMA_VERSION, SQLITE_MAGIC, AddResult, Tip, backup_to, blob, bump, check_header,
-                     check_integrity, create_schema, delete_tips, existing_sidecars, fetch_tips, insert_tip, new_meta,
-                     open_connection, read_embeddings, read_schema, read_stats, remove_new_sidecars, select_tips,
-                     transaction)
+                     check_integrity, check_regular_file, create_schema, delete_tips, existing_sidecars, fetch_tips,
+                     insert_tip, new_meta, open_connection, read_embeddings, read_schema, read_stats,
+                     remove_new_sidecars, select_tips, transaction)
 from .validate import (REJECTION_REASONS, DimensionMismatchError, MemoryStoreError, as_matrix, check_settings,
                        check_tip_text, json_line)
 # isort: on
@@ -72,6 +72,7 @@ class TipMemory:
         self.read_only = read_only
         if embedder is not None and dim is not None and getattr(embedder, "dim", dim) != dim:
             raise DimensionMismatchError(f"embedder gives {embedder.dim}-d vectors but dim={dim}")
+        check_regular_file(self.path)
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         if fresh and read_only:  # only the run that owns a memory creates its schema
             raise MemoryStoreError(f"{self.path} is empty: no tip memory has been written to it yet")

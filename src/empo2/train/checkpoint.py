@@ -14,6 +14,7 @@ folder whose origin the user trusts (``python -m empo2.train.checkpoint --conver
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -98,8 +99,11 @@ def save_checkpoint(
         share_tree(tmp)  # a teammate can read the checkpoint (mkdtemp made it private)
         write_manifest(tmp)  # last: the checksums of everything above
         _fsync_tree(tmp)
-    except BaseException:  # e.g. disk full or SIGTERM: give the space back; the previous checkpoints are untouched
+    except BaseException as exc:  # e.g. disk full or SIGTERM: give the space back; the previous checkpoints are untouched
+        full = isinstance(exc, Exception) and not isinstance(exc, OSError) and _disk_full(root)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:  # torch and safetensors report a full disk in their own words (iostream error, SafetensorError)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root)) from exc
         raise
     final = root / f"{PREFIX}{iteration:06d}"
     if final.exists():
@@ -190,6 +194,14 @@ def convert(ckpt: Path) -> None:
     torch.save(torch.load(ckpt / "optimizer.pt", weights_only=False), ckpt / "optimizer.pt")
     write_state(ckpt, old)
     (ckpt / OLD_STATE).unlink()
+
+
+def _disk_full(folder: Path) -> bool:
+    """Less than 1 MiB left where ``folder`` is: a failed write there was the disk's doing."""
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
 
 
 def _fsync_tree(folder: Path) -> None:
