@@ -23,11 +23,11 @@ import psutil
 import pytest
 
 from empo2.train import checkpoint as ckpt
-from empo2.train.manifest import MANIFEST
 from test_faults import corrupt
 from test_faults_cluster import CONFIG, FAST, REPO, _unprefixed, iterations, resume, train
 from test_faults_input import empo2, one_line, read_only, tree  # noqa: F401  (read_only is a fixture)
 
+MANIFEST = "manifest.json"  # empo2.train.manifest.MANIFEST, spelled out so the file runs on older code
 BIG_TIP = ("look around the room carefully and then " * 260_000)[:10_000_000]
 
 
@@ -100,7 +100,7 @@ def test_resume_of_an_old_checkpoint_whose_memory_has_an_undecodable_tip(trained
     run = copy_of(trained, tmp_path)
     latest = run / "checkpoints" / "iter_000001"
     for folder in run / "checkpoints" / "iter_000000", latest:
-        (folder / MANIFEST).unlink()  # as an older empo2 wrote them
+        (folder / MANIFEST).unlink(missing_ok=True)  # as an older empo2 wrote them
     for db in run / "memory.sqlite", latest / "memory.sqlite":
         conn = sqlite3.connect(db)
         conn.execute("UPDATE tips SET text = CAST(X'4c6f6f6bff' AS TEXT) WHERE id = (SELECT min(id) FROM tips)")
@@ -122,14 +122,18 @@ def _flip_adapter_bits(folder: Path) -> None:
     adapter.write_bytes(bytes(data))
 
 
+def _old(folder: Path) -> None:
+    """A checkpoint as an empo2 before checksums wrote it."""
+    (folder / MANIFEST).unlink(missing_ok=True)
+
+
 DAMAGE = {
     "memory copy": (lambda f: corrupt(f / "memory.sqlite", "middle"),
                     "ChecksumError: memory.sqlite does not match its checksum in manifest.json"),
-    "memory copy, old checkpoint": (lambda f: ((f / MANIFEST).unlink(), corrupt(f / "memory.sqlite", "middle")),
-                                    "MemoryStoreError: "),
+    "memory copy, old checkpoint": (lambda f: (_old(f), corrupt(f / "memory.sqlite", "middle")), "MemoryStoreError: "),
     "state {}": (lambda f: (f / "state.json").write_text("{}"),
                  "ChecksumError: state.json does not match its checksum in manifest.json"),
-    "state {}, old checkpoint": (lambda f: ((f / MANIFEST).unlink(), (f / "state.json").write_text("{}")),
+    "state {}, old checkpoint": (lambda f: (_old(f), (f / "state.json").write_text("{}")),
                                  "ValueError: state.json lacks iteration, rng, task_sampler, mode_sampler, novelty"),
     "adapter bits": (_flip_adapter_bits,
                      "ChecksumError: model/adapter_model.safetensors does not match its checksum in manifest.json"),
