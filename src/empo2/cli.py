@@ -229,11 +229,14 @@ def check_policy_source(args) -> None:
 def cmd_eval(args) -> int:
     from empo2.envs.factory import env_label, resolve_tasks
     from empo2.train.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
+    from empo2.train.storage import check_writable
 
     check_policy_source(args)
     mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
     if args.with_memory and mem_path is None:
         raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
+    out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
+    check_writable(out, "--out")  # before the evaluation, whose tables would otherwise be lost
     cfg, ctx = policy_context(args, mem_path)
     try:
         tasks = resolve_tasks(cfg.env)
@@ -241,7 +244,6 @@ def cmd_eval(args) -> int:
         result = evaluate(ctx, tasks, plan)
     finally:
         ctx.pool.close()
-    out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
     label = env_label(cfg.env)
     js, md = write_eval_tables(result, out, f"eval_{args.split}{'_memory' if args.with_memory else ''}", label)
     print(markdown_table(result, label))

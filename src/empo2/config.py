@@ -216,13 +216,23 @@ class _ConfigLoader(yaml.SafeLoader):
     and aliases are refused, so a few bytes cannot expand into gigabytes."""
 
     yaml_implicit_resolvers: dict = {}
+    max_depth = 64
+    """Deeper nesting is refused: composing it recurses once per level, and Python's stack ends near 1,000."""
+    _depth = 0
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.MarkedYAMLError(problem=f"YAML aliases (*{event.anchor[:40]}) are not accepted in a config",
                                        problem_mark=event.start_mark)
-        return super().compose_node(parent, index)
+        if self._depth >= self.max_depth:
+            raise yaml.MarkedYAMLError(problem=f"lists or mappings nested deeper than {self.max_depth} levels are "
+                                       "not accepted in a config", problem_mark=self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),

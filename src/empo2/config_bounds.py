@@ -158,6 +158,34 @@ def check_worker_count(workers: int, env, what: str) -> None:
     if not 1 <= workers <= cap:
         raise _error(f"{what} = {workers} environment workers; this machine's cap is {cap} ({why}): lower it, or "
                      f"set env.max_workers={workers} if the machine can take it")
+    check_process_limit(workers, what)
+
+
+def worker_tasks() -> int:
+    """Processes and threads one environment worker holds: its Python process (4 threads) and a ScienceWorld JVM
+    (about 13 threads plus garbage-collector threads that grow with the cores), with room to spare."""
+    return 24 + (os.cpu_count() or 1)
+
+
+def check_process_limit(workers: int, what: str) -> None:
+    """``workers`` environment workers fit under the process limit (``ulimit -u``, which counts every thread of the
+    user): refused before any is forked, since a fork past it fails half-way with ``BlockingIOError``."""
+    import resource
+
+    import psutil
+
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if limit == resource.RLIM_INFINITY:
+        return
+    uid = os.getuid()
+    used = 0
+    for proc in psutil.process_iter(["uids", "num_threads"]):
+        if proc.info["uids"] is not None and proc.info["uids"].real == uid:
+            used += proc.info["num_threads"] or 0
+    needed = workers * worker_tasks()
+    if used + needed > limit:
+        raise _error(f"{what} = {workers} environment workers need about {needed} processes and threads, but the "
+                     f"process limit (ulimit -u) is {limit} with {used} in use: lower it, or raise the limit")
 
 
 def _error(message: str) -> ConfigError:

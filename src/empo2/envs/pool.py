@@ -218,7 +218,11 @@ class EnvPool:
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(target=_worker_main, args=(child, self._factory, self.env_kwargs),
                                     name=f"empo2-env-{i}", daemon=True)
-        process.start()
+        try:
+            process.start()
+        except BlockingIOError:  # the process limit, reached by other processes since the check before the pool
+            raise EnvError(f"cannot start {self.env_name} worker {i}: the process limit (ulimit -u) is reached; "
+                           "use fewer environment workers, or raise the limit") from None
         child.close()
         slot = _Slot(process, parent)
         slot.procs.append(psutil.Process(process.pid))

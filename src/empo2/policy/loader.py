@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from empo2.file_modes import share_tree
 from empo2.policy.precision import resolve_autocast
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ def cached_model_dir(name: str) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        share_tree(tmp)  # the cache is readable by a team, as the umask allows (mkdtemp made it private)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)

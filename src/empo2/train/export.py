@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from empo2.config import Config, ConfigError
+from empo2.file_modes import share_tree
 from empo2.train import checkpoint as ckpt
 from empo2.train import sharding
 
@@ -63,6 +64,7 @@ def _write(model, tokenizer, out: Path) -> None:
         with torch.no_grad():
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        share_tree(tmp)  # an exported model is for others to load (mkdtemp made it private)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

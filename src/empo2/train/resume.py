@@ -22,8 +22,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 from empo2.config import Config, ConfigError
+from empo2.memory.schema import check_file
 from empo2.train import checkpoint as ckpt
 from empo2.train import sharding
+from empo2.train.manifest import verify_manifest
 
 RESUME_SAFE = frozenset({
     "train.iterations", "train.output_dir", "train.progress", "train.tensorboard", "train.eval_every",
@@ -146,12 +148,36 @@ def truncate_samples(run_dir: Path, iteration: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints
+STATE_KEYS = ("iteration", "rng", "task_sampler", "mode_sampler", "novelty")
+"""What a checkpoint's ``state.json`` must hold for a resume to restore it."""
+
+
 def load_checkpoint(folder: Path, lora: bool) -> tuple[Path, dict, dict, dict]:
     """(folder, state, optimizer state, weights) of one checkpoint, all read (nothing executed); a sharded one's
-    optimizer state and weights are ``None``: every rank reads its own shards into the sharded model."""
+    optimizer state and weights are ``None``: every rank reads its own shards into the sharded model.
+
+    Raises for any damage: a file that differs from the checkpoint's manifest (checksums), a memory copy that fails
+    the memory checks, a state without what a resume restores. A checkpoint of an older empo2 has no manifest; it
+    is held to the other checks only."""
+    verify_manifest(folder)
+    state = ckpt.load_state(folder)  # an old pickled state is refused here, with how to convert it
+    check_state(state, Path(folder))
+    check_file(Path(folder) / "memory.sqlite")  # a missing copy (a run without memory) passes
     if sharding.is_sharded(folder):
-        return folder, ckpt.load_state(folder), None, None
-    return folder, ckpt.load_state(folder), ckpt.load_optimizer(folder), ckpt.read_weights(folder, lora)
+        return folder, state, None, None
+    return folder, state, ckpt.load_optimizer(folder), ckpt.read_weights(folder, lora)
+
+
+def check_state(state: object, folder: Path) -> None:
+    """Raise ``ValueError`` if ``state`` lacks a key of :data:`STATE_KEYS` or names another iteration than its
+    folder."""
+    if not isinstance(state, dict):
+        raise ValueError("state.json does not hold a JSON object")
+    missing = [key for key in STATE_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"state.json lacks {', '.join(missing)}")
+    if state["iteration"] != int(folder.name[len(ckpt.PREFIX):]):
+        raise ValueError(f"state.json is of iteration {str(state['iteration'])[:20]}, not of {folder.name}")
 
 
 def pick_checkpoint(run_dir: Path, lora: bool, say, dist) -> tuple[Path, dict, dict, dict] | None:

@@ -169,6 +169,10 @@ class Trainer:
         elif resume:  # the memory of the weights' iteration (also when the live one is gone)
             align_memory(self.run_dir, self.resume_from[0] if self.resume_from else None, self._say, mc.seed_from)
         memory = open_tip_memory(path, self.embedder.dim, mc)
+        if memory.skipped and self.dist.is_main:
+            reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(memory.skipped.items()))
+            self._say(f"[warning] {path}: {sum(memory.skipped.values())} stored tip(s) fail the checks every new tip "
+                      f"passes ({reasons}); they stay in the file but are never retrieved")
         if self.dist.enabled and self.dist.is_main:  # the other ranks start their replicas from these bytes
             self.dist.broadcast_object(dp.database_bytes(memory))
         return memory
