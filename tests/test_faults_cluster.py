@@ -52,10 +52,11 @@ class Run:
         cli, env = ["-m", "empo2.cli"], None
         if hold is not None:
             cli, env = [str(HOLD)], {**os.environ, "EMPO2_TEST_HOLD_PHASE": hold}
-        # SIGINT back to its default in the child: a runner that starts tests in the background leaves it ignored
+        # SIGINT and SIGHUP back to their defaults in the child: a runner started in the background or under nohup
+        # leaves them ignored
         self.proc = subprocess.Popen([sys.executable, *cli, *flags, *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                     preexec_fn=_default_signals)
         self.lines: list[str] = []  # stderr: logs, errors, the stop message
         self.out: list[str] = []  # stdout: the banner, warnings, iteration lines, the final table
         self.seen: set[psutil.Process] = set()
@@ -140,6 +141,11 @@ class Run:
             except psutil.NoSuchProcess:
                 pass
         return out
+
+
+def _default_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _javas(pid: int) -> list[psutil.Process]:
@@ -235,6 +241,30 @@ def test_signals_in_every_phase_stop_cleanly_and_resume_loses_nothing(tmp_path, 
     assert sample_iterations(run) == {0: 2, 1: 2}  # nothing written twice by the replayed iterations
     assert (run / "eval" / "final.json").is_file() and proc.left_behind() == []
     print(outcomes)
+
+
+@pytest.mark.slow
+def test_sighup_from_a_closed_terminal_stops_like_sigterm(tmp_path, tiny_model):
+    """An ssh session or terminal that goes away sends SIGHUP to the run's whole process group: one line naming the
+    phase and the last checkpoint, exit 129, the lock released, no process left; ``--resume`` then finishes the run."""
+    run = tmp_path / "run"
+    phase = "the update of iteration 1"
+    proc = train(run, tiny_model, "train.iterations=2", hold=phase)
+    try:
+        proc.wait_line(f"phase: {phase}")
+        proc.signal(signal.SIGHUP, group=True)
+        rc = proc.finish()
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
+    assert rc == 129, proc.text()[-3000:]
+    assert proc.last_line() == (f"stopped by SIGHUP during {phase}; last checkpoint {run}/checkpoints/iter_000000 "
+                                f"(continue with: empo2 train --resume {run})")
+    assert (run / LOCK_NAME).read_text() == ""
+    assert proc.left_behind() == []
+    proc = resume(run)
+    assert proc.finish() == 0, proc.text()[-3000:]
+    assert iterations(run) == [0, 1] and (run / "eval" / "final.json").is_file()
 
 
 @pytest.mark.slow
