@@ -119,8 +119,8 @@ def run_folder_owns(run_dir: Path) -> list[str] | None:
     if marker.is_file():
         try:
             owns = json.loads(marker.read_text(encoding="utf-8"))["owns"]
-            if isinstance(owns, list) and all(isinstance(n, str) for n in owns):
-                return owns
+            if isinstance(owns, list):  # it may narrow what a run owns, never widen it
+                return sorted(n for n in owns if n in RUN_LAYOUT)
         except (OSError, ValueError, KeyError, TypeError):  # the plain-text marker of earlier versions
             pass
         return sorted(RUN_LAYOUT)
