@@ -112,8 +112,8 @@ def owner_line() -> str:
 def run_folder_owns(run_dir: Path) -> list[str] | None:
     """The names (patterns) of ``run_dir``'s entries that empo2 wrote: its marker's ``owns`` list (a marker from before
     the list: :data:`RUN_LAYOUT`); for an unmarked run made before the marker existed, :data:`RUN_LAYOUT` when the
-    folder holds ``config.yaml``, ``metrics.jsonl`` and an empo2-only file (:data:`EMPO2_ONLY`, or an
-    ``iter_NNNNNN`` checkpoint) and nothing outside that layout. ``None``: not an empo2 run folder (or no folder)."""
+    folder holds ``config.yaml`` beside an empo2-only file (:data:`EMPO2_ONLY`, or an ``iter_NNNNNN`` checkpoint)
+    and nothing outside that layout. ``None``: not an empo2 run folder (or no folder)."""
     run_dir = Path(run_dir)
     marker = run_dir / RUN_MARKER
     if marker.is_file():
