@@ -61,6 +61,10 @@ class PolicyConfig:
 
     model: str = "smollm2-135m"
     """Model: ``smollm2-135m`` (offline bundled default), a Hugging Face hub id, or a local path."""
+    trust_remote_code: bool = False
+    """Let the model run Python code of its own (``auto_map`` in its ``config.json`` or ``tokenizer_config.json``:
+    ``modeling_*.py`` files in the folder or hub repo). Off: such a model is refused with one line before anything
+    loads, and transformers never asks; on: the run's banner says so. Read that code before you switch it on."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight dtype; ``auto`` is float32 on CPU and bfloat16 on GPU."""
     device: str = "auto"

@@ -34,7 +34,8 @@ def _worker_main(conn, factory, env_kwargs: dict) -> None:
     """Worker process: build one environment with ``factory(**env_kwargs)`` (the registry entry's constructor, passed
     as an importable callable so environments registered outside ``src/`` work too), then serve ``(method, args)``
     requests until ``close`` or EOF."""
-    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C and preemption are the parent's business; it closes us
+    # Ctrl-C, preemption and a closed terminal are the parent's business; it closes us
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     logging.getLogger("py4j").setLevel(logging.CRITICAL)  # a dead JVM is reported to the parent, not logged here
     # py4j also calls the module-level logging.exception(), which would install a stderr handler on the root logger

@@ -266,14 +266,14 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | 
     into this run's folder, so the trainer skips its own start eval. A fresh run's folder is first emptied of an
     earlier attempt's run files; a resumed run gets the copy only if it stopped before its start eval was written
     and before any checkpoint. Returns the donor's name, or ``None``: the run evaluates itself."""
-    from empo2.train.runlock import RunLock, clear_run_folder, is_run_file
+    from empo2.train.runlock import RunLock, clear_run_folder, is_run_file, mark_run_folder
 
     if status == "resume" and ((plan.folder / "eval" / "start.json").is_file()
                                or ckpt.latest_checkpoint(plan.folder) is not None):
         return None
     if status == "fresh" and plan.folder.is_dir():
-        if any(not is_run_file(p.name) for p in plan.folder.iterdir()):
-            return None  # someone else's files: train's own --overwrite check decides about this folder
+        if any(not is_run_file(p.name) for p in plan.folder.iterdir()):  # runs/NAME of compare's own folder
+            return None  # someone else's files: train's own check refuses this folder
         with RunLock(plan.folder):
             clear_run_folder(plan.folder)
     donor = _start_eval_donor(plan, plans)
@@ -281,6 +281,7 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | 
         return None
     start, src = donor
     with RunLock(plan.folder):
+        mark_run_folder(plan.folder)  # the start eval is empo2's: the run's own start keeps it
         (plan.folder / "eval").mkdir(exist_ok=True)
         (plan.folder / "eval" / "start.json").write_text(json.dumps(start, indent=2))
         if (src / "start.md").is_file():

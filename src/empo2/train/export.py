@@ -34,7 +34,7 @@ def export(run_dir: Path, out: Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; give a new folder")
     cfg = Config.load(run_dir / "config.yaml")
-    model, tokenizer = load_model(cfg.policy.model, "cpu", cfg.policy.dtype)
+    model, tokenizer = load_model(cfg.policy.model, "cpu", cfg.policy.dtype, cfg.policy.trust_remote_code)
     if cfg.policy.lora:
         model = _with_adapter(model, cfg.policy)
     if sharding.is_sharded(last):

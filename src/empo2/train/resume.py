@@ -33,7 +33,7 @@ RESUME_SAFE = frozenset({
     "train.sample_trajectories", "train.zero_adv_warn_iters", "train.max_consecutive_env_failures",
     "train.preempt_save", "train.micro_batch_tokens", "train.logprob_chunk_tokens", "train.gradient_checkpointing",
     "train.report_to",
-    "policy.device", "policy.vllm_memory", "policy.prefix_sharing", "policy.reuse_heads",
+    "policy.device", "policy.vllm_memory", "policy.trust_remote_code", "policy.prefix_sharing", "policy.reuse_heads",
     "memory.overlap_reflection", "env.pool", "env.max_workers",
 })
 """Keys a ``--resume`` override may change (everything else must equal the run's ``config.yaml``)."""
@@ -55,6 +55,52 @@ def check_same_run(saved: Config, wanted: Config, run_dir: Path) -> None:
     raise ConfigError(f"--resume {run_dir} would change what the run is ({shown}); a resume may change only output, "
                       "progress, evaluation and checkpoint cadence, train.iterations and speed or memory settings; "
                       "start a new run (another train.output_dir) for other settings")
+
+
+def run_settings(cfg: Config) -> dict:
+    """The settings that make a run what it is: every key outside :data:`RESUME_SAFE`."""
+    return {k: v for k, v in _flat(cfg.to_dict()).items() if k not in RESUME_SAFE}
+
+
+def settings_digest(cfg: Config) -> str:
+    """sha256 of :func:`run_settings`, stored in each checkpoint's ``state.json`` (``settings_digest``)."""
+    text = json.dumps(run_settings(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_checkpoint_settings(wanted: Config, run_dir: Path) -> None:
+    """Raise :class:`ConfigError` (exit 2) when the run's newest readable checkpoint was trained with other settings
+    than ``wanted`` (a ``config.yaml`` edited by hand since: G, the model, the tasks …). The checkpoint's
+    ``settings_digest`` settles it; when the digests differ, the ``config`` it also stores names the keys, and keys
+    only one side knows (a field added or removed by another empo2 version) do not count."""
+    for folder in reversed(ckpt.list_checkpoints(run_dir)):
+        try:
+            state = json.loads((folder / ckpt.STATE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # unreadable or cut short: resume falls back past it too
+            continue
+        if not isinstance(state, dict) or "config" not in state and "settings_digest" not in state:
+            continue  # written before checkpoints recorded their settings
+        if state.get("settings_digest") == settings_digest(wanted):
+            return
+        stored, now = _stored_settings(state.get("config")), run_settings(wanted)
+        diff = [k for k in sorted(now) if k in stored and _canonical(stored[k]) != _canonical(now[k])]
+        if not diff and stored:
+            return
+        shown = ", ".join(f"{k}: {stored[k]!r} -> {now[k]!r}" for k in diff[:4]) + (" …" if len(diff) > 4 else "")
+        raise ConfigError(f"{run_dir}/config.yaml no longer matches the settings {folder} was trained with "
+                          f"({shown or 'settings digest differs'}); put the run's settings back, or start a new run "
+                          "(another train.output_dir) for other settings")
+
+
+def _stored_settings(config) -> dict:
+    """A checkpoint's stored ``config`` flattened; ``{}`` when it is not a mapping of sections."""
+    if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
+        return {}
+    return _flat(config)
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def _flat(d: dict) -> dict:

@@ -63,7 +63,7 @@ from empo2.train.intrinsic import novelty_rewards
 from empo2.train.metrics import MetricsLog, iteration_line, plot_run, reset_peak_rss, trackers
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.reflection import reflect, tip_writers
-from empo2.train.resume import align_memory, pick_checkpoint, truncate_samples
+from empo2.train.resume import align_memory, pick_checkpoint, settings_digest, truncate_samples
 from empo2.train.rollout import RolloutContext, run_episodes, timed
 from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler
@@ -90,7 +90,8 @@ class Trainer:
             raise ConfigError(f"train.tasks_per_batch ({cfg.train.tasks_per_batch}) must be at least the number of "
                               f"ranks ({self.dist.world_size}): each rank plays whole groups")
 
-        self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
+        self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
+                                               cfg.policy.trust_remote_code)
         self.model = loader.make_trainable(self.model, cfg.policy, cfg.train.gradient_checkpointing)
         if sharding.wanted(cfg):  # before the optimizer: it holds the sharded parameters
             self.model = sharding.wrap(self.model, cfg, self.dist)
@@ -148,7 +149,7 @@ class Trainer:
         if cfg.policy.backend != "hf":  # HF generates with self.model itself: nothing to build or sync
             weights = str(next(self.model.parameters()).dtype).removeprefix("torch.")
             self.ctx.backend = make_backend(cfg.policy.backend, self.model, self.tokenizer,
-                                            loader.resolve_model_path(cfg.policy.model),
+                                            loader.resolve_model_path(cfg.policy.model, cfg.policy.trust_remote_code),
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed,
                                             engine_dtype(cfg.policy.autocast, weights, cfg.policy.device))
             self.ctx.backend.sync_weights(self.model)
@@ -358,7 +359,7 @@ class Trainer:
                  "novelty": self.novelty.state_dict(), "zero_adv_streak": self.zero_adv_streak,
                  "step_counter": self.ctx.step_counter,
                  "env_steps": self.env_steps,
-                 "config": self.cfg.to_dict()}
+                 "config": self.cfg.to_dict(), "settings_digest": settings_digest(self.cfg)}
         copy = self.memory.copy_to if self.memory is not None else None
         if self.dist.sharded:
             return sharding.save(self.run_dir, it, self.model, self.optimizer, state, copy,
