@@ -24,6 +24,7 @@ from typing import Any
 
 from empo2.envs.actions import clean_action, closest_actions
 from empo2.envs.base import EnvError, StepResult
+from empo2.envs.gold import scienceworld_gold_paths
 from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.scienceworld_tasks import (  # noqa: F401 - re-exported: the task sets are part of this module's API
     DEFAULT_STEP_CAP,
@@ -358,4 +359,4 @@ def _env_kwargs(cfg) -> dict:
 
 
 register_env(EnvSpec("scienceworld", factory=ScienceWorldEnv, kwargs=_env_kwargs, guide=GUIDE,
-                     tasks=lambda cfg: expand_tasks(cfg.tasks)))
+                     tasks=lambda cfg: expand_tasks(cfg.tasks), gold_paths=scienceworld_gold_paths))

@@ -18,6 +18,7 @@ from rapidfuzz import process, utils
 
 from empo2.envs.actions import similarity
 from empo2.envs.base import EnvError, StepResult
+from empo2.envs.gold import webshop_gold_paths
 from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.webshop import pages
 from empo2.envs.webshop.catalog import Catalog, load_catalog
@@ -312,4 +313,4 @@ def _label(cfg) -> str:
 
 
 register_env(EnvSpec("webshop", factory=WebShopEnv, kwargs=_env_kwargs, guide=GUIDE, tasks=lambda cfg: [TASK],
-                     label=_label))
+                     label=_label, gold_paths=webshop_gold_paths))
