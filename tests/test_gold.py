@@ -42,7 +42,7 @@ def test_gold_lengths_match_the_simulator_and_a_second_call_starts_no_jvm(tmp_pa
     monkeypatch.setenv("EMPO2_HOME", str(tmp_path))
     env_cfg = Config.load(None, ["env.max_steps=12"]).env
     # grow-plant's gold path holds a bare "0" (an ambiguity answer) and trailing waits after the task completes
-    first = gold.scienceworld_gold_paths(env_cfg, ["find-animal", "grow-plant"], "test", 1, say=lambda _: None)
+    first = gold.reachability(env_cfg, ["find-animal", "grow-plant"], "test", 1, say=lambda _: None)
     assert [(p.task, p.cap) for p in first] == [("find-animal", 12), ("grow-plant", 12)]
     assert [p.steps for p in first] == [_simulator_steps(p.task, p.variation) for p in first]
     cached = json.loads(gold.scienceworld_cache_path().read_text())
@@ -54,9 +54,9 @@ def test_gold_lengths_match_the_simulator_and_a_second_call_starts_no_jvm(tmp_pa
         raise AssertionError("a JVM was started although every gold path was cached")
 
     monkeypatch.setattr(sw.ScienceWorldEnv, "__init__", no_jvm)
-    assert gold.scienceworld_gold_paths(env_cfg, ["find-animal", "grow-plant"], "test", 1) == first
+    assert gold.reachability(env_cfg, ["find-animal", "grow-plant"], "test", 1) == first
     with pytest.raises(AssertionError, match="a JVM was started"):  # the guard bites on a variation not cached
-        gold.scienceworld_gold_paths(env_cfg, ["find-animal"], "test", 2)
+        gold.reachability(env_cfg, ["find-animal"], "test", 2)
 
 
 def test_a_comparison_whose_cap_is_below_the_gold_paths_is_refused_in_one_line(tmp_path, capsys):

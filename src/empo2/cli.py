@@ -179,10 +179,6 @@ def _check_compare_reachable(cfg, allow: bool) -> None:
     check_reachable(cfg, cfg.env.eval_split, eval_plan_size(cfg), "comparison", allow)
 
 
-def _stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 # ---------------------------------------------------------------------------------------------------- eval/adapt
 def policy_config(args):
     """The config eval/adapt play under: a run's, or a config file's (or the defaults) with ``--model``; the
@@ -257,8 +253,8 @@ def cmd_eval(args) -> int:
     mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
     if args.with_memory and mem_path is None:
         raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
-    check_reachable(policy_config(args), args.split, args.variations, "evaluation", args.allow_unreachable,
-                    say=_stderr)  # before the model loads: a refused evaluation costs no load
+    check_reachable(policy_config(args), args.split, args.variations, "evaluation",
+                    args.allow_unreachable)  # before the model loads: a refused evaluation costs no load
     cfg, ctx = policy_context(args, mem_path)
     try:
         tasks = resolve_tasks(cfg.env)
@@ -326,6 +322,36 @@ def cmd_export(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------------------- gold
+def cmd_gold(args) -> int:
+    """``empo2 gold TASK``: the gold length of every variation of a task's splits, with the share within caps."""
+    from empo2.config import Config
+    from empo2.envs.base import EnvError
+    from empo2.envs.factory import resolve_tasks
+    from empo2.envs.gold import length_summary, parse_caps, reachability
+
+    overrides = [f"env.name={args.env}", f"env.tasks=[{args.task}]", f"env.simplification={args.simplification}"]
+    overrides += [f"env.max_steps={args.max_steps}"] if args.max_steps else []
+    overrides += [f"env.webshop_data={args.webshop_data}"] if args.webshop_data else []
+    cfg = Config.load(None, overrides)
+    splits = [args.split] if args.split else ["train", "dev", "test"]
+    tasks, caps = resolve_tasks(cfg.env), parse_caps(args.caps) if args.caps else None  # bad input costs no JVM
+    found = {split: reachability(cfg.env, tasks, split, args.variations) for split in splits}  # a JVM per split
+    if None in found.values():
+        raise EnvError(f"environment {cfg.env.name!r} registers no gold paths")
+    table: dict[str, dict[str, dict[int, int | None]]] = {}
+    for task in tasks:
+        for split in splits:
+            paths = [p for p in found[split] if p.task == task]
+            print(f"{task} · {split} · {len(paths)} variations · our env's steps to success along the gold path "
+                  f"(variation:steps):")
+            print("  " + " ".join(f"{p.variation}:{p.steps if p.steps is not None else '-'}" for p in paths))
+            print("  " + length_summary(paths, caps or sorted({p.cap for p in paths})))
+            table.setdefault(task, {})[split] = {p.variation: p.steps for p in paths}
+    print(json.dumps({"env": cfg.env.name, "simplification": cfg.env.simplification, "steps": table}))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------------- main
 def cmd_play(args) -> int:
     from empo2.play import play
@@ -339,12 +365,8 @@ def _command(name: str):
         from empo2.memory.cli import run_memory_command
 
         return run_memory_command
-    if name == "gold":
-        from empo2.envs.gold import list_gold
-
-        return list_gold
     return {"play": cmd_play, "train": cmd_train, "compare": cmd_compare, "eval": cmd_eval, "adapt": cmd_adapt,
-            "report": cmd_report, "export": cmd_export}[name]
+            "report": cmd_report, "export": cmd_export, "gold": cmd_gold}[name]
 
 
 def main(argv: list[str] | None = None) -> int:

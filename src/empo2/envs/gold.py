@@ -17,7 +17,8 @@ the gold path did not succeed when played so (it counts as unreachable at any ca
   ``$EMPO2_HOME/gold/scienceworld-<package version>.json``, so a second call starts no JVM. Gold paths can differ
   between JVMs and package versions: each entry records the raw gold length and the Java version it was computed on.
 * WebShop: the environment's own gold path (search, result pages, product, options, buy now), played through
-  :class:`~empo2.envs.webshop.env.WebShopEnv` in process (no cache: no JVM, and a fixture catalog loads in a second).
+  :class:`~empo2.envs.webshop.env.WebShopEnv` in process (its ``gold_paths``; no cache: no JVM, and a fixture catalog
+  loads in a second).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from empo2.envs.base import EnvError
 REACHABLE_SHARE = 0.9
 """Least share of evaluation variations whose gold path must fit the step cap. Below it, more than one episode in ten
 cannot be won whatever the policy does: the success rate's ceiling is under 0.9 and a difference between methods
-shrinks with it (at a share of 0.1, success is 0 by construction in nine episodes of ten). The paper's ScienceWorld
-setup (panel18, its per-task caps) admits every test variation, so the guard never refuses the paper's protocol."""
+shrinks with it (at a share of 0.1, success is 0 by construction in nine episodes of ten). A stricter threshold
+would refuse settings whose few long variations still leave success measurable."""
 UNCAPPED = 10**6  # the step cap while a gold path is measured: the path runs to its end or its success
 SAVE_EVERY = 50  # computed gold paths between cache writes
 
@@ -170,37 +171,37 @@ def _path_key(task: str, variation: int, simplification: str) -> str:
     return f"{task}|{variation}|{simplification}"
 
 
-def scienceworld_gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say=print) -> list[GoldPath]:
+def scienceworld_gold_paths(make_env, splits: dict[str, str], env_cfg, tasks: list[str], split: str,
+                            per_task: int | None, say=print) -> list[GoldPath]:
     """:class:`GoldPath` of the first ``per_task`` (``None``: all) variations of ``split`` of every task, from the cache
-    or computed in one JVM for all that are missing."""
-    from empo2.envs.scienceworld import SPLITS, expand_tasks, step_cap
+    or computed in one JVM for all that are missing. ``make_env(**kwargs)`` builds the ScienceWorld environment;
+    ``splits`` maps split names to the simulator's (``eval`` → ``dev``)."""
+    from empo2.envs.scienceworld_tasks import expand_tasks, step_cap
 
     tasks = expand_tasks(tasks)
-    if split not in SPLITS:
-        raise EnvError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
+    if split not in splits:
+        raise EnvError(f"unknown split {split!r}; valid splits: {', '.join(splits)}")
     path = scienceworld_cache_path()
     cache = _read_cache(path)
     simplification = env_cfg.simplification
     if any(t not in cache["splits"] for t in tasks):
-        cache = _compute(env_cfg, tasks, [], cache, path, say)
-    wanted = [(t, v) for t in tasks for v in cache["splits"][t][SPLITS[split]][:per_task]]
+        cache = _compute(make_env, env_cfg, tasks, [], cache, path, say)
+    wanted = [(t, v) for t in tasks for v in cache["splits"][t][splits[split]][:per_task]]
     missing = [(t, v) for t, v in wanted if _path_key(t, v, simplification) not in cache["paths"]]
     if missing:
-        cache = _compute(env_cfg, tasks, missing, cache, path, say)
+        cache = _compute(make_env, env_cfg, tasks, missing, cache, path, say)
     return [GoldPath(t, v, cache["paths"][_path_key(t, v, simplification)]["steps"],
                      step_cap(t, env_cfg.max_steps, env_cfg.step_caps)) for t, v in wanted]
 
 
-def _compute(env_cfg, tasks: list[str], missing: list[tuple[str, int]], cache: dict, path: Path, say) -> dict:
+def _compute(make_env, env_cfg, tasks: list[str], missing: list[tuple[str, int]], cache: dict, path: Path,
+             say) -> dict:
     """Splits of ``tasks`` and gold paths of ``missing``, in one JVM; written to the cache, which is returned."""
-    from empo2.envs.scienceworld import ScienceWorldEnv
-
     if missing:
         say(f"gold paths: computing {len(missing)} ScienceWorld variation(s) in one JVM (cached in {path})")
     found: dict = {"splits": {}, "paths": {}}
     java = _java_version() if missing else ""
-    with ScienceWorldEnv(simplification=env_cfg.simplification, max_steps=UNCAPPED,
-                         valid_actions_in_info=False) as env:
+    with make_env(simplification=env_cfg.simplification, max_steps=UNCAPPED, valid_actions_in_info=False) as env:
         for task in tasks:
             if task not in cache["splits"]:
                 found["splits"][task] = {s: env.variations(task, s) for s in ("train", "dev", "test")}
@@ -210,6 +211,7 @@ def _compute(env_cfg, tasks: list[str], missing: list[tuple[str, int]], cache: d
                 "gold": len(gold), "steps": steps, "java": java}
             if k % SAVE_EVERY == 0:  # a long listing that is stopped keeps what it computed
                 _write_cache(path, found)
+                say(f"gold paths: {k}/{len(missing)}")
     _write_cache(path, found)
     for key in ("splits", "paths"):
         cache[key].update(found[key])
@@ -231,30 +233,6 @@ def _play_gold(env, task: str, variation: int) -> tuple[list[str], int | None]:
     return gold, None
 
 
-# ------------------------------------------------------------------------------------------------------- WebShop
-def webshop_gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say=print) -> list[GoldPath]:
-    """:class:`GoldPath` of the first ``per_task`` goals of ``split``, played through a WebShop environment built with
-    the run's settings (its step cap lifted)."""
-    from empo2.envs.registry import get_env_spec
-    from empo2.envs.webshop.env import TASK, WebShopEnv
-
-    kwargs = get_env_spec("webshop").kwargs(env_cfg)
-    cap = kwargs["max_steps"]
-    env = WebShopEnv(**{**kwargs, "max_steps": UNCAPPED})
-    out = []
-    for variation in env.variations(TASK, split)[:per_task]:
-        env.reset(TASK, variation)
-        steps = None
-        for k, action in enumerate(env.gold_actions(), 1):
-            result = env.step(action)
-            if result.done:
-                steps = k if result.info["success"] else None
-                break
-        out.append(GoldPath(TASK, variation, steps, cap))
-    env.close()
-    return out
-
-
 # ------------------------------------------------------------------------------------------------------ listing
 def length_summary(paths: list[GoldPath], caps: list[int]) -> str:
     """``min 8 · median 12 · max 16 · within 8: 2/20 (10%) · within 16: 20/20 (100%)``."""
@@ -267,35 +245,7 @@ def length_summary(paths: list[GoldPath], caps: list[int]) -> str:
     return " · ".join(parts + ([f"{failed} do not succeed"] if failed else []))
 
 
-def list_gold(args) -> int:
-    """``empo2 gold TASK``: the gold length of every variation of a task's splits, with the share within caps."""
-    from empo2.config import Config
-    from empo2.envs.factory import resolve_tasks
-
-    overrides = [f"env.name={args.env}", f"env.tasks=[{args.task}]", f"env.simplification={args.simplification}"]
-    overrides += [f"env.max_steps={args.max_steps}"] if args.max_steps else []
-    overrides += [f"env.webshop_data={args.webshop_data}"] if args.webshop_data else []
-    cfg = Config.load(None, overrides)
-    splits = [args.split] if args.split else ["train", "dev", "test"]
-    tasks = resolve_tasks(cfg.env)
-    found = {split: reachability(cfg.env, tasks, split, args.variations) for split in splits}  # a JVM per split
-    if None in found.values():
-        raise EnvError(f"environment {cfg.env.name!r} registers no gold paths")
-    table: dict[str, dict[str, dict[int, int | None]]] = {}
-    for task in tasks:
-        for split in splits:
-            paths = [p for p in found[split] if p.task == task]
-            caps = _parse_caps(args.caps) if args.caps else sorted({p.cap for p in paths})
-            print(f"{task} · {split} · {len(paths)} variations · our env's steps to success along the gold path "
-                  f"(variation:steps):")
-            print("  " + " ".join(f"{p.variation}:{p.steps if p.steps is not None else '-'}" for p in paths))
-            print("  " + length_summary(paths, caps))
-            table.setdefault(task, {})[split] = {p.variation: p.steps for p in paths}
-    print(json.dumps({"env": cfg.env.name, "simplification": cfg.env.simplification, "steps": table}))
-    return 0
-
-
-def _parse_caps(text: str) -> list[int]:
+def parse_caps(text: str) -> list[int]:
     try:
         caps = [int(c) for c in text.split(",") if c.strip()]
     except ValueError:

@@ -24,7 +24,6 @@ from typing import Any
 
 from empo2.envs.actions import clean_action, closest_actions
 from empo2.envs.base import EnvError, StepResult
-from empo2.envs.gold import scienceworld_gold_paths
 from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.scienceworld_tasks import (  # noqa: F401 - re-exported: the task sets are part of this module's API
     DEFAULT_STEP_CAP,
@@ -358,5 +357,12 @@ def _env_kwargs(cfg) -> dict:
             "step_caps": cfg.step_caps, "valid_actions_in_info": False}
 
 
+def _gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say=print) -> list:
+    """Gold path lengths of ``split``'s first ``per_task`` variations (:mod:`empo2.envs.gold`: cached, one JVM)."""
+    from empo2.envs.gold import scienceworld_gold_paths
+
+    return scienceworld_gold_paths(ScienceWorldEnv, SPLITS, env_cfg, tasks, split, per_task, say)
+
+
 register_env(EnvSpec("scienceworld", factory=ScienceWorldEnv, kwargs=_env_kwargs, guide=GUIDE,
-                     tasks=lambda cfg: expand_tasks(cfg.tasks), gold_paths=scienceworld_gold_paths))
+                     tasks=lambda cfg: expand_tasks(cfg.tasks), gold_paths=_gold_paths))
