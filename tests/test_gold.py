@@ -41,22 +41,31 @@ def test_gold_lengths_match_the_simulator_and_a_second_call_starts_no_jvm(tmp_pa
 
     monkeypatch.setenv("EMPO2_HOME", str(tmp_path))
     env_cfg = Config.load(None, ["env.max_steps=12"]).env
-    # grow-plant's gold path holds a bare "0" (an ambiguity answer) and trailing waits after the task completes
-    first = gold.reachability(env_cfg, ["find-animal", "grow-plant"], "test", 1, say=lambda _: None)
-    assert [(p.task, p.cap) for p in first] == [("find-animal", 12), ("grow-plant", 12)]
+    first = gold.reachability(env_cfg, ["find-animal"], "test", 1, say=lambda _: None)
+    assert [(p.task, p.cap, p.fits) for p in first] == [("find-animal", 12, p.steps <= 12) for p in first]
     assert [p.steps for p in first] == [_simulator_steps(p.task, p.variation) for p in first]
     cached = json.loads(gold.scienceworld_cache_path().read_text())
-    raw = {k: v["gold"] for k, v in cached["paths"].items()}
-    assert raw[f"grow-plant|{first[1].variation}|easy"] > first[1].steps  # the "0" and the waits are not counted
     assert cached["splits"]["find-animal"]["test"][0] == first[0].variation
+    assert cached["paths"][f"find-animal|{first[0].variation}|easy"]["java"][:2].isdigit()  # e.g. 17.0.15
 
     def no_jvm(*args, **kwargs):
         raise AssertionError("a JVM was started although every gold path was cached")
 
     monkeypatch.setattr(sw.ScienceWorldEnv, "__init__", no_jvm)
-    assert gold.reachability(env_cfg, ["find-animal", "grow-plant"], "test", 1) == first
+    assert gold.reachability(env_cfg, ["find-animal"], "test", 1) == first
     with pytest.raises(AssertionError, match="a JVM was started"):  # the guard bites on a variation not cached
         gold.reachability(env_cfg, ["find-animal"], "test", 2)
+
+
+@pytest.mark.slow  # grow-plant's gold path is 70 actions long
+def test_ambiguity_answers_and_steps_after_success_are_not_counted(tmp_path, monkeypatch):
+    monkeypatch.setenv("EMPO2_HOME", str(tmp_path))
+    env_cfg = Config.load(None, []).env
+    # grow-plant's gold path holds a bare "0" (an ambiguity answer) and trailing waits after the task completes
+    (path,) = gold.reachability(env_cfg, ["grow-plant"], "test", 1, say=lambda _: None)
+    assert path.steps == _simulator_steps("grow-plant", path.variation)
+    raw = json.loads(gold.scienceworld_cache_path().read_text())["paths"][f"grow-plant|{path.variation}|easy"]["gold"]
+    assert raw > path.steps + 1
 
 
 def test_a_comparison_whose_cap_is_below_the_gold_paths_is_refused_in_one_line(tmp_path, capsys):

@@ -15,7 +15,7 @@ the gold path did not succeed when played so (it counts as unreachable at any ca
   succeed before its last action (grow-plant's trailing waits), and the count stops there. Computing starts one JVM for
   every variation not yet known; the lengths and the task splits are cached per (task, variation, simplification) in
   ``$EMPO2_HOME/gold/scienceworld-<package version>.json``, so a second call starts no JVM. Gold paths can differ
-  between JVMs and package versions: each entry records the raw gold length and the Java version it was computed on.
+  between JVMs and package versions: each entry records the raw gold length and the version of the JVM it was computed on.
 * WebShop: the environment's own gold path (search, result pages, product, options, buy now), played through
   :class:`~empo2.envs.webshop.env.WebShopEnv` in process (its ``gold_paths``; no cache: no JVM, and a fixture catalog
   loads in a second).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -159,14 +158,6 @@ def _write_cache(path: Path, found: dict) -> None:
                        "EMPO2_HOME at a writable folder") from None
 
 
-def _java_version() -> str:
-    try:
-        out = subprocess.run(["java", "-version"], capture_output=True, text=True, timeout=30).stderr
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return out.splitlines()[0].strip() if out else "unknown"
-
-
 def _path_key(task: str, variation: int, simplification: str) -> str:
     return f"{task}|{variation}|{simplification}"
 
@@ -183,28 +174,36 @@ def scienceworld_gold_paths(make_env, splits: dict[str, str], env_cfg, tasks: li
         raise EnvError(f"unknown split {split!r}; valid splits: {', '.join(splits)}")
     path = scienceworld_cache_path()
     cache = _read_cache(path)
-    simplification = env_cfg.simplification
-    if any(t not in cache["splits"] for t in tasks):
-        cache = _compute(make_env, env_cfg, tasks, [], cache, path, say)
-    wanted = [(t, v) for t in tasks for v in cache["splits"][t][splits[split]][:per_task]]
-    missing = [(t, v) for t, v in wanted if _path_key(t, v, simplification) not in cache["paths"]]
-    if missing:
-        cache = _compute(make_env, env_cfg, tasks, missing, cache, path, say)
-    return [GoldPath(t, v, cache["paths"][_path_key(t, v, simplification)]["steps"],
-                     step_cap(t, env_cfg.max_steps, env_cfg.step_caps)) for t, v in wanted]
+    if any(t not in cache["splits"] for t in tasks) or _missing(cache, env_cfg, tasks, splits[split], per_task):
+        cache = _compute(make_env, env_cfg, tasks, splits[split], per_task, cache, path, say)
+    return [GoldPath(t, v, cache["paths"][_path_key(t, v, env_cfg.simplification)]["steps"],
+                     step_cap(t, env_cfg.max_steps, env_cfg.step_caps))
+            for t, v in _wanted(cache, tasks, splits[split], per_task)]
 
 
-def _compute(make_env, env_cfg, tasks: list[str], missing: list[tuple[str, int]], cache: dict, path: Path,
+def _wanted(cache: dict, tasks: list[str], split: str, per_task: int | None) -> list[tuple[str, int]]:
+    return [(t, v) for t in tasks for v in cache["splits"][t][split][:per_task]]
+
+
+def _missing(cache: dict, env_cfg, tasks: list[str], split: str, per_task: int | None) -> list[tuple[str, int]]:
+    return [(t, v) for t, v in _wanted(cache, tasks, split, per_task)
+            if _path_key(t, v, env_cfg.simplification) not in cache["paths"]]
+
+
+def _compute(make_env, env_cfg, tasks: list[str], split: str, per_task: int | None, cache: dict, path: Path,
              say) -> dict:
-    """Splits of ``tasks`` and gold paths of ``missing``, in one JVM; written to the cache, which is returned."""
-    if missing:
-        say(f"gold paths: computing {len(missing)} ScienceWorld variation(s) in one JVM (cached in {path})")
+    """The splits of ``tasks`` not cached, then the gold paths not cached, in one JVM; written to the cache, which is
+    returned."""
     found: dict = {"splits": {}, "paths": {}}
-    java = _java_version() if missing else ""
     with make_env(simplification=env_cfg.simplification, max_steps=UNCAPPED, valid_actions_in_info=False) as env:
         for task in tasks:
             if task not in cache["splits"]:
-                found["splits"][task] = {s: env.variations(task, s) for s in ("train", "dev", "test")}
+                found["splits"][task] = cache["splits"][task] = {s: env.variations(task, s)
+                                                                 for s in ("train", "dev", "test")}
+        missing = _missing(cache, env_cfg, tasks, split, per_task)
+        if missing:
+            say(f"gold paths: computing {len(missing)} ScienceWorld variation(s) in one JVM (cached in {path})")
+        java = env.java_version() if missing else ""
         for k, (task, variation) in enumerate(missing, 1):
             gold, steps = _play_gold(env, task, variation)
             found["paths"][_path_key(task, variation, env_cfg.simplification)] = {
@@ -213,8 +212,7 @@ def _compute(make_env, env_cfg, tasks: list[str], missing: list[tuple[str, int]]
                 _write_cache(path, found)
                 say(f"gold paths: {k}/{len(missing)}")
     _write_cache(path, found)
-    for key in ("splits", "paths"):
-        cache[key].update(found[key])
+    cache["paths"].update(found["paths"])
     return cache
 
 

@@ -285,6 +285,10 @@ class ScienceWorldEnv:
             self._restore(gold=True)
         return list(self._gold)
 
+    def java_version(self) -> str:
+        """The JVM's ``java.version`` (gold paths can differ between JVMs)."""
+        return str(self._sim._gateway.jvm.java.lang.System.getProperty("java.version"))
+
     def java_pid(self) -> int:
         """Process id of this instance's JVM."""
         return int(self._sim._gateway.java_process.pid)
