@@ -89,6 +89,7 @@ def test_the_guard_passes_reachable_caps_and_warns_when_allowed():
     said: list[str] = []
     cfg = Config.load("configs/scienceworld_evidence_cpu.yaml", ["env.tasks=[find-animal]", "env.max_steps=16"])
     gold.check_reachable(cfg, "test", 3, "comparison", allow=False, say=said.append)
+    said = [line for line in said if not line.startswith("gold paths:")]  # computed here if no other test did
     assert said == ["reachable: 3/3 test variations (100%) have a gold path within the step cap (16)"]
     cfg.set("env.max_steps", "14")  # the first variation's gold path takes 16 steps: 2/3 is under the threshold
     with pytest.raises(EnvError, match="2/3 test variations"):
