@@ -99,7 +99,7 @@ def test_eval_flags_are_typed_and_checked_before_the_model_loads(tmp_path, capsy
     err = capsys.readouterr().err
     assert "unknown ScienceWorld task 'nosuch'" in err and "no-such-model" not in err
     assert main(["eval", "--model", "no-such-model", "--tasks", "find-animal, find-living-thing",
-                 "--max-steps", "3", "--out", str(tmp_path)]) == 2
+                 "--max-steps", "3", "--allow-unreachable", "--out", str(tmp_path)]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
 
 

@@ -1,4 +1,4 @@
-"""``empo2`` command line: play · train · compare · eval · adapt · report · export · memory.
+"""``empo2`` command line: play · train · compare · eval · adapt · report · export · memory · gold.
 
 User errors (bad config, unknown task or model, missing Java or data) print one line and exit with code 2.
 """
@@ -47,6 +47,7 @@ def cmd_train(args) -> int:
 
     from empo2 import allocator, machine, signals
     from empo2.envs.factory import env_label
+    from empo2.envs.gold import check_reachable, eval_plan_size
     from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
     from empo2.policy.precision import settle_autocast
@@ -60,6 +61,9 @@ def cmd_train(args) -> int:
     console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
     cfg, run_dir = _train_config(args)
     check_run_inputs(cfg)
+    if main_rank:  # a run's evals may be unwinnable by their step cap: said, not refused (see check_reachable)
+        check_reachable(cfg, cfg.env.eval_split, eval_plan_size(cfg), "training", allow=False, refuse=False,
+                        say=lambda line: console.print(line, markup=False))
     if main_rank:  # the ranks of one data-parallel run are one owner: rank 0 holds the folder's lock
         _own_run_folder(args, run_dir)
         signals.set_run_dir(run_dir)  # a SIGTERM from here on names the run's last checkpoint
@@ -174,21 +178,23 @@ def cmd_compare(args) -> int:
 
     args.exit_stack.enter_context(RunLock(Path(args.out)))  # a second compare on this folder is refused, naming it
     return run_compare(args.config, args.algos, args.seeds, Path(args.out), list(args.overrides), check_run_inputs,
-                       args.jobs)
+                       args.jobs, reach=lambda cfg: _check_compare_reachable(cfg, args.allow_unreachable))
+
+
+def _check_compare_reachable(cfg, allow: bool) -> None:
+    """The share of the comparison's evaluation variations whose gold path fits the step cap; below the threshold
+    the comparison is refused (``--allow-unreachable``: run anyway)."""
+    from empo2.envs.gold import check_reachable, eval_plan_size
+
+    check_reachable(cfg, cfg.env.eval_split, eval_plan_size(cfg), "comparison", allow)
 
 
 # ---------------------------------------------------------------------------------------------------- eval/adapt
-def policy_context(args, with_memory_path: Path | None):
-    """Model (a run's last checkpoint, or a plain model), pool and embedder for eval/adapt."""
+def policy_config(args):
+    """The config eval/adapt play under: a run's, or a config file's (or the defaults) with ``--model``; the
+    ``--env``, ``--tasks`` and ``--max-steps`` flags on top."""
     from empo2.config import Config
     from empo2.config_bounds import check_worker_count
-    from empo2.envs.factory import make_env_kwargs
-    from empo2.envs.pool import EnvPool
-    from empo2.memory import open_tip_memory
-    from empo2.memory.embedder import get_embedder
-    from empo2.policy.loader import load_model
-    from empo2.train import checkpoint as ckpt
-    from empo2.train.rollout import RolloutContext
 
     if args.run:
         cfg = Config.load(Path(args.run) / "config.yaml")
@@ -200,6 +206,20 @@ def policy_context(args, with_memory_path: Path | None):
             cfg.set(key, value)  # typed like a config override: "a, b" → [a, b]
     cfg.validate()  # an unknown environment or task from the flags exits here, before the model loads
     check_worker_count(args.batch, cfg.env, "--batch")
+    return cfg
+
+
+def policy_context(args, with_memory_path: Path | None):
+    """Model (a run's last checkpoint, or a plain model), pool and embedder for eval/adapt."""
+    from empo2.envs.factory import make_env_kwargs
+    from empo2.envs.pool import EnvPool
+    from empo2.memory import open_tip_memory
+    from empo2.memory.embedder import get_embedder
+    from empo2.policy.loader import load_model
+    from empo2.train import checkpoint as ckpt
+    from empo2.train.rollout import RolloutContext
+
+    cfg = policy_config(args)
     model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                   cfg.policy.trust_remote_code)
     if args.run:
@@ -238,6 +258,7 @@ def check_policy_source(args) -> None:
 
 def cmd_eval(args) -> int:
     from empo2.envs.factory import env_label, resolve_tasks
+    from empo2.envs.gold import check_reachable
     from empo2.train.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
     from empo2.train.storage import check_writable
 
@@ -245,6 +266,8 @@ def cmd_eval(args) -> int:
     mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
     if args.with_memory and mem_path is None:
         raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
+    check_reachable(policy_config(args), args.split, args.variations, "evaluation",
+                    args.allow_unreachable)  # before the model loads: a refused evaluation costs no load
     out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
     check_writable(out, "--out")  # before the evaluation, whose tables would otherwise be lost
     cfg, ctx = policy_context(args, mem_path)
@@ -313,6 +336,36 @@ def cmd_export(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------------------- gold
+def cmd_gold(args) -> int:
+    """``empo2 gold TASK``: the gold length of every variation of a task's splits, with the share within caps."""
+    from empo2.config import Config
+    from empo2.envs.base import EnvError
+    from empo2.envs.factory import resolve_tasks
+    from empo2.envs.gold import length_summary, parse_caps, reachability
+
+    overrides = [f"env.name={args.env}", f"env.tasks=[{args.task}]", f"env.simplification={args.simplification}"]
+    overrides += [f"env.max_steps={args.max_steps}"] if args.max_steps else []
+    overrides += [f"env.webshop_data={args.webshop_data}"] if args.webshop_data else []
+    cfg = Config.load(None, overrides)
+    splits = [args.split] if args.split else ["train", "dev", "test"]
+    tasks, caps = resolve_tasks(cfg.env), parse_caps(args.caps) if args.caps else None  # bad input costs no JVM
+    found = {split: reachability(cfg.env, tasks, split, args.variations) for split in splits}  # a JVM per split
+    if None in found.values():
+        raise EnvError(f"environment {cfg.env.name!r} registers no gold paths")
+    table: dict[str, dict[str, dict[int, int | None]]] = {}
+    for task in tasks:
+        for split in splits:
+            paths = [p for p in found[split] if p.task == task]
+            print(f"{task} · {split} · {len(paths)} variations · our env's steps to success along the gold path "
+                  f"(variation:steps):")
+            print("  " + " ".join(f"{p.variation}:{p.steps if p.steps is not None else '-'}" for p in paths))
+            print("  " + length_summary(paths, caps or sorted({p.cap for p in paths})))
+            table.setdefault(task, {})[split] = {p.variation: p.steps for p in paths}
+    print(json.dumps({"env": cfg.env.name, "simplification": cfg.env.simplification, "steps": table}))
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------------- main
 def cmd_play(args) -> int:
     from empo2.play import play
@@ -327,7 +380,7 @@ def _command(name: str):
 
         return run_memory_command
     return {"play": cmd_play, "train": cmd_train, "compare": cmd_compare, "eval": cmd_eval, "adapt": cmd_adapt,
-            "report": cmd_report, "export": cmd_export}[name]
+            "report": cmd_report, "export": cmd_export, "gold": cmd_gold}[name]
 
 
 def main(argv: list[str] | None = None) -> int:

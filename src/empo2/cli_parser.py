@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from empo2.envs.gold import REACHABLE_SHARE
 from empo2.experiments.arms import arms_help
 from empo2.memory.cli import add_memory_parser
 
-DESCRIPTION = "empo2 command line: play · train · compare · eval · adapt · report · export · memory."
+DESCRIPTION = "empo2 command line: play · train · compare · eval · adapt · report · export · memory · gold."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="a run's last checkpoint (sharded or not, LoRA merged) as Hugging Face weights")
     p.add_argument("run", metavar="RUN_DIR")
     p.add_argument("out", metavar="OUT_DIR", help="a new (or empty) folder for config, safetensors and tokenizer")
+
+    p = sub.add_parser("gold", help="gold path length of every variation of a task's splits, and the share a cap admits")
+    p.add_argument("task", help="task or task-set name (WebShop's only task: webshop)")
+    p.add_argument("--env", default="scienceworld", help="environment registry name (scienceworld, webshop)")
+    p.add_argument("--split", choices=["train", "dev", "eval", "test"], default=None,
+                   help="one split (default: train, dev and test)")
+    p.add_argument("--variations", type=int, default=None, help="only the first N variations of each split")
+    p.add_argument("--max-steps", type=int, default=None, help="the step cap to compare with (default: the task's)")
+    p.add_argument("--caps", default=None, help="comma-separated step caps to give the share within, e.g. 8,10,12")
+    p.add_argument("--simplification", default="easy", help="ScienceWorld simplification string")
+    p.add_argument("--webshop-data", default=None)
 
     add_memory_parser(sub)
     return parser
@@ -69,6 +81,9 @@ def _add_run_parsers(sub) -> None:
     p.add_argument("--jobs", type=int, default=1,
                    help="runs at once (default 1); each gets CPUs/N torch threads unless OMP_NUM_THREADS is set, and "
                         "writes to OUT/logs/<run>.log")
+    p.add_argument("--allow-unreachable", action="store_true",
+                   help=f"run even where under {REACHABLE_SHARE * 100:.0f}%% of the evaluation variations have a gold path "
+                        "within the step cap (empo2 gold TASK lists them)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides applied to every run")
 
 
@@ -89,6 +104,9 @@ def _add_eval_adapt_parsers(sub) -> None:
         p.add_argument("--max-steps", type=int, default=None, help="episode step cap (default: the run's)")
         if name == "eval":
             p.add_argument("--with-memory", action="store_true")
+            p.add_argument("--allow-unreachable", action="store_true",
+                           help=f"evaluate even where under {REACHABLE_SHARE * 100:.0f}%% of the variations have a gold "
+                                "path within the step cap (empo2 gold TASK lists them)")
             p.add_argument("--out")
         else:
             p.add_argument("--trials", type=int, default=None, help="trials (default 10)")

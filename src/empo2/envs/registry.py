@@ -34,6 +34,9 @@ class EnvSpec:
     """``EnvConfig -> task names`` (raises :class:`EnvError` for unknown names)."""
     label: Callable[[Any], str] | None = None
     """``EnvConfig -> report label`` (default: ``name``)."""
+    gold_paths: Callable[..., list] | None = None
+    """``(EnvConfig, tasks, split, per_task, say) -> [GoldPath]``: gold path lengths of the first ``per_task``
+    variations of ``split`` (``None`` = all) against the step cap (:mod:`empo2.envs.gold`); ``None`` = unknown."""
 
 
 ENVIRONMENTS: dict[str, EnvSpec] = {}

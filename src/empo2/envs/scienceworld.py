@@ -286,6 +286,10 @@ class ScienceWorldEnv:
             self._restore(gold=True)
         return list(self._gold)
 
+    def java_version(self) -> str:
+        """The JVM's ``java.version`` (gold paths can differ between JVMs)."""
+        return str(self._sim._gateway.jvm.java.lang.System.getProperty("java.version"))
+
     def java_pid(self) -> int:
         """Process id of this instance's JVM."""
         return int(self._sim._gateway.java_process.pid)
@@ -381,5 +385,12 @@ def _env_kwargs(cfg) -> dict:
             "step_caps": cfg.step_caps, "valid_actions_in_info": False}
 
 
+def _gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say=print) -> list:
+    """Gold path lengths of ``split``'s first ``per_task`` variations (:mod:`empo2.envs.gold`: cached, one JVM)."""
+    from empo2.envs.gold import scienceworld_gold_paths
+
+    return scienceworld_gold_paths(ScienceWorldEnv, SPLITS, env_cfg, tasks, split, per_task, say)
+
+
 register_env(EnvSpec("scienceworld", factory=ScienceWorldEnv, kwargs=_env_kwargs, guide=GUIDE,
-                     tasks=lambda cfg: expand_tasks(cfg.tasks)))
+                     tasks=lambda cfg: expand_tasks(cfg.tasks), gold_paths=_gold_paths))

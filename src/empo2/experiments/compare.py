@@ -65,14 +65,19 @@ class RunPlan:
 
 
 def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overrides: list[str],
-                check: Callable[[Config], None] | None = None, jobs: int = 1) -> int:
-    """The ``empo2 compare`` command: validate every run, run/resume/skip them, summarise. 0 = all finished."""
+                check: Callable[[Config], None] | None = None, jobs: int = 1,
+                reach: Callable[[Config], None] | None = None) -> int:
+    """The ``empo2 compare`` command: validate every run, run/resume/skip them, summarise. 0 = all finished.
+    ``reach(cfg)`` checks, once, that the evaluation variations can be won within the step cap (every arm shares the
+    env section; :func:`empo2.envs.gold.check_reachable`)."""
     from empo2.envs.factory import env_label
 
     if jobs < 1:
         raise ConfigError(f"--jobs must be 1 or more (runs at once), got {jobs}")
     algos, seeds = parse_algos(algos_text), parse_seeds(seeds_text)
     plans = plan_runs(config, algos, seeds, out, overrides, check)
+    if reach is not None:
+        reach(plans[0].cfg)
     at_once = f", {jobs} at a time" if jobs > 1 else ""
     say(f"empo2 compare: {', '.join(algos)} × seeds {seeds} = {len(plans)} runs{at_once} → {out}")
     failed = run_all(plans, config, overrides, jobs, out / "logs")

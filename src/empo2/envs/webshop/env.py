@@ -18,6 +18,7 @@ from rapidfuzz import process, utils
 
 from empo2.envs.actions import similarity
 from empo2.envs.base import EnvError, StepResult
+from empo2.envs.gold import UNCAPPED, GoldPath
 from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.webshop import pages
 from empo2.envs.webshop.catalog import Catalog, load_catalog
@@ -312,5 +313,23 @@ def _label(cfg) -> str:
     return env_name(bool(cfg.webshop_data or os.environ.get("EMPO2_WEBSHOP_DATA")), cfg.webshop_start)
 
 
+def _gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say=print) -> list[GoldPath]:
+    """:class:`~empo2.envs.gold.GoldPath` of the first ``per_task`` goals of ``split``: each goal's gold path played
+    through an environment built with the run's settings, its step cap lifted."""
+    kwargs = _env_kwargs(env_cfg)
+    env = WebShopEnv(**{**kwargs, "max_steps": UNCAPPED})
+    out = []
+    for variation in env.variations(TASK, split)[:per_task]:
+        env.reset(TASK, variation)
+        steps = None
+        for k, action in enumerate(env.gold_actions(), 1):
+            result = env.step(action)
+            if result.done:
+                steps = k if result.info["success"] else None
+                break
+        out.append(GoldPath(TASK, variation, steps, kwargs["max_steps"]))
+    return out
+
+
 register_env(EnvSpec("webshop", factory=WebShopEnv, kwargs=_env_kwargs, guide=GUIDE, tasks=lambda cfg: [TASK],
-                     label=_label))
+                     label=_label, gold_paths=_gold_paths))

@@ -1,0 +1,253 @@
+"""Gold path lengths of a task's variations, and how many of them an episode's step cap admits.
+
+A variation whose gold path is longer than the step cap cannot be won, so an evaluation on it measures only the first
+part of the task. :func:`reachability` counts the evaluation variations whose gold path fits; the CLI refuses an
+evaluation or a comparison below :data:`REACHABLE_SHARE` (``--allow-unreachable`` lets it run).
+
+The length is the number of our environment's steps that the gold path takes to succeed: the gold actions are played
+through the environment itself with no step cap, and the count stops when the episode ends with success. ``None`` means
+the gold path did not succeed when played so (it counts as unreachable at any cap).
+
+* ScienceWorld: the simulator's gold path (``generateGoldPath=True``) played through
+  :class:`~empo2.envs.scienceworld.ScienceWorldEnv`. Bare ``0`` actions in the gold path (grow-fruit, grow-plant,
+  mendelian-genetics) answer the simulator's "Ambiguous request" prompt; our environment answers that prompt with
+  ``0`` itself inside the step that raised it, so these actions are not played and not counted. A gold path may also
+  succeed before its last action (grow-plant's trailing waits), and the count stops there. Computing starts one JVM for
+  every variation not yet known; the lengths and the task splits are cached per (task, variation, simplification) in
+  ``$EMPO2_HOME/gold/scienceworld-<package version>.json``, so a second call starts no JVM. Gold paths can differ
+  between JVMs and package versions: each entry records the raw gold length and the version of the JVM it was computed on.
+* WebShop: the environment's own gold path (search, result pages, product, options, buy now), played through
+  :class:`~empo2.envs.webshop.env.WebShopEnv` in process (its ``gold_paths``; no cache: no JVM, and a fixture catalog
+  loads in a second).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from empo2.envs.base import EnvError
+
+REACHABLE_SHARE = 0.9
+"""Least share of evaluation variations whose gold path must fit the step cap. Below it, more than one episode in ten
+cannot be won whatever the policy does: the success rate's ceiling is under 0.9 and a difference between methods
+shrinks with it (at a share of 0.1, success is 0 by construction in nine episodes of ten). A stricter threshold
+would refuse settings whose few long variations still leave success measurable."""
+UNCAPPED = 10**6  # the step cap while a gold path is measured: the path runs to its end or its success
+SAVE_EVERY = 50  # computed gold paths between cache writes
+
+
+@dataclass(frozen=True)
+class GoldPath:
+    task: str
+    variation: int
+    steps: int | None
+    """Our environment's steps to success along the gold path (``None``: it did not succeed)."""
+    cap: int
+    """The episode step cap of ``task`` under the settings asked about."""
+
+    @property
+    def fits(self) -> bool:
+        return self.steps is not None and self.steps <= self.cap
+
+
+def gold_home() -> Path:
+    """Folder of the gold-length caches: ``$EMPO2_HOME/gold`` (next to the model cache)."""
+    from empo2.policy.loader import empo2_home
+
+    return empo2_home() / "gold"
+
+
+# ------------------------------------------------------------------------------------------------ reachability
+def eval_plan_size(cfg) -> int:
+    """Variations per task a training run evaluates on: ``env.eval_variations``, capped by
+    ``train.eval_episodes_per_task``."""
+    cap = cfg.train.eval_episodes_per_task
+    return min(cfg.env.eval_variations, cap) if cap is not None else cfg.env.eval_variations
+
+
+def reachability(env_cfg, tasks: list[str], split: str, per_task: int, say=print) -> list[GoldPath] | None:
+    """Gold paths of the first ``per_task`` variations of ``split`` of every task, or ``None`` where the environment
+    registers no gold paths."""
+    from empo2.envs.registry import get_env_spec
+
+    spec = get_env_spec(env_cfg.name)
+    if spec.gold_paths is None:
+        return None
+    return spec.gold_paths(env_cfg, tasks, split, per_task, say)
+
+
+def share_line(paths: list[GoldPath], split: str) -> str:
+    """``reachable: 2/40 dev variations (5%) have a gold path within the step cap (8) …`` (one line)."""
+    fit = sum(p.fits for p in paths)
+    caps = sorted({p.cap for p in paths})
+    cap_text = ", ".join(map(str, caps)) if len(caps) <= 3 else f"{caps[0]}–{caps[-1]}"
+    worst = [p for p in paths if not p.fits]
+    longest = max((p.steps for p in worst if p.steps is not None), default=None)
+    more = f"; the longest that does not fit takes {longest} steps" if longest is not None else ""
+    failed = sum(p.steps is None for p in paths)
+    more += f"; {failed} gold path(s) do not succeed in this environment" if failed else ""
+    return (f"reachable: {fit}/{len(paths)} {split} variations ({100 * fit / max(len(paths), 1):.0f}%) have a gold path "
+            f"within the step cap ({cap_text}){more}")
+
+
+def check_reachable(cfg, split: str, per_task: int, what: str, allow: bool, refuse: bool = True, say=print) -> None:
+    """Print the share of ``what``'s evaluation variations whose gold path fits the step cap; below
+    :data:`REACHABLE_SHARE` raise :class:`EnvError` (one line, exit 2) unless ``allow``; with ``refuse=False`` only
+    warn."""
+    from empo2.envs.factory import resolve_tasks
+
+    try:
+        paths = reachability(cfg.env, resolve_tasks(cfg.env), split, per_task, say)
+    except EnvError as exc:
+        if refuse and not allow:
+            raise
+        say(f"warning: reachability unknown ({exc})")  # a run that only warns does not stop for its measurement
+        return
+    if paths is None or not paths:
+        return
+    line = share_line(paths, split)
+    share = sum(p.fits for p in paths) / len(paths)
+    if share >= REACHABLE_SHARE:
+        say(line)
+        return
+    below = (f"{line}, under the {REACHABLE_SHARE:.0%} an evaluation needs: success is 0 by construction on the rest "
+             f"(raise env.max_steps, or list the lengths with `empo2 gold TASK`)")
+    if allow or not refuse:
+        say(f"warning: {below}" + ("; --allow-unreachable: running anyway" if allow else ""))
+        return
+    raise EnvError(f"{what} refused: {below}; --allow-unreachable runs it anyway")
+
+
+# -------------------------------------------------------------------------------------------------- ScienceWorld
+def scienceworld_cache_path() -> Path:
+    from importlib.metadata import version
+
+    return gold_home() / f"scienceworld-{version('scienceworld')}.json"
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):  # absent or damaged: computed again
+        return {"splits": {}, "paths": {}}
+    if not isinstance(data, dict) or not isinstance(data.get("splits"), dict) or not isinstance(data.get("paths"), dict):
+        return {"splits": {}, "paths": {}}
+    return data
+
+
+def _write_cache(path: Path, found: dict) -> None:
+    """Merge ``found`` into the cache file (re-read first: another process may have added entries) and replace it
+    atomically, so that a reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _read_cache(path)
+        for key in ("splits", "paths"):
+            data[key].update(found[key])
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gold-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, sort_keys=True)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the cache from other users of a shared EMPO2_HOME
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise EnvError(f"EMPO2_HOME cannot hold the gold-length cache ({path}: {exc.strerror or exc}); point "
+                       "EMPO2_HOME at a writable folder") from None
+
+
+def _path_key(task: str, variation: int, simplification: str) -> str:
+    return f"{task}|{variation}|{simplification}"
+
+
+def scienceworld_gold_paths(make_env, splits: dict[str, str], env_cfg, tasks: list[str], split: str,
+                            per_task: int | None, say=print) -> list[GoldPath]:
+    """:class:`GoldPath` of the first ``per_task`` (``None``: all) variations of ``split`` of every task, from the cache
+    or computed in one JVM for all that are missing. ``make_env(**kwargs)`` builds the ScienceWorld environment;
+    ``splits`` maps split names to the simulator's (``eval`` → ``dev``)."""
+    from empo2.envs.scienceworld_tasks import expand_tasks, step_cap
+
+    tasks = expand_tasks(tasks)
+    if split not in splits:
+        raise EnvError(f"unknown split {split!r}; valid splits: {', '.join(splits)}")
+    path = scienceworld_cache_path()
+    cache = _read_cache(path)
+    if any(t not in cache["splits"] for t in tasks) or _missing(cache, env_cfg, tasks, splits[split], per_task):
+        cache = _compute(make_env, env_cfg, tasks, splits[split], per_task, cache, path, say)
+    return [GoldPath(t, v, cache["paths"][_path_key(t, v, env_cfg.simplification)]["steps"],
+                     step_cap(t, env_cfg.max_steps, env_cfg.step_caps))
+            for t, v in _wanted(cache, tasks, splits[split], per_task)]
+
+
+def _wanted(cache: dict, tasks: list[str], split: str, per_task: int | None) -> list[tuple[str, int]]:
+    return [(t, v) for t in tasks for v in cache["splits"][t][split][:per_task]]
+
+
+def _missing(cache: dict, env_cfg, tasks: list[str], split: str, per_task: int | None) -> list[tuple[str, int]]:
+    return [(t, v) for t, v in _wanted(cache, tasks, split, per_task)
+            if _path_key(t, v, env_cfg.simplification) not in cache["paths"]]
+
+
+def _compute(make_env, env_cfg, tasks: list[str], split: str, per_task: int | None, cache: dict, path: Path,
+             say) -> dict:
+    """The splits of ``tasks`` not cached, then the gold paths not cached, in one JVM; written to the cache, which is
+    returned."""
+    found: dict = {"splits": {}, "paths": {}}
+    with make_env(simplification=env_cfg.simplification, max_steps=UNCAPPED, valid_actions_in_info=False) as env:
+        for task in tasks:
+            if task not in cache["splits"]:
+                found["splits"][task] = cache["splits"][task] = {s: env.variations(task, s)
+                                                                 for s in ("train", "dev", "test")}
+        missing = _missing(cache, env_cfg, tasks, split, per_task)
+        if missing:
+            say(f"gold paths: computing {len(missing)} ScienceWorld variation(s) in one JVM (cached in {path})")
+        java = env.java_version() if missing else ""
+        for k, (task, variation) in enumerate(missing, 1):
+            gold, steps = _play_gold(env, task, variation)
+            found["paths"][_path_key(task, variation, env_cfg.simplification)] = {
+                "gold": len(gold), "steps": steps, "java": java}
+            if k % SAVE_EVERY == 0:  # a long listing that is stopped keeps what it computed
+                _write_cache(path, found)
+                say(f"gold paths: {k}/{len(missing)}")
+    _write_cache(path, found)
+    cache["paths"].update(found["paths"])
+    return cache
+
+
+def _play_gold(env, task: str, variation: int) -> tuple[list[str], int | None]:
+    """The simulator's gold path of (task, variation) and the steps our environment takes to succeed along it."""
+    env.reset(task, variation)
+    gold = env.gold_actions()
+    steps = 0
+    for action in gold:
+        if action.strip() == "0":  # answers an ambiguity prompt, which our env answers itself in the step before
+            continue
+        result = env.step(action)
+        steps += 1
+        if result.done:
+            return gold, steps if result.info["success"] else None
+    return gold, None
+
+
+# ------------------------------------------------------------------------------------------------------ listing
+def length_summary(paths: list[GoldPath], caps: list[int]) -> str:
+    """``min 8 · median 12 · max 16 · within 8: 2/20 (10%) · within 16: 20/20 (100%)``."""
+    steps = [p.steps for p in paths if p.steps is not None]
+    parts = [f"min {min(steps)} · median {statistics.median(steps):g} · max {max(steps)}"] if steps else []
+    parts += [f"within {c}: {sum(p.steps is not None and p.steps <= c for p in paths)}/{len(paths)} "
+              f"({100 * sum(p.steps is not None and p.steps <= c for p in paths) / max(len(paths), 1):.0f}%)"
+              for c in caps]
+    failed = sum(p.steps is None for p in paths)
+    return " · ".join(parts + ([f"{failed} do not succeed"] if failed else []))
+
+
+def parse_caps(text: str) -> list[int]:
+    try:
+        caps = [int(c) for c in text.split(",") if c.strip()]
+    except ValueError:
+        caps = []
+    if not caps or min(caps) < 1:
+        raise EnvError(f"--caps takes step caps as positive integers, e.g. 8,10,12; got {text!r}")
+    return caps
