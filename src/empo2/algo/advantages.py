@@ -49,13 +49,15 @@ class AdvantageOptions:
     gigpo_normalization: str = "mean_norm"
     """GiGPO, both levels: ``mean_norm`` (subtract the group mean) or ``mean_std_norm`` (then divide by the
     sample std + ``eps``); ``scale_rewards`` is GRPO's switch and does not apply."""
+    luffy_std: bool = False
+    """LUFFY (Eq. 4): also divide by the group's sample std (ddof 1) + ``eps``; off = the script's mean-only."""
 
     @classmethod
     def from_config(cls, algo) -> AdvantageOptions:
         """From an ``AlgoConfig`` (``algo.scale_rewards``, ``adv_eps``, ``gamma``, ``step_*``, ``gigpo_*``)."""
         return cls(scale_rewards=algo.scale_rewards, eps=algo.adv_eps, gamma=algo.gamma,
                    step_advantage_weight=algo.step_advantage_weight, step_similarity=algo.step_similarity,
-                   gigpo_normalization=algo.gigpo_normalization)
+                   gigpo_normalization=algo.gigpo_normalization, luffy_std=algo.luffy_std)
 
 
 @dataclass

@@ -55,6 +55,8 @@ class Episode:
     error: str = ""
     tip_written: str | None = None
     tip_rejected: str | None = None
+    expert: bool = False
+    """Played the environment's gold path instead of sampling (LUFFY's off-policy member, :mod:`empo2.train.expert`)."""
 
     @property
     def extrinsic_return(self) -> float:
