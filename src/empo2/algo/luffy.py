@@ -82,7 +82,7 @@ def _loss(logp_new, logp_old, advantages, response_mask, algo, on_policy_algo, *
             logp_ref=None if logp_ref is None else logp_ref[idx],
             modes=None if modes is None else [modes[i] for i in idx.tolist()])
         parts.append((on_loss, idx))
-        metrics["loss_on_policy"] = float(on_loss)
+        metrics["loss_on_policy"] = float(on_loss.detach())
     if expert.any():
         idx = expert.nonzero().squeeze(1)
         e_valid = valid[idx]  # [E, T]
@@ -101,7 +101,7 @@ def _loss(logp_new, logp_old, advantages, response_mask, algo, on_policy_algo, *
         with torch.no_grad():
             prob = torch.exp(torch.where(e_valid, e_logp, 0.0))
             n = int(e_valid.sum())
-            metrics.update(loss_expert=float(e_loss), expert_prob_mean=float((prob * e_valid).sum() / max(n, 1)),
+            metrics.update(loss_expert=float(e_loss.detach()), expert_prob_mean=float((prob * e_valid).sum() / max(n, 1)),
                            expert_tokens=float(n))
         metrics["skipped"] = max(metrics.get("skipped", 0.0), float(bad))
     # both parts as one batch: each part's mean weighted by its share of the normaliser
