@@ -253,13 +253,14 @@ def test_one_luffy_iteration_on_the_webshop_fixture_logs_its_expert_rows(tmp_pat
 
     run = tmp_path / "luffy"
     assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "luffy", f"train.output_dir={run}",
-                 "train.iterations=1", f"policy.model={tiny_model}", "env.max_steps=6", "env.eval_variations=1",
+                 "train.iterations=1", f"policy.model={tiny_model}", "env.max_steps=5", "env.eval_variations=1",
                  "algo.num_generations=2", "policy.max_completion_length=8", "train.progress=false",
                  "algo.loss_type=dr_grpo"]) == 0
     rec = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert rec["expert"]["slots"] == 1 and rec["expert"]["kept"] == 1 and rec["expert"]["fallback"] == 0
-    assert rec["expert"]["rows"] == rec["expert"]["env_steps"] == rec["expert_env_steps"] == 5  # the fixture's gold
-    assert rec["loss"]["expert_rows"] == 5 and rec["loss"]["rows"] == 5 + rec["env_steps"]  # policy steps apart
+    gold = rec["expert_env_steps"]  # search → item → options → buy: 4 or 5 steps on the fixture
+    assert 4 <= gold <= 5 and rec["expert"]["rows"] == rec["expert"]["env_steps"] == rec["loss"]["expert_rows"] == gold
+    assert rec["loss"]["rows"] == gold + rec["env_steps"]  # the policy's steps are counted apart
     assert rec["env_steps"] == rec["train"]["env_steps"] >= 1
 
 
