@@ -152,7 +152,7 @@ def test_expert_rows_ignore_pi_old_the_mask_and_the_clip():
                                   delta=0.01, tis_cap=2.0)
             loss.backward()
             assert metrics["skipped"] == 0.0
-            grads.setdefault(agg, []).append((float(loss), new.grad.numpy().copy()))
+            grads.setdefault(agg, []).append((float(loss.detach()), new.grad.numpy().copy()))
         # float64 reference, token by token
         p = np.exp(lp_expert)
         expert_terms = -0.75 * p / (p + GAMMA)
@@ -271,3 +271,13 @@ def test_expert_algorithms_need_a_sampled_member(tmp_path, capsys):
                  f"train.output_dir={tmp_path / 'x'}"]) == 2
     assert "algo.num_generations must be more than that" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_compare_summary_counts_expert_steps_apart():
+    from empo2.experiments.compare_summary import _expert_steps_text
+
+    runs = [{"name": "grpo-s0", "algo": "grpo", "expert_env_steps": 0},
+            {"name": "luffy-s0", "algo": "luffy", "expert_env_steps": 37}]
+    [text] = _expert_steps_text(runs)
+    assert "luffy-s0 37" in text and "grpo" not in text and "counted apart" in text
+    assert _expert_steps_text(runs[:1]) == []
