@@ -158,3 +158,14 @@ def test_intrinsic_weight_schedules():
     assert intrinsic_weight(AlgoConfig(intrinsic_schedule="linear"), 0, 1) == pytest.approx(0.8)
     with pytest.raises(ValueError):
         intrinsic_weight(AlgoConfig(intrinsic_schedule="cosine"), 0, 10)
+
+
+def test_linear_schedule_keeps_its_horizon_when_a_resume_extends_the_run():
+    """The horizon recorded at the run's start (``algo.intrinsic_schedule_iterations``) fixes every weight: a resume
+    that raises ``train.iterations`` from 7 to 20 leaves the first 7 weights as planned and the rest at the end."""
+    linear = dict(intrinsic_schedule="linear", intrinsic_weight_start=0.8, intrinsic_weight_end=0.2)
+    planned = [intrinsic_weight(AlgoConfig(**linear), i, 7) for i in range(7)]
+    recorded = AlgoConfig(**linear, intrinsic_schedule_iterations=7)
+    assert [intrinsic_weight(recorded, i, 20) for i in range(7)] == planned
+    assert [intrinsic_weight(recorded, i, 20) for i in range(7, 20)] == [pytest.approx(0.2)] * 13
+    assert intrinsic_weight(recorded, 3, 20) == pytest.approx(0.5)

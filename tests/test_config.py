@@ -48,6 +48,7 @@ def test_yaml_and_overrides(tmp_path):
     ("", ["algo.p_off_policy=0.9"], "p_off_policy <= algo.p_memory"),
     ("", ["seed=3"], "ambiguous"),
     ("", ["justakey"], "not key=value"),
+    ("", ["policy.lora_dropout=0.05"], "policy.lora_dropout must be 0"),  # π_old has none: the ratio would be noise
 ])
 def test_bad_config_gives_one_clear_error(tmp_path, text, override, message):
     path = tmp_path / "c.yaml"

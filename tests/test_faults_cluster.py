@@ -25,11 +25,13 @@ import numpy as np
 import psutil
 import pytest
 import torch
+import yaml
 
+from empo2.cli import main
 from empo2.config import Config
 from empo2.memory.schema import check_file
 from empo2.train import checkpoint as ckpt
-from empo2.train.resume import RESUME_SAFE, changed_keys, memory_digest
+from empo2.train.resume import RESUME_SAFE, changed_keys, check_checkpoint_settings, memory_digest
 from empo2.train.runlock import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,10 +54,11 @@ class Run:
         cli, env = ["-m", "empo2.cli"], None
         if hold is not None:
             cli, env = [str(HOLD)], {**os.environ, "EMPO2_TEST_HOLD_PHASE": hold}
-        # SIGINT back to its default in the child: a runner that starts tests in the background leaves it ignored
+        # SIGINT and SIGHUP back to their defaults in the child: a runner started in the background or under nohup
+        # leaves them ignored
         self.proc = subprocess.Popen([sys.executable, *cli, *flags, *args], cwd=REPO, env=env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                                     preexec_fn=_default_signals)
         self.lines: list[str] = []  # stderr: logs, errors, the stop message
         self.out: list[str] = []  # stdout: the banner, warnings, iteration lines, the final table
         self.seen: set[psutil.Process] = set()
@@ -140,6 +143,11 @@ class Run:
             except psutil.NoSuchProcess:
                 pass
         return out
+
+
+def _default_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 
 
 def _javas(pid: int) -> list[psutil.Process]:
@@ -235,6 +243,30 @@ def test_signals_in_every_phase_stop_cleanly_and_resume_loses_nothing(tmp_path, 
     assert sample_iterations(run) == {0: 2, 1: 2}  # nothing written twice by the replayed iterations
     assert (run / "eval" / "final.json").is_file() and proc.left_behind() == []
     print(outcomes)
+
+
+@pytest.mark.slow
+def test_sighup_from_a_closed_terminal_stops_like_sigterm(tmp_path, tiny_model):
+    """An ssh session or terminal that goes away sends SIGHUP to the run's whole process group: one line naming the
+    phase and the last checkpoint, exit 129, the lock released, no process left; ``--resume`` then finishes the run."""
+    run = tmp_path / "run"
+    phase = "the update of iteration 1"
+    proc = train(run, tiny_model, "train.iterations=2", hold=phase)
+    try:
+        proc.wait_line(f"phase: {phase}")
+        proc.signal(signal.SIGHUP, group=True)
+        rc = proc.finish()
+    finally:
+        if proc.proc.poll() is None:
+            proc.kill()
+    assert rc == 129, proc.text()[-3000:]
+    assert proc.last_line() == (f"stopped by SIGHUP during {phase}; last checkpoint {run}/checkpoints/iter_000000 "
+                                f"(continue with: empo2 train --resume {run})")
+    assert (run / LOCK_NAME).read_text() == ""
+    assert proc.left_behind() == []
+    proc = resume(run)
+    assert proc.finish() == 0, proc.text()[-3000:]
+    assert iterations(run) == [0, 1] and (run / "eval" / "final.json").is_file()
 
 
 @pytest.mark.slow
@@ -505,6 +537,46 @@ def test_resume_with_another_run_s_settings_exits_2(tmp_path, tiny_model):
                            "env.tasks: ['find-animal'] -> ['find-plant'])"), line
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     assert not (run / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_a_hand_edited_config_and_unused_flags_are_refused_on_resume(tmp_path, tiny_model, capsys):
+    """Each checkpoint records a digest of the settings it was trained with: G changed by hand in the run's own
+    config.yaml is refused on ``--resume`` like a G override, with one line naming the key, and nothing changes.
+    Flags ``--resume`` does not use are refused, not ignored. A checkpoint from a version with fewer config fields
+    (no digest, one key fewer) still resumes."""
+    run = tmp_path / "run"
+    proc = train(run, tiny_model, "train.iterations=1", verbose=False)
+    assert proc.finish() == 0, proc.text()[-3000:]
+    saved = (run / "config.yaml").read_text()
+    edited = yaml.safe_load(saved)
+    edited["algo"]["num_generations"] = 3
+    (run / "config.yaml").write_text(yaml.safe_dump(edited, sort_keys=False))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    proc = resume(run, "train.iterations=2")
+    assert proc.finish(timeout=300) == 2
+    assert proc.last_line() == (f"error: {run}/config.yaml no longer matches the settings {run}/checkpoints/iter_000000 "
+                                "was trained with (algo.num_generations: 2 -> 3); put the run's settings back, or "
+                                "start a new run (another train.output_dir) for other settings")
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+    (run / "config.yaml").write_text(saved)
+    proc = Run("train", "--resume", str(run), "--config", CONFIG, "--algo", "grpo", "--output-dir",
+               str(tmp_path / "elsewhere"), "--overwrite", verbose=False)
+    assert proc.finish(timeout=300) == 2
+    assert proc.last_line() == ("error: --resume continues a run under its own config.yaml and folder; --config, "
+                                "--algo, --output-dir, --overwrite would be ignored: leave it out (or start a new run "
+                                "without --resume)")
+    for flag in (["--config", CONFIG], ["--algo", "empo2"], ["--output-dir", str(run)], ["--overwrite"]):
+        assert main(["train", "--resume", str(run), *flag]) == 2
+        assert f"; {flag[0]} would be ignored" in capsys.readouterr().err
+    assert not (tmp_path / "elsewhere").exists() and (run / "config.yaml").read_text() == saved
+
+    state_file = run / "checkpoints" / "iter_000000" / ckpt.STATE
+    state = json.loads(state_file.read_text())
+    del state["settings_digest"], state["config"]["policy"]["top_k"]  # as a version without both would write it
+    state_file.write_text(json.dumps(state))
+    check_checkpoint_settings(Config.load(run / "config.yaml"), run)  # no refusal
 
 
 def test_which_resume_overrides_are_allowed(tiny_model):

@@ -125,6 +125,8 @@ def test_overwrite_empties_a_run_folder_by_marker_or_by_layout(tmp_path, fake_mo
     res = empo2("train", "--config", CPU, "--output-dir", run, "--overwrite", f"policy.model={fake_model}")
     assert res.returncode == 2 and "cannot load the tokenizer" in res.stderr.decode()  # cleared, then the model
     assert sorted(p.name for p in run.iterdir()) == sorted([LOCK_NAME, RUN_MARKER])
+    owns = json.loads((run / RUN_MARKER).read_text())["owns"]  # what the new run may delete: all it writes
+    assert {"config.yaml", "metrics.jsonl", "checkpoints", "eval", "tb", "wandb"} <= set(owns)
     (run / "notes.txt").write_text("a file of mine in a marked run folder\n")
     (run / "data").mkdir()
     (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
@@ -133,17 +135,87 @@ def test_overwrite_empties_a_run_folder_by_marker_or_by_layout(tmp_path, fake_mo
     assert (run / "notes.txt").is_file() and (run / "data").is_dir()  # a marked folder's other files stay
 
 
-def test_a_first_run_beside_a_users_files_never_lets_overwrite_delete_them(tmp_path, fake_model):
-    """A run started (without --overwrite) in a folder of the user's own files marks it; a later --overwrite still
-    deletes only what a run wrote there."""
+def test_a_folder_of_the_users_files_is_refused_before_anything_is_written(tmp_path, fake_model):
+    """A folder of the user's own files is no run folder: neither a plain run nor --overwrite writes or deletes
+    anything in it (a run there would mark it, and a later --overwrite would treat it as a run's)."""
     folder = tmp_path / "mine"
     (folder / "data").mkdir(parents=True)
     (folder / "data" / "x.csv").write_text("1,2\n")
     (folder / "notes.txt").write_text("mine\n")
+    before = tree(folder)
     for extra in ([], ["--overwrite"]):
         res = empo2("train", "--config", CPU, "--output-dir", folder, *extra, f"policy.model={fake_model}")
-        assert res.returncode == 2 and "cannot load the tokenizer" in res.stderr.decode(), res.stderr[-2000:]
-        assert (folder / "notes.txt").read_text() == "mine\n" and (folder / "data" / "x.csv").is_file()
+        assert res.returncode == 2 and f"{folder} is not an empo2 run folder (it holds data, notes.txt)" in one_line(res)
+        assert tree(folder) == before and sorted(p.name for p in folder.iterdir()) == ["data", "notes.txt"]
+
+
+def test_another_trainers_run_folder_is_never_written_or_deleted(tmp_path, fake_model):
+    """A Lightning or TRL run folder holds the names every trainer writes (config.yaml, checkpoints/, eval/, tb/,
+    wandb/), none that only empo2 writes: a plain run, --overwrite and --resume each exit 2 with one line before
+    anything is written, and every file of the other tool's run is still there, byte for byte."""
+    other = tmp_path / "lightning-run"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "epoch=9-step=5000.ckpt").write_bytes(b"\x80\x02 weights of another trainer")
+    (other / "config.yaml").write_text("trainer: {max_epochs: 10}\nmodel: {learning_rate: 0.001}\n")
+    (other / "eval").mkdir()
+    (other / "eval" / "results.csv").write_text("step,accuracy\n5000,0.91\n")
+    (other / "tb").mkdir()
+    (other / "tb" / "events.out.tfevents.1733300000.node7.1234.0").write_bytes(b"\x00\x01 events")
+    (other / "wandb" / "run-20241204_120000-abc123" / "files").mkdir(parents=True)
+    (other / "wandb" / "run-20241204_120000-abc123" / "files" / "config.yaml").write_text("wandb_version: 1\n")
+    before = tree(other)
+    names = sorted(p.name for p in other.iterdir())
+    for extra in ([], ["--overwrite"]):
+        res = empo2("train", "--config", CPU, "--output-dir", other, *extra, f"policy.model={fake_model}")
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert one_line(res) == (f"error: {other} is not an empo2 run folder (it holds checkpoints, config.yaml, eval, "
+                                 "tb, wandb); nothing was deleted or written — choose another train.output_dir (a new "
+                                 "run starts in an empty folder or an empo2 run folder)")
+        assert tree(other) == before and sorted(p.name for p in other.iterdir()) == names
+    res = empo2("train", "--resume", other)
+    assert res.returncode == 2
+    assert one_line(res).startswith(f"error: {other} is not an empo2 run folder (no .empo2-run")
+    assert tree(other) == before and sorted(p.name for p in other.iterdir()) == names
+
+
+@pytest.fixture()
+def code_model(tmp_path) -> tuple[Path, Path]:
+    """``(folder, ran)``: a model folder whose ``config.json`` names code of its own (``auto_map``); importing its
+    ``configuration_remote.py`` or ``modeling_remote.py`` appends the module's name to ``ran``."""
+    folder, ran = tmp_path / "model-with-code", tmp_path / "code-ran"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "empo2-remote-test", "architectures": ["RemoteModel"],
+        "auto_map": {"AutoConfig": "configuration_remote.RemoteConfig",
+                     "AutoModelForCausalLM": "modeling_remote.RemoteModel"}}))
+    planted = f"import pathlib\nwith pathlib.Path({str(ran)!r}).open('a') as f:\n    f.write(__name__ + '\\n')\n"
+    (folder / "configuration_remote.py").write_text(
+        planted + "from transformers import PretrainedConfig\n\n\nclass RemoteConfig(PretrainedConfig):\n"
+                  "    model_type = 'empo2-remote-test'\n")
+    (folder / "modeling_remote.py").write_text(
+        planted + "from transformers import PreTrainedModel\n\n\nclass RemoteModel(PreTrainedModel):\n    pass\n")
+    return folder, ran
+
+
+def test_a_model_folder_with_its_own_code_never_runs_it_unless_trusted(tmp_path, code_model):
+    """A model folder with ``auto_map`` is refused with one line before anything is imported from it, even when
+    someone at the terminal would answer transformers' "run the custom code? [y/N]" with y; with
+    ``policy.trust_remote_code=true`` its code runs and the banner says so."""
+    folder, ran = code_model
+    run = tmp_path / "run"
+    refusal = (f"error: model '{folder}' ships Python code of its own (configuration_remote.py, modeling_remote.py, "
+               "named by auto_map) that loading it would run; read that code, then set policy.trust_remote_code=true "
+               "if you trust it")
+    res = empo2("train", "--config", CPU, "--output-dir", run, f"policy.model={folder}", *FAST, input=b"y\ny\n")
+    assert (res.returncode, one_line(res)) == (2, refusal)
+    res = empo2("eval", "--model", folder, "--tasks", "find-animal", "--out", tmp_path / "eval", input=b"y\ny\n")
+    assert (res.returncode, one_line(res)) == (2, refusal)
+    assert not ran.exists() and not run.exists() and not (tmp_path / "eval").exists()
+    res = empo2("train", "--config", CPU, "--output-dir", run, f"policy.model={folder}", *FAST,
+                "policy.trust_remote_code=true", stdin=subprocess.DEVNULL, capture_output=True)
+    assert "trust_remote_code=true (the model's own code runs)" in res.stdout.decode().splitlines()[0]
+    assert "configuration_remote" in ran.read_text()  # the option, not a broken folder, kept the code from running
+    assert res.returncode != 0  # a config and two stubs are no model
 
 
 # ------------------------------------------------------------------------------ 2: text is taken literally

@@ -158,10 +158,10 @@ NEAR_IDENTICAL = [
 def _episodes(first: str, second: str):
     """Three rollouts of one group: all start in "start"; the second step answers ``first`` (A, C) or ``second``
     (B) and pays 1, 0 and 0.5, so merging the two observations changes every second-step advantage."""
-    from empo2.train.episode import Episode, Step, state_text
+    from empo2.train.episode import Episode, Step
 
     def step(obs, reward):
-        return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, state_text(obs), state_observation=obs)
+        return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, obs)
 
     return [Episode("t", 0, 0, "on", steps=[step("start", 0.0), step(obs, r)])
             for obs, r in ((first, 1.0), (second, 0.0), (first, 0.5))]
@@ -170,9 +170,7 @@ def _episodes(first: str, second: str):
 @pytest.mark.parametrize("first, second", NEAR_IDENTICAL)
 @pytest.mark.parametrize("mode", MODES)
 def test_near_identical_observations_are_distinct_anchors_unless_similarity_is_asked(first, second, mode):
-    from empo2.train.episode import state_text
-
-    assert first != second and state_text(first) == state_text(second)  # the memory/novelty key cannot tell them
+    assert first != second
     eps = _episodes(first, second)
     returns = np.array([ep.extrinsic_return for ep in eps])
     rewards = [[s.reward for s in ep.steps] for ep in eps]
@@ -194,13 +192,12 @@ def test_near_identical_observations_are_distinct_anchors_unless_similarity_is_a
 @pytest.mark.parametrize("aggregation", ["mean", "sum"])
 def test_input_from_episodes_step_rewards_add_up_to_the_return(aggregation):
     """The trainer's conversion: step rewards (with the weighted novelty reward) sum to the episode's return, and
-    the state keys are the observations the steps answered, verbatim."""
+    the state keys are the states the steps answered, verbatim."""
     from empo2.algo.advantages import combine_returns
     from empo2.train.episode import Episode, Step
 
     def step(obs, reward, intrinsic):
-        return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, " ".join(obs.split()), state_observation=obs,
-                    intrinsic=intrinsic)
+        return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, obs, intrinsic=intrinsic)
 
     eps = [Episode("t", 0, 0, "on", steps=[step("hall", 0.0, 1.0), step("a  room\n", 5.0, 0.5)]),
            Episode("t", 1, 1, "on", steps=[step("hall", 1.0, 0.25)])]
@@ -247,16 +244,15 @@ def test_unknown_normalization_is_one_line_and_exit_2(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------------- the real rollout
 @pytest.mark.slow
-def test_rollout_records_the_observation_each_action_answered():
-    """Real WebShop workers (bundled fixture catalog): each step's anchor key is the observation its action was
-    chosen in, verbatim: the reset observation first, then the previous step's result."""
+def test_rollout_records_the_state_each_action_answered():
+    """Real WebShop workers (bundled fixture catalog): each step's anchor key is the state (the page) its action was
+    chosen in: the reset page first, then the previous step's result; the episode keeps the state it ended in."""
     from types import SimpleNamespace
 
     from empo2.config_sections import EnvConfig
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
     from empo2.policy.generate import Generation
-    from empo2.train.episode import state_text
     from empo2.train.rollout import RolloutContext, run_episodes
 
     kwargs = make_env_kwargs(EnvConfig(name="webshop", max_steps=3))
@@ -272,7 +268,7 @@ def test_rollout_records_the_observation_each_action_answered():
         pool.close()
     for i, ep in enumerate(episodes):
         assert not ep.failed and len(ep.steps) >= 2
-        assert ep.steps[0].state_observation == first[i]
+        assert ep.steps[0].state_text == " ".join(first[i].split())
         for prev, s in zip(ep.steps, ep.steps[1:]):
-            assert s.state_observation == prev.observation
-        assert all(s.state_text == state_text(s.state_observation) for s in ep.steps)
+            assert s.state_text == " ".join(prev.observation.split())
+        assert ep.final_state == " ".join(ep.steps[-1].observation.split())

@@ -6,13 +6,13 @@ Real model (SmolLM2-135M or the tiny random Llama), real embedder, a real SQLite
 
 from __future__ import annotations
 
-import numpy as np
+import pytest
 import torch
 
 from empo2.config import MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.policy.generate import generate_batch
-from empo2.train.episode import Episode, Step, state_text
+from empo2.train.episode import Episode, Step
 from empo2.train.reflection import reflect
 from empo2.train.rollout import RolloutContext
 
@@ -41,7 +41,7 @@ def _episode(task: str, observations: list[str], score: float) -> Episode:
     for before, after in zip(observations, observations[1:] + ["The episode ended."]):
         ep.steps.append(Step(prompt_ids=[1], train_prompt_ids=[1], response_ids=[2], logp_old=[-1.0],
                              raw_action="look around", action="look around", observation=after, reward=0.0,
-                             state_text=state_text(before)))
+                             state_text=before))
     ep.score, ep.done = score, True
     return ep
 
@@ -58,18 +58,24 @@ def test_tips_are_keyed_by_the_state_where_each_episode_ended(tmp_path, smollm, 
     torch.manual_seed(0)
     reflect(ctx, episodes, episodes)
     tips = {t.key_text: t for t in memory.all_tips()}
-    assert set(tips) <= {state_text(kitchen), state_text(outside)} and len(tips) == 2, [e.tip_rejected for e in episodes]
+    assert set(tips) <= {kitchen, outside} and len(tips) == 2, [e.tip_rejected for e in episodes]
     # retrieval now ranks by the state: a query in the kitchen finds the kitchen tip first, outside the outside tip
-    query = embedder.encode([state_text("This room is called the kitchen. You see a fridge and a sink."),
-                             state_text("This area is called the outside. You see a frog and a tree.")])
+    query = embedder.encode(["This room is called the kitchen. You see a fridge and a sink.",
+                             "This area is called the outside. You see a frog and a tree."])
     found = memory.retrieve(["find-animal", "find-animal"], query, k=2, threshold=0.0)
-    assert found[0][0].key_text == state_text(kitchen) and found[1][0].key_text == state_text(outside)
+    assert found[0][0].key_text == kitchen and found[1][0].key_text == outside
     assert found[0][0].similarity > found[0][1].similarity + 0.05  # not a tie broken by recency
     memory.close()
 
 
-def test_state_keys_are_observations_not_the_task_text():
-    """The task description dominated the old keys (cosine 0.94–0.99 between different rooms of one task)."""
-    key = state_text("  This room is called\nthe kitchen.  ")
-    assert key == "This room is called the kitchen." and "task" not in key.lower()
-    assert np.isclose(len(state_text("x" * 5000)), 1000)
+def test_a_state_is_the_environments_or_the_folded_observation():
+    """An environment that defines its state (``info["state"]``) is read as it wrote it; one that does not is known by
+    its observation, whitespace folded. The task description is never part of a state (it dominated the keys:
+    cosine 0.94–0.99 between different rooms of one task)."""
+    from empo2.envs.base import state_of
+
+    assert state_of("  This room is called\nthe kitchen.  ", {}) == "This room is called the kitchen."
+    assert state_of("The door is already open.", {"state": "room A\nobject"}) == "room A\nobject"
+    assert state_of("a  page", {"state": "  "}) == "a page"
+    with pytest.raises(ValueError, match="state"):
+        Step([1], [1], [2], [-1.0], "a", "a", "obs", 0.0, "")

@@ -25,7 +25,7 @@ from empo2.config_sections import AlgoConfig
 
 
 def reference(new, old, adv, mask, ref=None, *, lo=0.2, hi=0.3, c=10.0, delta=0.01, gran="token", beta=0.0,
-              agg="token_mean", rows=None):
+              agg="token_mean", rows=None, kl_rows=None):
     """Loop-by-loop float64 loss and d loss / d new (analytic), straight from the paper's loss, with dual clip and
     k3 KL."""
     B, T = new.shape
@@ -49,7 +49,7 @@ def reference(new, old, adv, mask, ref=None, *, lo=0.2, hi=0.3, c=10.0, delta=0.
                 if c > 0 and a < 0 and c * a > o:
                     o, g = c * a, 0.0
                 loss_tok[i, t], grad_tok[i, t] = -o, -g
-            if mask[i, t] and ref is not None and beta > 0:
+            if mask[i, t] and ref is not None and beta > 0 and (kl_rows is None or i in kl_rows):
                 d = ref[i, t] - new[i, t]
                 loss_tok[i, t] += beta * (math.exp(d) - d - 1)
                 grad_tok[i, t] += beta * (1 - math.exp(d))
@@ -126,6 +126,20 @@ def test_loss_and_grad_match_float64_reference(seed, case, adv_2d):
     clipped = ((ratio > 1 + hi) & (A > 0)) | ((ratio < 1 - lo) & (A < 0))
     assert metrics["clip_frac"] == pytest.approx(clipped[keep].mean())
     assert metrics["skipped"] == 0.0
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "sequence_mean"])
+def test_kl_term_leaves_off_tips_rows_out(agg):
+    """``off_tips`` tokens were sampled with tips: k3 over them is no estimate of the tip-free KL, so only the other
+    rows carry the β term; their policy-gradient terms are unchanged."""
+    new, old, adv, mask, ref = random_batch(5)
+    modes = ["on", "off_tips", "on_tips", "off_tips", "on", "on"]
+    want, want_grad, _ = reference(new, old, adv, mask, ref, beta=0.3, agg=agg, kl_rows={0, 2, 4, 5})
+    got, grad, _ = run(new, old, adv, mask, ref, beta=0.3, loss_type=agg, modes=modes)
+    assert got == pytest.approx(want, rel=1e-10, abs=1e-12)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-9, atol=1e-12)
+    every_row, _, _ = reference(new, old, adv, mask, ref, beta=0.3, agg=agg)
+    assert abs(every_row - want) > 1e-3  # the rows left out carry a KL term the test can see
 
 
 def test_metrics_cover_a_real_mix_of_cases():

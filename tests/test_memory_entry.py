@@ -12,7 +12,7 @@ from empo2.cli import main
 from empo2.config import Config, ConfigError, MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.memory.validate import check_tip_text
-from empo2.train.episode import Episode, Step, state_text
+from empo2.train.episode import Episode, Step
 from empo2.train.reflection import memory_ops, reflect, write_memory_ops
 from empo2.train.rollout import RolloutContext
 
@@ -52,7 +52,7 @@ def _episode(member: int, action: str, score: float) -> Episode:
                  task_description="Your task is to find an animal.")
     for obs, act in (("This room is called the hallway.", "go to kitchen"),
                      ("This room is called the kitchen. In it, you see: a fridge.", action)):
-        ep.steps.append(Step([1], [1], [2], [-1.0], act, act, "It is done.", 0.0, state_text(obs)))
+        ep.steps.append(Step([1], [1], [2], [-1.0], act, act, "It is done.", 0.0, obs))
     ep.score, ep.done = score, True
     return ep
 

@@ -18,7 +18,7 @@ from empo2.cli import main
 from empo2.config import MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.policy.loader import load_model
-from empo2.train.episode import Episode, Step, state_text
+from empo2.train.episode import Episode, Step
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.reflection import reflect
 from empo2.train.rollout import RolloutContext
@@ -36,7 +36,7 @@ def _episodes() -> list[Episode]:
                      task_description="Your task is to find an animal.")
         ep.steps.append(Step(prompt_ids=[1], train_prompt_ids=[1], response_ids=[2], logp_old=[-1.0],
                              raw_action="look around", action="look around", observation=room, reward=score,
-                             state_text=state_text(ROOMS[2])))
+                             state_text=ROOMS[2]))
         ep.score, ep.done = score, True
         episodes.append(ep)
     return episodes

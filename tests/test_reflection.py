@@ -46,6 +46,24 @@ def test_parse_tip(raw, tip):
     assert parse_tip(raw) == tip
 
 
+def test_reflection_caps_tips_at_the_configured_word_limit(smollm):
+    """The memory's ``max_tip_words`` (not a fixed 100) bounds what the reflection keeps."""
+    from empo2.config import MemoryConfig, PolicyConfig
+    from empo2.policy.generate import Generation
+    from empo2.train.episode import Episode, Step
+    from empo2.train.reflection import reflection_job
+    from empo2.train.rollout import RolloutContext
+
+    _, tok = smollm
+    ep = Episode("find-animal", 0, 0, "on_tips", task_description="Find an animal.",
+                 steps=[Step([1], [1], [2], [-1.0], "look around", "look around", "a room", 0.0, "a room")])
+    for limit in (5, 150):
+        ctx = RolloutContext(None, tok, None, None, None, "scienceworld", PolicyConfig(),
+                             MemoryConfig(max_tip_words=limit))
+        tips = reflection_job(ctx, [ep])(lambda prompts, n, **kw: [Generation([], [], "word " * 200)] * len(prompts))
+        assert len(tips[0].split()) == limit
+
+
 def test_parse_tip_caps_words_and_keeps_unicode():
     long = "Tip: " + " ".join(f"w{i}" for i in range(150))
     out = parse_tip(long, max_words=100)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,6 +68,8 @@ def test_empo2_run_with_default_model(tmp_path):
     # memory gained tips, and at least one memory-mode batch was trained (a loss term for its mode)
     with TipMemory(run / "memory.sqlite") as memory:
         assert len(memory) >= 1
+        # every tip is keyed by the state it is about: the room it was written in, not the simulator's reply
+        assert all(re.search(r"^This .* is called the ", t.key_text) for t in memory.all_tips())
     assert all(set(r["modes"]) <= {"on_tips", "off_tips"} for r in rows)
     # a memory-mode batch was trained whenever there was anything to train
     assert any(("loss_on_tips" in r["loss"]) or ("loss_off_tips" in r["loss"]) for r in rows) == any(

@@ -229,10 +229,20 @@ def test_old_logprobs_from_the_trainer_start_the_ratio_at_one_and_tis_reweights_
         torch.testing.assert_close(moved, expected[n], atol=1e-5 * scale, rtol=1e-4, msg=n)
 
 
-def test_auto_old_logprobs_follow_the_backend():
-    from empo2.train.update import old_logprobs_source
+def test_auto_old_logprobs_follow_the_backend_and_the_compute_dtype():
+    """``auto`` recomputes π_old in the trainer wherever sampling and training can round differently: a separate
+    engine, or any engine in 16 bits; only the HF engine in float32 keeps its own log-probs."""
+    from empo2.config_sections import PolicyConfig
+    from empo2.train.update import compute_dtype, old_logprobs_source
 
-    assert old_logprobs_source("auto", "hf") == "engine" and old_logprobs_source("auto", "vllm") == "trainer"
-    assert old_logprobs_source("engine", "vllm") == "engine" and old_logprobs_source("trainer", "hf") == "trainer"
+    assert old_logprobs_source("auto", "hf", "float32") == "engine"
+    assert old_logprobs_source("auto", "hf", "bfloat16") == "trainer"
+    assert old_logprobs_source("auto", "hf", "float16") == "trainer"
+    assert old_logprobs_source("auto", "vllm", "float32") == "trainer"
+    assert old_logprobs_source("engine", "vllm", "bfloat16") == "engine"
+    assert old_logprobs_source("trainer", "hf", "float32") == "trainer"
+    assert compute_dtype(PolicyConfig(device="cpu", autocast="bfloat16")) == "bfloat16"
+    assert compute_dtype(PolicyConfig(device="cpu", autocast="none")) == "float32"
+    assert compute_dtype(PolicyConfig(device="cpu", autocast="none", dtype="bfloat16")) == "bfloat16"
     with pytest.raises(Exception, match="algo.tis_cap must be >= 1"):
         _config("algo.tis_cap=0.5")

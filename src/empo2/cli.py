@@ -52,8 +52,9 @@ def cmd_train(args) -> int:
     from empo2.policy.precision import settle_autocast
     from empo2.progress import ProgressBar
     from empo2.train.distributed import env_rank
-    from empo2.train.runlock import start_run_folder
+    from empo2.train.runlock import RUN_LAYOUT, RUN_MARKER, mark_run_folder, start_run_folder
     from empo2.train.trainer import Trainer
+    from empo2.train.update import compute_dtype, old_logprobs_source
 
     main_rank = env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
     console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
@@ -66,12 +67,16 @@ def cmd_train(args) -> int:
         check_file(run_dir / "memory.sqlite")
     if not args.resume and main_rank:  # a fresh run: no stale memory, checkpoints or metrics from the previous one
         start_run_folder(run_dir, args.overwrite)
+    elif main_rank and not (run_dir / RUN_MARKER).is_file():  # a run made before the marker: its layout is its own
+        mark_run_folder(run_dir, RUN_LAYOUT)
     why = settle_autocast(cfg.policy)
     precision = cfg.policy.autocast + (f" (auto: {why})" if why else "")
+    remote_code = " trust_remote_code=true (the model's own code runs)" if cfg.policy.trust_remote_code else ""
     console.print("[bold]empo2 train[/bold] " + escape(  # names and paths are the user's text, not markup
         f"algo={method_label(cfg)} env={env_label(cfg.env)} tasks={_tasks_text(cfg)} model={cfg.policy.model} "
         f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} "
-        f"malloc={allocator.active()} → {run_dir}"))
+        f"old_logprobs={old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend, compute_dtype(cfg.policy))} "
+        f"malloc={allocator.active()}{remote_code} → {run_dir}"))
     signals.set_phase("the start of the run (model, environment workers)")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
     if not main_rank:
@@ -98,17 +103,22 @@ def _train_config(args):
     """The run's config and folder: a resumed run's saved config with the flags' overrides (refused when they make it
     another run), or a new run's config file with its overrides."""
     from empo2.config import Config
-    from empo2.train.runlock import check_new_run_folder
+    from empo2.train.runlock import check_new_run_folder, check_run_to_resume
 
     if args.resume:
+        unused = [flag for flag, value in (("--config", args.config), ("--algo", args.algo),
+                                           ("--output-dir", args.output_dir), ("--overwrite", args.overwrite)) if value]
+        if unused:
+            raise _config_error(f"--resume continues a run under its own config.yaml and folder; {', '.join(unused)} "
+                                "would be ignored: leave it out (or start a new run without --resume)")
         run_dir = Path(args.resume)
+        check_run_to_resume(run_dir)
         saved = run_dir / "config.yaml"
-        if not saved.is_file():
-            raise _config_error(f"{run_dir} is not a run folder (no config.yaml)")
         cfg = Config.load(saved, args.overrides)
-        from empo2.train.resume import check_same_run
+        from empo2.train.resume import check_checkpoint_settings, check_same_run
 
         check_same_run(Config.load(saved), cfg, run_dir)  # another G, model, task list … is another run: exit 2
+        check_checkpoint_settings(cfg, run_dir)  # … also when config.yaml itself was edited
         return cfg, run_dir
     overrides = list(args.overrides)
     if args.algo:
@@ -135,7 +145,7 @@ def check_run_inputs(cfg) -> None:
     check_machine_limits(cfg)
     if cfg.memory.seed_from:
         check_seed_file(Path(cfg.memory.seed_from))
-    resolve_model_path(cfg.policy.model)
+    resolve_model_path(cfg.policy.model, cfg.policy.trust_remote_code)  # code in a model folder: only when allowed
 
 
 def _tasks_text(cfg) -> str:
@@ -190,7 +200,8 @@ def policy_context(args, with_memory_path: Path | None):
             cfg.set(key, value)  # typed like a config override: "a, b" → [a, b]
     cfg.validate()  # an unknown environment or task from the flags exits here, before the model loads
     check_worker_count(args.batch, cfg.env, "--batch")
-    model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
+    model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
+                                  cfg.policy.trust_remote_code)
     if args.run:
         last = ckpt.latest_checkpoint(Path(args.run))
         if last is None:
@@ -203,7 +214,8 @@ def policy_context(args, with_memory_path: Path | None):
 
             model = PeftModel.from_pretrained(model, str(last / "model"))
         else:
-            model, tokenizer = load_model(str(last / "model"), cfg.policy.device, cfg.policy.dtype)
+            model, tokenizer = load_model(str(last / "model"), cfg.policy.device, cfg.policy.dtype,
+                                          cfg.policy.trust_remote_code)
     model.eval()
     embedder = get_embedder(cfg.memory.embedder)
     memory = None
@@ -227,11 +239,14 @@ def check_policy_source(args) -> None:
 def cmd_eval(args) -> int:
     from empo2.envs.factory import env_label, resolve_tasks
     from empo2.train.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
+    from empo2.train.storage import check_writable
 
     check_policy_source(args)
     mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
     if args.with_memory and mem_path is None:
         raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
+    out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
+    check_writable(out, "--out")  # before the evaluation, whose tables would otherwise be lost
     cfg, ctx = policy_context(args, mem_path)
     try:
         tasks = resolve_tasks(cfg.env)
@@ -239,7 +254,6 @@ def cmd_eval(args) -> int:
         result = evaluate(ctx, tasks, plan)
     finally:
         ctx.pool.close()
-    out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
     label = env_label(cfg.env)
     js, md = write_eval_tables(result, out, f"eval_{args.split}{'_memory' if args.with_memory else ''}", label)
     print(markdown_table(result, label))

@@ -122,6 +122,9 @@ class Config:
             (0 <= a.epsilon < 1 and a.epsilon_high >= 0, "algo.epsilon must be in [0,1) and epsilon_high >= 0"),
             (0 <= a.delta < 1, "algo.delta must be in [0, 1)"),
             (a.beta >= 0, "algo.beta must be >= 0"),
+            (p.lora_dropout == 0, f"policy.lora_dropout must be 0, got {p.lora_dropout:g}: π_old has no dropout (the "
+             "engine's log-probs or an eval-mode recompute), so dropout in π_θ would move the ratio and the δ mask "
+             "by noise"),
             (a.tis_cap == 0 or a.tis_cap >= 1, f"algo.tis_cap must be >= 1 (or 0 to disable), got {a.tis_cap:g}"),
             (not 0 < a.dual_clip <= 1, f"algo.dual_clip must be > 1 (or 0 to disable), got {a.dual_clip:g}"),
             (0 <= a.p_off_policy <= a.p_memory <= 1, "algo.p_off_policy <= algo.p_memory, both in [0, 1]"),
@@ -216,13 +219,23 @@ class _ConfigLoader(yaml.SafeLoader):
     and aliases are refused, so a few bytes cannot expand into gigabytes."""
 
     yaml_implicit_resolvers: dict = {}
+    max_depth = 64
+    """Deeper nesting is refused: composing it recurses once per level, and Python's stack ends near 1,000."""
+    _depth = 0
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
             raise yaml.MarkedYAMLError(problem=f"YAML aliases (*{event.anchor[:40]}) are not accepted in a config",
                                        problem_mark=event.start_mark)
-        return super().compose_node(parent, index)
+        if self._depth >= self.max_depth:
+            raise yaml.MarkedYAMLError(problem=f"lists or mappings nested deeper than {self.max_depth} levels are "
+                                       "not accepted in a config", problem_mark=self.peek_event().start_mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 _ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),

@@ -45,7 +45,8 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "policy.reflection_max_tokens": (1, 1_000_000), "policy.history_window": (0, 100_000),
     "policy.few_shot": (0, 1000),
     "memory.top_k_tips": (0, 100_000), "memory.capacity": (1, _BIG), "memory.max_tip_words": (1, 1_000_000),
-    "algo.num_generations": (1, 4096), "algo.dr_grpo_length": (0, 1_000_000),
+    "algo.num_generations": (1, 4096), "algo.dr_grpo_length": (0, 1_000_000), "algo.intrinsic_schedule_iterations": (0, _BIG),
+    "algo.proxmo_max_features": (0, _BIG),
     "train.iterations": (0, _BIG), "train.tasks_per_batch": (1, 1_000_000), "train.num_iterations": (1, 10_000),
     "train.mini_batch_size": (0, _BIG), "train.micro_batch_tokens": (1, _BIG),
     "train.logprob_chunk_tokens": (1, _BIG), "train.eval_every": (0, _BIG),
@@ -56,7 +57,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
 """Inclusive [low, high] of every integer field; a field missing here is a programming error (a test checks)."""
 
 FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
-    "policy.lora_dropout": (0.0, 0.99), "policy.temperature": (0.0, 100.0), "policy.eval_temperature": (0.0, 100.0),
+    "policy.lora_dropout": (0.0, 0.0), "policy.temperature": (0.0, 100.0), "policy.eval_temperature": (0.0, 100.0),
     "policy.reflection_temperature": (0.0, 100.0),
     "memory.similarity_threshold": (-1.0, 1.0), "memory.dedup_threshold": (-1.0, 2.0),
     "memory.rerank_score_weight": (0.0, 1e6), "memory.rerank_utility_weight": (0.0, 1e6),
@@ -64,6 +65,7 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "algo.dual_clip": (0.0, 1e6), "algo.beta": (0.0, 1e6), "algo.intrinsic_weight": (0.0, 1e6), "algo.tis_cap": (0.0, 1e6),
     "algo.intrinsic_weight_start": (0.0, 1e6), "algo.intrinsic_weight_end": (0.0, 1e6),
     "algo.novelty_threshold": (-1.0, 1.0), "algo.luffy_gamma": (1e-6, 1.0),
+    "algo.proxmo_alpha": (0.0, 100.0), "algo.proxmo_range": (0.0, 0.99), "algo.proxmo_tau": (1e-6, 1e6),
     "train.learning_rate": (1e-12, 10.0), "train.weight_decay": (0.0, 100.0), "train.max_grad_norm": (1e-12, 1e9),
 }
 """Inclusive bounds of the float fields that :meth:`Config.validate` does not bound itself."""
@@ -156,6 +158,34 @@ def check_worker_count(workers: int, env, what: str) -> None:
     if not 1 <= workers <= cap:
         raise _error(f"{what} = {workers} environment workers; this machine's cap is {cap} ({why}): lower it, or "
                      f"set env.max_workers={workers} if the machine can take it")
+    check_process_limit(workers, what)
+
+
+def worker_tasks() -> int:
+    """Processes and threads one environment worker holds: its Python process (4 threads) and a ScienceWorld JVM
+    (about 13 threads plus garbage-collector threads that grow with the cores), with room to spare."""
+    return 24 + (os.cpu_count() or 1)
+
+
+def check_process_limit(workers: int, what: str) -> None:
+    """``workers`` environment workers fit under the process limit (``ulimit -u``, which counts every thread of the
+    user): refused before any is forked, since a fork past it fails half-way with ``BlockingIOError``."""
+    import resource
+
+    import psutil
+
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if limit == resource.RLIM_INFINITY:
+        return
+    uid = os.getuid()
+    used = 0
+    for proc in psutil.process_iter(["uids", "num_threads"]):
+        if proc.info["uids"] is not None and proc.info["uids"].real == uid:
+            used += proc.info["num_threads"] or 0
+    needed = workers * worker_tasks()
+    if used + needed > limit:
+        raise _error(f"{what} = {workers} environment workers need about {needed} processes and threads, but the "
+                     f"process limit (ulimit -u) is {limit} with {used} in use: lower it, or raise the limit")
 
 
 def _error(message: str) -> ConfigError:

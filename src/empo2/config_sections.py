@@ -61,6 +61,10 @@ class PolicyConfig:
 
     model: str = "smollm2-135m"
     """Model: ``smollm2-135m`` (offline bundled default), a Hugging Face hub id, or a local path."""
+    trust_remote_code: bool = False
+    """Let the model run Python code of its own (``auto_map`` in its ``config.json`` or ``tokenizer_config.json``:
+    ``modeling_*.py`` files in the folder or hub repo). Off: such a model is refused with one line before anything
+    loads, and transformers never asks; on: the run's banner says so. Read that code before you switch it on."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Weight dtype; ``auto`` is float32 on CPU and bfloat16 on GPU."""
     device: str = "auto"
@@ -174,9 +178,10 @@ class AlgoConfig:
 
     name: str = "empo2"
     """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
-    only, no memory), ``gigpo`` (GRPO's loop with the ``gigpo`` estimator), ``luffy`` (one member of each group
-    plays the gold path; LUFFY's advantage and loss, ``algo.luffy_*``) or ``empo2_luffy`` (EMPO² with such an expert
-    member). The algorithm decides memory use, mode probabilities, loss, (by default) estimator and expert members."""
+    only, no memory), ``gigpo`` or ``proxmo`` (GRPO's loop with the ``gigpo`` / ``proxmo`` estimator), ``luffy``
+    (one member of each group plays the gold path; LUFFY's advantage and loss, ``algo.luffy_*``) or ``empo2_luffy``
+    (EMPO² with such an expert member). The algorithm decides memory use, mode probabilities, loss, (by default)
+    estimator and expert members."""
     arm: str | None = None
     """The ablation this run is labelled as (``empo2.experiments.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
     ``grpo-novelty``, ``grpo-no-novelty``); ``compare --algos`` sets it. Checked at load: the config must hold the arm's algorithm and
@@ -186,9 +191,9 @@ class AlgoConfig:
     advantage: str = "grpo"
     """Advantage-estimator registry name (``empo2.algo.advantages``), for algorithms that do not fix their own."""
     gamma: float = 0.95
-    """GiGPO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (paper: 0.95)."""
+    """GiGPO and ProxMO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (both papers: 0.95)."""
     step_advantage_weight: float = 1.0
-    """GiGPO: ω in A = A_episode + ω·A_step (paper: 1.0)."""
+    """GiGPO and ProxMO: ω in A = A_episode + ω·A_step (both papers: 1.0)."""
     step_similarity: float | None = None
     """GiGPO: ``None`` = anchor states grouped by their exact observation text (the reference default); a ratio in
     (0, 1] puts an observation in the first anchor group whose first observation is at least this similar (difflib
@@ -198,6 +203,19 @@ class AlgoConfig:
     ``algo.advantage=gigpo`` under EMPO² alike: ``mean_norm`` (default; the reference code's default and the stronger
     "GiGPO w/o std" of the EMPO² paper's WebShop table) subtracts the group mean; ``mean_std_norm`` also divides by
     the group's sample std (ddof 1) + ``adv_eps``. Compare and report label the runs ``gigpo`` / ``gigpo-std``."""
+    proxmo_psc: bool = True
+    """ProxMO: weight the episode advantage by the polarized signal controller, from the group's success rate (off:
+    the ``proxmo-no-psc`` arm)."""
+    proxmo_psa: bool = True
+    """ProxMO: add the proximity-weighted step advantage ω·A^S (off: the ``proxmo-no-psa`` arm)."""
+    proxmo_alpha: float = 4.0
+    """ProxMO PSC: steepness α of σ((1 − p)^α) and σ(−p^α) (the official scripts: 4.0)."""
+    proxmo_range: float = 0.05
+    """ProxMO PSC: the episode weights lie in [1 − range, 1 + range] (the official scripts: 0.05)."""
+    proxmo_tau: float = 0.1
+    """ProxMO PSA: softmax temperature τ over the TF-IDF cosine similarities of a group's steps (paper: 0.1)."""
+    proxmo_max_features: int = 1024
+    """ProxMO PSA: TF-IDF keeps the global batch's this many most frequent terms (official code: 1024; 0 = all)."""
     scale_rewards: bool = True
     """GRPO: divide group-centred returns by the group's sample std (ddof 1) + ``adv_eps`` (GiGPO's switch is
     ``gigpo_normalization``)."""
@@ -210,12 +228,17 @@ class AlgoConfig:
     dual_clip: float = 10.0
     """Dual-clip constant c for negative advantages (0 disables)."""
     delta: float = 0.01
-    """Low-probability mask: drop tokens with π_θ(a|tip-free prompt) < δ (0 disables)."""
+    """Low-probability mask: drop tokens whose probability under the current policy, on the prompt the row trains
+    on, is below δ (0 disables). That prompt is tip-free for ``on`` and ``off_tips`` rows (the paper's
+    π_θ(a|s,u) ≥ δ) and holds the tips for ``on_tips`` rows, which train with them: testing those on a tip-free
+    prompt would take one more forward per row for on-policy samples, whose ratio starts at 1."""
     mask_granularity: Literal["token", "sequence"] = "token"
     """Where the δ mask acts: ``token`` (paper), or ``sequence`` (released code: drop a response if any old log-prob
     < log δ)."""
     beta: float = 0.0
-    """KL-to-reference coefficient (k3 estimator)."""
+    """KL-to-reference coefficient (k3 estimator). The KL term averages over the rows sampled from the prompt they
+    train on (``on``, ``on_tips``); ``off_tips`` rows were sampled with tips, so their tokens are no sample of
+    π_θ(·|s, u) and the term leaves them out."""
     loss_type: Literal["token_mean", "sequence_mean", "dr_grpo"] = "token_mean"
     """Loss aggregation: ``token_mean`` (sum over tokens / tokens of the mini-batch; TRL's ``dapo``/``bnpo``),
     ``sequence_mean`` (per-response mean, then mean over responses; TRL's ``grpo``) or ``dr_grpo`` (sum over tokens
@@ -234,8 +257,10 @@ class AlgoConfig:
     """Where the ratio's π_old(a|s, tips) comes from. ``engine``: the log-probs the rollout engine recorded while
     sampling. ``trainer``: recomputed by the training model's own forward on the sampling prompt before the first
     optimizer step (verl's default), so an on-policy ratio starts at 1 whatever precision or kernels the engine
-    sampled with. ``auto``: ``trainer`` when a separate engine samples (``policy.backend=vllm``), ``engine`` with
-    ``hf``, where the training model itself samples."""
+    sampled with. ``auto``: ``trainer`` when a separate engine samples (``policy.backend=vllm``) or the forwards
+    compute in bfloat16/float16 (decode-time and full-forward rounding differ there, so the ratio would not start at
+    1); ``engine`` only with ``hf`` in float32, where the training model itself samples and the two agree. The
+    banner prints the choice."""
     tis_cap: float = 2.0
     """Truncated importance sampling for the engine/trainer mismatch (TRL's ``vllm_importance_sampling_correction``):
     when π_old comes from the trainer, each token's advantage is weighted by min(π_trainer(a)/π_engine(a), tis_cap),
@@ -258,6 +283,10 @@ class AlgoConfig:
     """Weight at the first iteration under the ``linear`` schedule."""
     intrinsic_weight_end: float = 0.2
     """Weight at the last iteration under the ``linear`` schedule."""
+    intrinsic_schedule_iterations: int = 0
+    """Iterations the ``linear`` schedule spans (the weight stays at ``intrinsic_weight_end`` after them). ``0``: the
+    run's ``train.iterations`` at its first start, recorded in its saved config, so a resume that changes
+    ``train.iterations`` leaves the weights of the iterations already planned as they were."""
     novelty_threshold: float = 0.9
     """Cosine above which two observations (of one task) count as the same state for the novelty reward."""
     luffy_gamma: float = 0.1

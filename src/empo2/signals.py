@@ -1,9 +1,10 @@
-"""SIGTERM and SIGINT as one clean stop: the phase the run was in, its last checkpoint, exit code 128 + signal.
+"""SIGTERM, SIGINT and SIGHUP as one clean stop: the phase the run was in, its last checkpoint, exit 128 + signal.
 
-SIGTERM is what SLURM, Kubernetes and ``timeout`` send before SIGKILL; SIGINT is Ctrl-C. :func:`install` makes both
-raise :class:`Stopped` (a ``BaseException``, like ``KeyboardInterrupt``, so no ``except Exception`` swallows it). The
-``finally`` blocks on the way out close the environment workers and release the run lock; the CLI prints
-:meth:`Stopped.message` and exits 143 or 130.
+SIGTERM is what SLURM, Kubernetes and ``timeout`` send before SIGKILL; SIGINT is Ctrl-C; SIGHUP comes when the
+terminal or ssh session the run was started from goes away. :func:`install` makes each raise :class:`Stopped` (a
+``BaseException``, like ``KeyboardInterrupt``, so no ``except Exception`` swallows it). The ``finally`` blocks on the
+way out close the environment workers and release the run lock; the CLI prints :meth:`Stopped.message` and exits 143,
+130 or 129.
 
 A signal that lands inside an ``import`` is held until a safe point (:func:`safe_point`, the end of :func:`held`, a
 phase change): raising in the middle of a C extension's initialisation leaves a half-made module behind, and the
@@ -18,14 +19,14 @@ import logging
 import signal
 from pathlib import Path
 
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 _state = {"phase": "startup", "where": None, "run_dir": None, "pending": None, "pending_phase": None, "holds": 0,
           "grace": False, "stopping": False}
 
 
 class Stopped(BaseException):
-    """The process received SIGTERM or SIGINT; ``exit_code`` is the shell's 128 + signal number."""
+    """The process received SIGTERM, SIGINT or SIGHUP; ``exit_code`` is the shell's 128 + signal number."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -50,10 +51,12 @@ class Stopped(BaseException):
 
 
 def install() -> None:
-    """Route SIGTERM and SIGINT to :class:`Stopped` (main thread only; a no-op elsewhere), and deliver any that
+    """Route SIGTERM, SIGINT and SIGHUP to :class:`Stopped` (main thread only; a no-op elsewhere), and deliver any that
     :func:`block_for_exec` held back."""
     for signum in SIGNALS:
         try:
+            if signum == signal.SIGHUP and signal.getsignal(signum) == signal.SIG_IGN:
+                continue  # started under nohup: the user asked the run to outlive its terminal
             signal.signal(signum, _handler)
         except ValueError:  # not the main thread
             return
@@ -99,7 +102,7 @@ def ignore() -> None:
 
 
 def block_for_exec() -> None:
-    """Block both signals before re-executing the process: the mask survives ``execve``, so one that comes while the
+    """Block the three signals before re-executing the process: the mask survives ``execve``, so one that comes while the
     new interpreter starts waits for its :func:`install` instead of killing it mid-import."""
     signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
 

@@ -6,7 +6,9 @@ Every estimator gets step-level data in one :class:`AdvantageInput` and gives on
 
 ``inp.returns`` [N] and ``inp.group_ids`` [N] are per episode; ``inp.step_rewards[i]`` [T_i] and
 ``inp.state_keys[i]`` (T_i strings: the observation each step's action answered) are per step of episode i. The
-trainer gives every generated token of step t of episode i the advantage ``advantages[i][t]``.
+trainer gives every generated token of step t of episode i the advantage ``advantages[i][t]``. ``inp.success`` [N]
+says which episodes reached the goal; ``inp.gather`` collects an object from every data-parallel rank, for statistics
+over the whole global batch (ProxMO's TF-IDF term counts).
 Register a new estimator with ``@register_advantage("name")`` and call any of them through
 :func:`compute_advantages`, which checks the input.
 
@@ -17,7 +19,8 @@ GRPO broadcasts one group-normalised value per episode to all of its steps::
 
 A group of one rollout, or a group whose returns are all equal (up to :data:`EQUAL_RTOL`), gets exactly 0 (no
 learning signal); such groups are counted in ``metrics["zero_adv_groups"]`` because their rollouts cost compute and
-teach nothing. GiGPO (episode + anchor-state step groups) lives in :mod:`empo2.algo.gigpo`; the built-in estimators
+teach nothing. GiGPO (episode + anchor-state step groups) lives in :mod:`empo2.algo.gigpo`, ProxMO (success-rate
+weights + proximity-weighted step baselines) in :mod:`empo2.algo.proxmo`; the built-in estimators
 are registered by :mod:`empo2.algo.registry`, which importing any module of ``empo2.algo`` loads.
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,13 +55,33 @@ class AdvantageOptions:
     sample std + ``eps``); ``scale_rewards`` is GRPO's switch and does not apply."""
     luffy_std: bool = False
     """LUFFY (Eq. 4): also divide by the group's sample std (ddof 1) + ``eps``; off = the script's mean-only."""
+    proxmo_psc: bool = True
+    """ProxMO: weight A^E by the polarized signal controller (off: w = 1)."""
+    proxmo_psa: bool = True
+    """ProxMO: add the proximity-based step advantage ω·A^S (off: A = A^E)."""
+    proxmo_alpha: float = 4.0
+    """ProxMO PSC: steepness α of σ(d^α) and σ(−p^α)."""
+    proxmo_range: float = 0.05
+    """ProxMO PSC: the weights lie in [1 − range, 1 + range]."""
+    proxmo_tau: float = 0.1
+    """ProxMO PSA: softmax temperature τ over the cosine similarities."""
+    proxmo_max_features: int = 1024
+    """ProxMO PSA: TF-IDF keeps the batch's this many most frequent terms (0 = all)."""
 
     @classmethod
     def from_config(cls, algo) -> AdvantageOptions:
-        """From an ``AlgoConfig`` (``algo.scale_rewards``, ``adv_eps``, ``gamma``, ``step_*``, ``gigpo_*``)."""
+        """From an ``AlgoConfig`` (``algo.scale_rewards``, ``adv_eps``, ``gamma``, ``step_*``, ``gigpo_*``,
+        ``proxmo_*``)."""
         return cls(scale_rewards=algo.scale_rewards, eps=algo.adv_eps, gamma=algo.gamma,
                    step_advantage_weight=algo.step_advantage_weight, step_similarity=algo.step_similarity,
-                   gigpo_normalization=algo.gigpo_normalization, luffy_std=algo.luffy_std)
+                   gigpo_normalization=algo.gigpo_normalization, proxmo_psc=algo.proxmo_psc,
+                   proxmo_psa=algo.proxmo_psa, proxmo_alpha=algo.proxmo_alpha, proxmo_range=algo.proxmo_range,
+                   proxmo_tau=algo.proxmo_tau, proxmo_max_features=algo.proxmo_max_features,
+                   luffy_std=algo.luffy_std)
+
+
+def _one_rank(obj: Any) -> list[Any]:
+    return [obj]
 
 
 @dataclass
@@ -71,25 +95,31 @@ class AdvantageInput:
     step_rewards: list[np.ndarray]
     """N arrays [T_i] float64: each step's reward (step index = position)."""
     state_keys: list[list[str]]
-    """N lists of T_i strings: the observation each step's action answered, verbatim (GiGPO's anchor key; anchor
-    groups never span two episode groups, and one episode group is one task and variation)."""
+    """N lists of T_i strings: the state each step's action answered, as the environment defines it (GiGPO's anchor
+    key; anchor groups never span two episode groups, and one episode group is one task and variation)."""
     options: AdvantageOptions = field(default_factory=AdvantageOptions)
+    success: np.ndarray | None = None
+    """[N] bool: whether each episode reached the goal (ProxMO's success rate); ``None`` where unknown."""
+    gather: Callable[[Any], list[Any]] = _one_rank
+    """``obj -> [obj of rank 0, obj of rank 1, …]`` over the data-parallel ranks (every rank calls it together): for
+    estimators whose statistics run over the whole global batch, while ``returns``… hold this rank's groups only."""
 
     @classmethod
     def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
-                      intrinsic_aggregation: str = "mean") -> AdvantageInput:
+                      intrinsic_aggregation: str = "mean",
+                      gather: Callable[[Any], list[Any]] | None = None) -> AdvantageInput:
         """From rollout episodes (plain data: ``task``, ``variation``, ``group``, ``steps`` with ``reward``,
-        ``intrinsic`` and ``state_observation``). Step reward = r_t + w·r_int_t (``mean`` aggregation, as the
-        config's default: w·r_int_t / T_i, so the step rewards add up to the episode's return); state key = the
-        observation the step answered, exactly as the environment wrote it (not ``state_text``, which folds
-        whitespace and cuts long observations, so two distinct states could share an anchor group)."""
+        ``intrinsic`` and ``state_text``, ``success``). Step reward = r_t + w·r_int_t (``mean`` aggregation, as the
+        config's default: w·r_int_t / T_i, so the step rewards add up to the episode's return); state key = the state
+        the step answered (:func:`empo2.envs.base.state_of`)."""
         rewards = []
         for ep in episodes:
             w = intrinsic_weight / max(len(ep.steps), 1) if intrinsic_aggregation == "mean" else intrinsic_weight
             rewards.append(np.array([s.reward + w * s.intrinsic for s in ep.steps], dtype=np.float64))
-        keys = [[s.state_observation for s in ep.steps] for ep in episodes]
+        keys = [[s.state_text for s in ep.steps] for ep in episodes]
         groups = np.array([ep.group for ep in episodes], dtype=np.int64)
-        return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options)
+        success = np.array([bool(ep.success) for ep in episodes], dtype=bool)
+        return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options, success, gather or _one_rank)
 
     @classmethod
     def from_returns(cls, returns, group_ids, lengths: Sequence[int] | None = None,
@@ -202,7 +232,10 @@ def _checked(inp: AdvantageInput) -> AdvantageInput:
         raise ValueError("every episode needs one state key per step reward")
     if not np.all(np.isfinite(r)) or not all(np.all(np.isfinite(x)) for x in rewards):
         raise ValueError("returns or step rewards contain non-finite values")
-    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options)
+    success = None if inp.success is None else np.asarray(inp.success, dtype=bool).reshape(-1)
+    if success is not None and success.shape != r.shape:
+        raise ValueError(f"returns {r.shape} and success {success.shape} must have the same length")
+    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options, success, inp.gather)
 
 
 def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:
@@ -223,14 +256,15 @@ def intrinsic_weight(algo, iteration: int, total_iterations: int) -> float:
 
     - ``algo.intrinsic_schedule = constant``: ``algo.intrinsic_weight`` (0 = intrinsic reward off).
     - ``linear``: ``algo.intrinsic_weight_start`` at iteration 0, ``algo.intrinsic_weight_end`` at iteration
-      ``total_iterations - 1`` and after, linear in between (``algo.intrinsic_weight`` is ignored).
+      ``n - 1`` and after, linear in between (``algo.intrinsic_weight`` is ignored), where n is
+      ``algo.intrinsic_schedule_iterations``, or ``total_iterations`` where that is 0.
     """
     schedule = algo.intrinsic_schedule
     if schedule == "constant":
         return float(algo.intrinsic_weight)
     if schedule == "linear":
         start, end = algo.intrinsic_weight_start, algo.intrinsic_weight_end
-        span = max(int(total_iterations) - 1, 1)
+        span = max(int(getattr(algo, "intrinsic_schedule_iterations", 0) or total_iterations) - 1, 1)
         frac = min(max(iteration / span, 0.0), 1.0)
         return float(start + (end - start) * frac)
     raise ValueError(f"unknown intrinsic schedule {schedule!r}; use 'constant' or 'linear'")

@@ -7,7 +7,10 @@ Per valid response token t of row i (objective, to be maximised)::
     obj    = min(ρ·A, clip(ρ, 1−ε_low, 1+ε_high)·A)                   clipped surrogate
     obj    = max(obj, c·A)            if A < 0 and c > 0             dual clip
     keep   = π_θ(a_t) ≥ δ             π_θ = exp(logp_new), detached   low-probability mask (δ = 0: off)
-    loss_t = −obj·keep + β·k3,        k3 = exp(ref − new) − (ref − new) − 1
+    loss_t = −obj·keep + β·k3·on,     k3 = exp(ref − new) − (ref − new) − 1
+
+where ``on`` is 0 on ``off_tips`` rows: their tokens were sampled with tips, so averaging k3 over them estimates no
+KL(π_θ(·|s, u) ‖ π_ref(·|s, u)); the other rows train on the prompt they were sampled from.
 
 ``token_mean``:    loss = Σ_{i,t} loss_t / Σ_{i,t} response_mask      (the paper's 1/(N·T); masked tokens count in T)
 ``sequence_mean``: loss = mean_i [ Σ_t loss_t / Σ_t response_mask ]   (rows with no valid token are left out)
@@ -144,7 +147,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
         ref_log_ratio = torch.where(valid, logp_ref - logp_new, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3 = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0  # [B, T], ≥ 0
         if beta > 0:
-            token_loss = token_loss + beta * torch.where(valid, k3, 0.0)
+            token_loss = token_loss + beta * torch.where(_kl_rows(valid, modes), k3, 0.0)
 
     loss = _aggregate(token_loss, valid, aggregation, algo.dr_grpo_length)  # []
 
@@ -152,6 +155,15 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
         metrics = _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip)
         metrics.update(_mode_losses(token_loss, valid, modes, aggregation))
     return _skip_if_not_finite(loss, metrics, logp_new, [logp_old, adv, logp_ref], valid)
+
+
+def _kl_rows(valid: torch.Tensor, modes: Sequence[str] | None) -> torch.Tensor:
+    """[B, T]: the valid tokens of the rows whose KL term is an estimate of the KL on their training prompt (every
+    row but ``off_tips``)."""
+    if modes is None:
+        return valid
+    on_prompt = torch.tensor([m != "off_tips" for m in modes], device=valid.device)  # [B]
+    return valid & on_prompt[:, None]
 
 
 def _mode_losses(token_loss: torch.Tensor, valid: torch.Tensor, modes: Sequence[str] | None,

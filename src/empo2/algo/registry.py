@@ -15,7 +15,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from empo2.algo import gigpo, luffy  # noqa: F401 - register the "gigpo" / "luffy" estimators and LUFFY's losses
+from empo2.algo import (
+    gigpo,  # noqa: F401 - registers the "gigpo" advantage estimator
+    luffy,  # noqa: F401 - registers the "luffy" advantage estimator and LUFFY's losses
+    proxmo,  # noqa: F401 - registers the "proxmo" advantage estimator
+)
 from empo2.algo.modes import MODES
 
 
@@ -77,6 +81,7 @@ def get_algorithm(name: str) -> AlgorithmSpec:
 register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes))
 register_algorithm(AlgorithmSpec("grpo", uses_memory=False, loss="grpo"))
 register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo"))  # Feng et al. 2025
+register_algorithm(AlgorithmSpec("proxmo", uses_memory=False, loss="grpo", advantage="proxmo"))  # arXiv 2602.19225
 register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy",
                                  expert_members=1))  # Yan et al. 2025
 register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,

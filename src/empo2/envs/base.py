@@ -20,7 +20,24 @@ class StepResult:
     done: bool
     info: dict[str, Any] = field(default_factory=dict)
     """Always holds: ``score`` (0–100 scale), ``success`` (bool), ``valid_actions`` (list[str]),
-    ``raw_action`` and ``action`` (after correction). ScienceWorld adds ``look`` and ``inventory``."""
+    ``raw_action`` and ``action`` (after correction), and ``state`` (see :func:`state_of`). ScienceWorld adds
+    ``look`` and ``inventory``."""
+
+
+def state_of(observation: str, info: dict[str, Any]) -> str:
+    """The state an environment is in after a reset or step: ``info["state"]`` where the environment defines one,
+    else the observation with its whitespace folded.
+
+    The state is what the memory keys tips by and retrieves with, what the novelty reward counts and what GiGPO and
+    ProxMO group steps by. It must name the situation, not the last message: ScienceWorld's observation is a one-line
+    reply ("The door is already open." in every room), so it defines its state as the room and the inventory; an
+    environment whose observation is the whole situation (a WebShop page) may leave ``info["state"]`` out. Two visits
+    of one situation should give the same text, so listings whose order the environment does not fix come sorted.
+    """
+    state = info.get("state") if isinstance(info, dict) else None
+    if isinstance(state, str) and state.strip():
+        return state
+    return " ".join(str(observation).split())
 
 
 @runtime_checkable

@@ -34,7 +34,8 @@ def _worker_main(conn, factory, env_kwargs: dict) -> None:
     """Worker process: build one environment with ``factory(**env_kwargs)`` (the registry entry's constructor, passed
     as an importable callable so environments registered outside ``src/`` work too), then serve ``(method, args)``
     requests until ``close`` or EOF."""
-    for signum in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C and preemption are the parent's business; it closes us
+    # Ctrl-C, preemption and a closed terminal are the parent's business; it closes us
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     logging.getLogger("py4j").setLevel(logging.CRITICAL)  # a dead JVM is reported to the parent, not logged here
     # py4j also calls the module-level logging.exception(), which would install a stderr handler on the root logger
@@ -218,7 +219,11 @@ class EnvPool:
         parent, child = self._ctx.Pipe()
         process = self._ctx.Process(target=_worker_main, args=(child, self._factory, self.env_kwargs),
                                     name=f"empo2-env-{i}", daemon=True)
-        process.start()
+        try:
+            process.start()
+        except BlockingIOError:  # the process limit, reached by other processes since the check before the pool
+            raise EnvError(f"cannot start {self.env_name} worker {i}: the process limit (ulimit -u) is reached; "
+                           "use fewer environment workers, or raise the limit") from None
         child.close()
         slot = _Slot(process, parent)
         slot.procs.append(psutil.Process(process.pid))

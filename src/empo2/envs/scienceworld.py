@@ -219,9 +219,10 @@ class ScienceWorldEnv:
 
     def _info(self, raw: str, action: str) -> dict[str, Any]:
         valid = self.short_valid_actions() if self.valid_actions_in_info else []
-        return {"score": self._score, "success": False, "look": self._sim.look(), "inventory": self._sim.inventory(),
-                "valid_actions": valid, "raw_action": raw, "action": action, "steps": self._steps,
-                "task": self._task, "variation": self._variation}
+        look, inventory = self._sim.look(), self._sim.inventory()
+        return {"score": self._score, "success": False, "look": look, "inventory": inventory,
+                "state": scienceworld_state(look, inventory), "valid_actions": valid, "raw_action": raw,
+                "action": action, "steps": self._steps, "task": self._task, "variation": self._variation}
 
     def _load(self, task: str, variation: int, gold: bool) -> str:
         """Load and reset the simulator; cache the task's splits; return the first observation."""
@@ -331,6 +332,29 @@ class ScienceWorldEnv:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def scienceworld_state(look: str, inventory: str) -> str:
+    """The state of a ScienceWorld step: the room as ``look around`` describes it, then the inventory.
+
+    The step's own reply is left out: it is a message about the last action ("The door is already open.", "You move
+    to the kitchen."), and what the action changed shows in the room or the inventory. Each listing (the lines
+    indented under a heading) is sorted, because the simulator lists a room's objects in a different order after a
+    reload, and whitespace is folded, so the same situation reads the same way however it was reached.
+    """
+    lines: list[str] = []
+    listing: list[str] = []
+    for raw in f"{look}\n{inventory}".splitlines():
+        line = " ".join(raw.split())
+        if not line:
+            continue
+        if raw[:1].isspace():
+            listing.append(line)
+            continue
+        lines += sorted(listing)
+        listing = []
+        lines.append(line)
+    return "\n".join(lines + sorted(listing))
 
 
 def _short(text: str, limit: int = DEMO_OBS_CHARS) -> str:

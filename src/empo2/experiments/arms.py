@@ -59,6 +59,10 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
         needs_novelty=True),
     Arm("grpo-no-novelty", "grpo", "plain GRPO: no tips, no intrinsic reward (algo.intrinsic_weight=0, constant "
         "schedule)", {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}),
+    Arm("proxmo-no-psc", "proxmo", "ProxMO without its polarized signal controller: the episode advantage is "
+        "unweighted (algo.proxmo_psc=false)", {"proxmo_psc": False, "proxmo_psa": True}),
+    Arm("proxmo-no-psa", "proxmo", "ProxMO without its proximity-weighted step advantage: A = the weighted episode "
+        "advantage only (algo.proxmo_psa=false)", {"proxmo_psc": True, "proxmo_psa": False}),
     # LUFFY as its official script runs it: Dr.GRPO aggregation, mean-only advantage, no on-policy clip, no mask
     Arm("luffy", "luffy", "LUFFY: one expert (gold-path) member per group, shaped expert tokens f(x)=x/(x+0.1), "
         "unclipped on-policy rows, mean-only advantage, Dr.GRPO aggregation", dict(LUFFY_SETTINGS)),

@@ -3,7 +3,8 @@
 Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2 train`` (same code path, with
 ``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also
 sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gigpo-std``) picks GiGPO's
-``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``; an ablation arm of
+``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``; ``proxmo`` and ``empo2+proxmo``
+run both of ProxMO's parts (``algo.proxmo_psc`` and ``algo.proxmo_psa`` set true); an ablation arm of
 :mod:`empo2.experiments.arms` (``empo2-no-offpolicy`` …) sets its algorithm, its settings and ``algo.arm``, the label
 ``report`` shows). ``--seeds`` names seed values:
 ``3``, ``1,4,7``, ``0-4``. Runs go one after another (``--jobs N``: N at once, see :func:`run_all`), each in its own
@@ -42,8 +43,8 @@ from empo2.policy.precision import settle_autocast
 from empo2.signals import set_phase
 from empo2.train import checkpoint as ckpt
 
-SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "train.seed", "train.output_dir",
-                  "train.eval_at_start")
+SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "algo.proxmo_psc", "algo.proxmo_psa",
+                  "train.seed", "train.output_dir", "train.eval_at_start")
 STD_SUFFIX = "-std"
 """``--algos gigpo-std``: GiGPO divided by the group std (``mean_std_norm``); report's ``method_label`` writes it so."""
 COSMETIC = ("train.output_dir", "train.progress")  # may differ between invocations without changing a run
@@ -177,6 +178,7 @@ def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
     else:  # algo.arm emptied: a config file's arm would label a plain algorithm's run as an ablation
         name, estimator, std = _split(algo)
         chosen = [f"algo.name={name}", "algo.arm="] + ([f"algo.advantage={estimator}"] if estimator else [])
+        chosen += ["algo.proxmo_psc=true", "algo.proxmo_psa=true"]  # ProxMO's parts are switched off by arms only
     # always set, so that a config file's choice cannot run under a label that says the other one
     chosen.append(f"algo.gigpo_normalization={'mean_std_norm' if std else 'mean_norm'}")
     return [*chosen, f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]
@@ -264,14 +266,14 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | 
     into this run's folder, so the trainer skips its own start eval. A fresh run's folder is first emptied of an
     earlier attempt's run files; a resumed run gets the copy only if it stopped before its start eval was written
     and before any checkpoint. Returns the donor's name, or ``None``: the run evaluates itself."""
-    from empo2.train.runlock import RunLock, clear_run_folder, is_run_file
+    from empo2.train.runlock import RunLock, clear_run_folder, is_run_file, mark_run_folder
 
     if status == "resume" and ((plan.folder / "eval" / "start.json").is_file()
                                or ckpt.latest_checkpoint(plan.folder) is not None):
         return None
     if status == "fresh" and plan.folder.is_dir():
-        if any(not is_run_file(p.name) for p in plan.folder.iterdir()):
-            return None  # someone else's files: train's own --overwrite check decides about this folder
+        if any(not is_run_file(p.name) for p in plan.folder.iterdir()):  # runs/NAME of compare's own folder
+            return None  # someone else's files: train's own check refuses this folder
         with RunLock(plan.folder):
             clear_run_folder(plan.folder)
     donor = _start_eval_donor(plan, plans)
@@ -279,6 +281,7 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | 
         return None
     start, src = donor
     with RunLock(plan.folder):
+        mark_run_folder(plan.folder)  # the start eval is empo2's: the run's own start keeps it
         (plan.folder / "eval").mkdir(exist_ok=True)
         (plan.folder / "eval" / "start.json").write_text(json.dumps(start, indent=2))
         if (src / "start.md").is_file():

@@ -40,7 +40,8 @@ from empo2.experiments import arms, ood_stats, stats
 
 def method_label(cfg) -> str:
     """``empo2``, ``grpo``, ``gigpo``, ``empo2+gigpo`` … from a Config (or its ``algo`` mapping); GiGPO with
-    ``algo.gigpo_normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``); a run of an
+    ``algo.gigpo_normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``), ProxMO with a part
+    switched off ``-no-psc`` / ``-no-psa`` (``proxmo``, ``empo2+proxmo``, ``proxmo-no-psa``); a run of an
     ablation arm is labelled by its ``algo.arm`` (``empo2-no-offpolicy`` …)."""
     algo = cfg.get("algo", {}) if isinstance(cfg, dict) else vars(cfg.algo)
     if algo.get("arm"):
@@ -51,6 +52,8 @@ def method_label(cfg) -> str:
     label = name if fixed or advantage == "grpo" else f"{name}+{advantage}"
     estimator = spec.advantage if fixed else advantage
     std = algo.get("gigpo_normalization", AlgoConfig.gigpo_normalization) == "mean_std_norm"
+    if estimator == "proxmo":  # a part switched off outside compare's arms is said in the label
+        label += "".join(f"-no-{part}" for part in ("psc", "psa") if not algo.get(f"proxmo_{part}", True))
     return f"{label}-std" if estimator == "gigpo" and std else label
 
 

@@ -25,7 +25,7 @@ from urllib.parse import quote
 
 import numpy as np
 
-from .validate import MemoryStoreError
+from .validate import MAX_KEY_TEXT_BYTES, MAX_NAMESPACE_BYTES, MemoryStoreError, check_stored_tip, max_entry_bytes
 
 SCHEMA_VERSION = 1
 APPLICATION_ID = 0x454D5032  # "EMP2"
@@ -198,10 +198,23 @@ def check_integrity(path: Path, level: str = "quick") -> None:
                                f"{restore_hint(path)}")
 
 
+def check_regular_file(path: Path) -> None:
+    """Refuse a memory path that exists but is no regular file (a folder, a link to ``/dev/null``, a pipe) or is a
+    dangling link, before SQLite opens it: it would write its journal beside whatever the path leads to."""
+    path = Path(path)
+    if path.is_file() or not (path.exists() or path.is_symlink()):
+        return
+    where = f" (a link to {os.path.realpath(path)})" if path.is_symlink() else ""
+    kind = "a folder" if path.is_dir() else "a link that leads nowhere" if not path.exists() else "not a regular file"
+    raise MemoryStoreError(f"{path} is {kind}{where}; a tip memory must be a regular file: move it away, or point "
+                           "the run elsewhere")
+
+
 def check_file(path: Path, level: str = "quick") -> None:
     """:func:`check_header` + :func:`check_integrity` + :func:`check_objects` of an existing non-empty file (a
-    missing one passes), all read-only."""
+    missing one passes), all read-only; a path that is not a regular file is refused (:func:`check_regular_file`)."""
     path = Path(path)
+    check_regular_file(path)
     if path.is_file() and path.stat().st_size > 0:
         check_header(path)
         check_integrity(path, level)
@@ -337,14 +350,38 @@ def select_tips(conn: sqlite3.Connection, namespace: str | None) -> list[Tip]:
     return [Tip(*r) for r in conn.execute(sql + " ORDER BY id", (namespace,) if namespace is not None else ())]
 
 
-def read_embeddings(conn: sqlite3.Connection, dim: int) -> dict[str, list[tuple]]:
-    """Per namespace: (id, key [dim], tip embedding [dim], score, utility or NaN, touched) rows, by id."""
+def _bounded_text(column: str) -> str:
+    """SQL giving a text column's UTF-8 bytes when it is text within the bound bound to ``?``, ``X'00'``
+    (:data:`~empo2.memory.validate.NOT_TEXT`) when it is not text, else NULL; the value itself is never fetched
+    when too long."""
+    return (f"CASE WHEN typeof({column}) <> 'text' THEN X'00' "
+            f"WHEN length(CAST({column} AS BLOB)) <= ? THEN CAST({column} AS BLOB) END")
+
+
+def read_embeddings(conn: sqlite3.Connection, dim: int,
+                    max_tip_words: int = 100) -> tuple[dict[str, list[tuple]], dict[str, int]]:
+    """Per namespace: (id, key [dim], tip embedding [dim], score, utility or NaN, touched) rows, by id, of the tips
+    that pass :func:`~empo2.memory.validate.check_stored_tip`; and how many were skipped, by reason. The text
+    columns are read bounded, so a file from elsewhere cannot put a huge or undecodable value into this process."""
     rows: dict[str, list] = {}
-    for tid, ns, key, temb, score, util, touched in conn.execute(
-            "SELECT id, namespace, key_emb, tip_emb, score, utility, touched FROM tips ORDER BY id"):
-        rows.setdefault(ns, []).append((tid, unblob(key, dim, tid), unblob(temb, dim, tid), score,
-                                        np.nan if util is None else util, touched))
-    return rows
+    skipped: dict[str, int] = {}
+    size = 4 * dim
+    sql = (f"SELECT id, {_bounded_text('namespace')}, {_bounded_text('text')}, {_bounded_text('key_text')}, "
+           "length(key_emb), length(tip_emb), CASE WHEN length(key_emb) = ? AND length(tip_emb) = ? THEN key_emb END, "
+           "CASE WHEN length(key_emb) = ? AND length(tip_emb) = ? THEN tip_emb END, score, utility, touched "
+           "FROM tips ORDER BY id")
+    bounds = (MAX_NAMESPACE_BYTES, max_entry_bytes(max_tip_words), MAX_KEY_TEXT_BYTES, *(size,) * 4)
+    for tid, ns, text, key_text, key_len, temb_len, key, temb, score, util, touched in conn.execute(sql, bounds):
+        if key is None or temb is None:
+            wrong = key_len if key_len != size else temb_len
+            raise MemoryStoreError(f"tip {tid}: stored embedding has {(wrong or 0) // 4} values, expected {dim}")
+        reason = check_stored_tip((ns, text, key_text), max_tip_words)
+        if reason is not None:
+            skipped[reason] = skipped.get(reason, 0) + 1
+            continue
+        rows.setdefault(ns.decode("utf-8"), []).append((tid, unblob(key, dim, tid), unblob(temb, dim, tid), score,
+                                                       np.nan if util is None else util, touched))
+    return rows, skipped
 
 
 def read_stats(conn: sqlite3.Connection) -> dict[str, Any]:

@@ -20,9 +20,9 @@ import numpy as np
 # isort: off
 from .index import EVICTION_POLICIES, NamespaceIndex
 from .schema import (APPLICATION_ID, SCHEMA_VERSION, SQLITE_MAGIC, AddResult, Tip, backup_to, blob, bump, check_header,
-                     check_integrity, create_schema, delete_tips, existing_sidecars, fetch_tips, insert_tip, new_meta,
-                     open_connection, read_embeddings, read_schema, read_stats, remove_new_sidecars, select_tips,
-                     transaction)
+                     check_integrity, check_regular_file, create_schema, delete_tips, existing_sidecars, fetch_tips,
+                     insert_tip, new_meta, open_connection, read_embeddings, read_schema, read_stats,
+                     remove_new_sidecars, select_tips, transaction)
 from .validate import (REJECTION_REASONS, DimensionMismatchError, MemoryStoreError, as_matrix, check_settings,
                        check_tip_text, json_line)
 # isort: on
@@ -68,9 +68,11 @@ class TipMemory:
         self._lock = threading.RLock()
         self._index: dict[str, NamespaceIndex] = {}
         self._conn: sqlite3.Connection | None = None
+        self.skipped: dict[str, int] = {}  # stored tips that fail the tip checks, by reason (see _load)
         self.read_only = read_only
         if embedder is not None and dim is not None and getattr(embedder, "dim", dim) != dim:
             raise DimensionMismatchError(f"embedder gives {embedder.dim}-d vectors but dim={dim}")
+        check_regular_file(self.path)
         fresh = not self.path.exists() or self.path.stat().st_size == 0
         if fresh and read_only:  # only the run that owns a memory creates its schema
             raise MemoryStoreError(f"{self.path} is empty: no tip memory has been written to it yet")
@@ -120,9 +122,11 @@ class TipMemory:
         return stored
 
     def _load(self) -> None:
-        """Read every tip's embeddings into the per-namespace matrices."""
+        """Read the embeddings of every tip that passes the checks a new tip passes into the per-namespace matrices.
+        A tip that fails (too long, undecodable, …: a file from elsewhere) stays in the file but is never retrieved;
+        :attr:`skipped` counts them by reason."""
         try:
-            rows = read_embeddings(self._conn, self.dim)
+            rows, self.skipped = read_embeddings(self._conn, self.dim, self.max_tip_words)
         except (sqlite3.DatabaseError, MemoryStoreError) as exc:
             self.close()
             raise MemoryStoreError(f"{self.path} is corrupt: {exc}") from None

@@ -74,6 +74,34 @@ def check_tip_text(text: str, max_words: int = 100, context_texts: Iterable[str]
     return _copy_of_context(_normalise(text), context_texts)
 
 
+MAX_NAMESPACE_BYTES = 1024
+MAX_KEY_TEXT_BYTES = 16384
+"""Bounds of a stored row's namespace and state key (a run writes keys of at most 1,000 characters)."""
+NOT_TEXT = b"\0"
+"""What the bounded SQL read gives for a text column that holds a blob, number or NULL instead of text."""
+
+
+def max_entry_bytes(max_words: int) -> int:
+    """The most UTF-8 bytes a tip that passes :func:`check_tip_text` can take (released-format suffix included)."""
+    return 4 * (12 * max_words + MAX_ACTION_CHARS + 120)
+
+
+def check_stored_tip(columns: tuple[bytes | None, bytes | None, bytes | None], max_words: int = 100) -> str | None:
+    """Why a row read from a memory file must not be used, or ``None``: its (namespace, tip, key) must each be
+    well-formed UTF-8 text within its bound, and the tip must pass :func:`check_tip_text`. A column is ``b"\\0"``
+    when it was not text and ``None`` when it was longer than its bound: the SQL read leaves such values unread
+    (:func:`empo2.memory.schema.read_embeddings`), so a 10 MB tip never reaches Python."""
+    if any(raw == NOT_TEXT for raw in columns):
+        return "invalid_unicode"
+    if any(raw is None for raw in columns):
+        return "too_long"
+    try:
+        namespace, text, _ = (raw.decode("utf-8") for raw in columns)
+    except UnicodeDecodeError:
+        return "invalid_unicode"
+    return "empty" if not namespace else check_tip_text(text, max_words)
+
+
 def _copy_of_context(norm: str, context_texts: Iterable[str]) -> str | None:
     """``copy_of_context`` when the normalised tip is a substring of, or shares most trigrams with, a context."""
     norm_words = norm.split()

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from empo2.file_modes import share_tree
 from empo2.policy.precision import resolve_autocast
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ def cached_model_dir(name: str) -> Path:
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        share_tree(tmp)  # the cache is readable by a team, as the umask allows (mkdtemp made it private)
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
@@ -182,14 +184,16 @@ def check_writable_home() -> None:
                              f"{exc.strerror or exc}); point EMPO2_HOME at a writable folder") from None
 
 
-def resolve_model_path(name: str) -> str:
-    """Map a model name to something ``from_pretrained`` accepts, with one clear error for bad names."""
+def resolve_model_path(name: str, trust_remote_code: bool = False) -> str:
+    """Map a model name to something ``from_pretrained`` accepts, with one clear error for bad names and for a model
+    that would run its own code without ``trust_remote_code``."""
     if name in BUNDLED:
         return str(cached_model_dir(name))
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a Hugging Face model folder (no config.json)")
+        check_remote_code(name, str(path), trust_remote_code)
         return str(path)
     if name.startswith((".", "/", "~")) or name.count("/") != 1:
         known = ", ".join(BUNDLED)
@@ -198,7 +202,50 @@ def resolve_model_path(name: str) -> str:
             "of the form owner/name"
         )
     check_hub_reachable(name)
+    check_remote_code(name, name, trust_remote_code)  # a hub id not yet cached: from_pretrained refuses its code
     return name  # a hub id; transformers downloads it when online, or finds it in the HF cache
+
+
+def check_remote_code(name: str, path: str, trust_remote_code: bool) -> None:
+    """Refuse, before anything is imported from it, a model whose ``config.json`` or ``tokenizer_config.json`` names
+    code of its own (``auto_map``), unless ``policy.trust_remote_code`` allows it. Loading such a model runs its
+    ``*.py`` files with this process's rights; transformers would ask on the terminal, which an unattended run must
+    never do (every ``from_pretrained`` here passes the setting explicitly, so it does not)."""
+    if trust_remote_code:
+        return
+    modules = remote_code_modules(path)
+    if modules:
+        raise ModelLoadError(f"model {name!r} ships Python code of its own ({', '.join(modules)}, named by auto_map) "
+                             "that loading it would run; read that code, then set policy.trust_remote_code=true if "
+                             "you trust it")
+
+
+def remote_code_modules(path: str) -> list[str]:
+    """The ``*.py`` files a model folder or cached hub repo's ``auto_map`` entries name (none: plain transformers)."""
+    import json
+
+    found: list[str] = []
+    for filename in ("config.json", "tokenizer_config.json"):
+        if Path(path).is_dir():
+            file = Path(path) / filename
+        else:
+            from huggingface_hub import try_to_load_from_cache
+
+            cached = try_to_load_from_cache(path, filename)
+            file = Path(cached) if isinstance(cached, str) else None
+        try:
+            auto_map = json.loads(file.read_text(encoding="utf-8")).get("auto_map") if file and file.is_file() else None
+        except (OSError, ValueError, AttributeError):  # unreadable or not a mapping: from_pretrained reports it
+            continue
+        refs = auto_map.values() if isinstance(auto_map, dict) else [auto_map] if auto_map else []
+        for ref in refs:
+            for item in ref if isinstance(ref, list | tuple) else [ref]:
+                if isinstance(item, str) and "." in item:  # "[repo--]modeling_x.ClassName"
+                    module = item.split("--")[-1].rsplit(".", 1)[0] + ".py"
+                    found += [module] if module not in found else []
+        if auto_map and not found:
+            found.append(f"{filename} auto_map")
+    return found
 
 
 _OFF = ("1", "on", "yes", "true")
@@ -233,12 +280,12 @@ def check_hub_reachable(repo_id: str, timeout: float = 3.0) -> None:
                              "offline?); check the name, or download it while online") from None
 
 
-def load_tokenizer(name: str = DEFAULT_MODEL):
+def load_tokenizer(name: str = DEFAULT_MODEL, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(name)
+    path = resolve_model_path(name, trust_remote_code)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer of {name!r}: {exc}") from None
     if tok.pad_token is None:
@@ -249,16 +296,17 @@ def load_tokenizer(name: str = DEFAULT_MODEL):
     return tok
 
 
-def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto"):
-    """Return ``(model, tokenizer)`` in eval mode on ``device``. Raises :class:`ModelLoadError` with one message."""
+def load_model(name: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", trust_remote_code: bool = False):
+    """Return ``(model, tokenizer)`` in eval mode on ``device``. Raises :class:`ModelLoadError` with one message;
+    a model with code of its own loads only with ``trust_remote_code`` (:func:`check_remote_code`)."""
     from transformers import AutoModelForCausalLM
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    tokenizer = load_tokenizer(name)
-    path = resolve_model_path(name)
+    tokenizer = load_tokenizer(name, trust_remote_code)
+    path = resolve_model_path(name, trust_remote_code)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load model {name!r}: {exc}") from None
     model.to(dev).eval()

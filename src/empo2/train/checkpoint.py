@@ -3,7 +3,8 @@
 A checkpoint folder ``checkpoints/iter_000007/`` holds the adapter (or full model) as safetensors, ``optimizer.pt``
 (tensors and numbers only: read with ``torch.load(weights_only=True)``), ``state.json`` (iteration, counters,
 task-sampler / mode-sampler state, Python and numpy RNG states), ``state.safetensors`` (the torch RNG state and the
-novelty counts) and ``memory.sqlite``; under ``train.sharding: fsdp`` the weights and optimizer are a
+novelty counts), ``memory.sqlite`` and, written last, ``manifest.json`` (every file's sha256,
+:mod:`empo2.train.manifest`); under ``train.sharding: fsdp`` the weights and optimizer are a
 ``sharded/`` folder of ``torch.distributed.checkpoint`` shards instead (:mod:`empo2.train.sharding`). A pickle is never unpickled, so a run folder from someone else cannot run
 code on ``--resume``. A crash while writing leaves only a ``.tmp-*`` folder that the next save removes.
 
@@ -13,6 +14,7 @@ folder whose origin the user trusts (``python -m empo2.train.checkpoint --conver
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -27,6 +29,8 @@ import numpy as np
 import torch
 
 from empo2.config import ConfigError
+from empo2.file_modes import share_tree
+from empo2.train.manifest import write_manifest
 
 PREFIX = "iter_"
 STATE = "state.json"
@@ -92,9 +96,14 @@ def save_checkpoint(
         write_state(tmp, {**state, "iteration": iteration, "rng": rng_state()})
         if memory_copy is not None:
             memory_copy(tmp / "memory.sqlite")
+        share_tree(tmp)  # a teammate can read the checkpoint (mkdtemp made it private)
+        write_manifest(tmp)  # last: the checksums of everything above
         _fsync_tree(tmp)
-    except BaseException:  # e.g. disk full or SIGTERM: give the space back; the previous checkpoints are untouched
+    except BaseException as exc:  # e.g. disk full or SIGTERM: give the space back; the previous checkpoints are untouched
+        full = isinstance(exc, Exception) and not isinstance(exc, OSError) and _disk_full(root)
         shutil.rmtree(tmp, ignore_errors=True)
+        if full:  # torch and safetensors report a full disk in their own words (iostream error, SafetensorError)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(root)) from exc
         raise
     final = root / f"{PREFIX}{iteration:06d}"
     if final.exists():
@@ -185,6 +194,14 @@ def convert(ckpt: Path) -> None:
     torch.save(torch.load(ckpt / "optimizer.pt", weights_only=False), ckpt / "optimizer.pt")
     write_state(ckpt, old)
     (ckpt / OLD_STATE).unlink()
+
+
+def _disk_full(folder: Path) -> bool:
+    """Less than 1 MiB left where ``folder`` is: a failed write there was the disk's doing."""
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -3,7 +3,8 @@
 How the work is split (every rank runs the same :class:`~empo2.train.trainer.Trainer` loop):
 
 - Every rank draws the same global batch of tasks and modes (the samplers are seeded alike); rank ``r`` plays groups
-  ``r, r + W, …``, so each group's advantages are computed where its rollouts are, with no gathering.
+  ``r, r + W, …``, so each group's advantages are computed where its rollouts are; only statistics an estimator
+  takes over the whole batch (ProxMO's TF-IDF term counts) are gathered, through :meth:`Dist.all_gather`.
 - Gradients are summed over ranks (one flat all-reduce per optimizer step). Each micro-batch's loss is already
   weighted by its share of the *global* token (or row) count, so the sum equals the one-rank gradient.
 - The tip memory is a replicated state machine: each rank turns its own episodes into memory operations (uses and
@@ -94,6 +95,10 @@ class Dist:
         parts: list[Any] = [None] * self.world_size
         torch.distributed.all_gather_object(parts, pairs)
         return sorted((p for part in parts for p in part), key=lambda kv: kv[0])
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank (``[obj]`` on one rank)."""
+        return _all(self, obj) if self.enabled else [obj]
 
     def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
         """Element-wise sum or max of a few numbers over ranks (float64)."""
@@ -207,7 +212,7 @@ def memory_sync(dist: Dist) -> Callable:
 def light_episode(ep):
     """A copy of an episode without token ids, prompts and embeddings: what rank 0 needs for metrics and tables."""
     steps = [dataclasses.replace(s, prompt_ids=[], train_prompt_ids=[], response_ids=[], logp_old=[],
-                                 state_embedding=None, state_text="", state_observation="", observation="")
+                                 state_embedding=None, observation="")
              for s in ep.steps]
     return dataclasses.replace(ep, steps=steps)
 

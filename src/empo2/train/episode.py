@@ -1,5 +1,5 @@
 """A trajectory as plain data: an :class:`Episode` of :class:`Step`, which the update, the metrics, the memory and
-the sample writer read, and the key its states are known by (:func:`state_text`)."""
+the sample writer read. A step's state is the environment's (:func:`empo2.envs.base.state_of`)."""
 
 from __future__ import annotations
 
@@ -26,9 +26,8 @@ class Step:
     observation: str
     reward: float
     state_text: str
-    """The observation the action answered (:func:`state_text`): the retrieval query and a tip's key."""
-    state_observation: str = ""
-    """The observation the action answered, verbatim: GiGPO's anchor-state key (``state_text`` is folded and cut)."""
+    """The state the action answered, as the environment defines it (:func:`empo2.envs.base.state_of`): the
+    retrieval query, a tip's key, and the anchor GiGPO and ProxMO group steps by. Never empty."""
     state_embedding: np.ndarray | None = None
     """Embedding of ``state_text`` where one was computed (memory rollouts embed every state to retrieve)."""
     tip_ids: list[int] = field(default_factory=list)
@@ -36,6 +35,11 @@ class Step:
     intrinsic: float = 0.0
     accepted: bool = True
     """Whether the environment accepted the action (after correction)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.state_text, str) or not self.state_text.strip():
+            # An empty state would put every such step of a group into one anchor and one memory key.
+            raise ValueError("a Step needs the state its action answered (state_text), got an empty one")
 
 
 @dataclass
@@ -57,6 +61,14 @@ class Episode:
     tip_rejected: str | None = None
     expert: bool = False
     """Played the environment's gold path instead of sampling (LUFFY's off-policy member, :mod:`empo2.train.expert`)."""
+    final_state: str = ""
+    """The state the last step reached (the state each earlier step reached is the next step's ``state_text``)."""
+
+    def reached_states(self) -> list[str]:
+        """The state each step's action led to: what the novelty reward counts."""
+        if self.steps and not self.final_state.strip():
+            raise ValueError("an episode with steps needs the state its last step reached (final_state)")
+        return [s.state_text for s in self.steps[1:]] + ([self.final_state] if self.steps else [])
 
     @property
     def extrinsic_return(self) -> float:
@@ -81,13 +93,6 @@ class Episode:
 
 def namespace_of(task: str, variation: int, scheme: str) -> str:
     return f"{task}#{variation}" if scheme == "task_variation" else task
-
-
-def state_text(observation: str) -> str:
-    """The key of a state for retrieval, tips and novelty: the observation alone. Memory and novelty are already
-    namespaced by task, and a key that also held the task description made every state of a task look alike
-    (cosine 0.94–0.99), so retrieval fell back to ranking ties."""
-    return " ".join(observation.split())[:1000]
 
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from empo2.config import Config, ConfigError
+from empo2.file_modes import share_tree
 from empo2.train import checkpoint as ckpt
 from empo2.train import sharding
 
@@ -33,7 +34,7 @@ def export(run_dir: Path, out: Path) -> Path:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; give a new folder")
     cfg = Config.load(run_dir / "config.yaml")
-    model, tokenizer = load_model(cfg.policy.model, "cpu", cfg.policy.dtype)
+    model, tokenizer = load_model(cfg.policy.model, "cpu", cfg.policy.dtype, cfg.policy.trust_remote_code)
     if cfg.policy.lora:
         model = _with_adapter(model, cfg.policy)
     if sharding.is_sharded(last):
@@ -63,6 +64,7 @@ def _write(model, tokenizer, out: Path) -> None:
         with torch.no_grad():
             model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
+        share_tree(tmp)  # an exported model is for others to load (mkdtemp made it private)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from empo2.train.distributed import Dist, gather_in_order
-from empo2.train.episode import Episode, state_text
+from empo2.train.episode import Episode
 
 
 def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | None = None) -> None:
@@ -18,7 +18,7 @@ def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | Non
     With a data-parallel ``dist`` the counts are taken over every rank's episodes in global order
     (:func:`~empo2.train.distributed.gather_in_order`), so they see the whole batch and stay identical on every rank.
     """
-    texts = [state_text(s.observation) for ep in episodes for s in ep.steps]
+    texts = [state for ep in episodes for state in ep.reached_states()]
     # Each distinct text is embedded once, in sorted order: the same text then has bit-identical embeddings (a
     # sentence encoder's padding makes them differ in the last bits across batches) whatever the episodes' order.
     unique = sorted(set(texts))

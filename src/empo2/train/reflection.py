@@ -102,7 +102,7 @@ def reflection_job(ctx: RolloutContext, episodes: list[Episode]) -> Callable[...
     def run(generate) -> list[str]:
         gens = generate(prompts, pcfg.reflection_max_tokens, temperature=pcfg.reflection_temperature,
                         top_p=pcfg.top_p, top_k=pcfg.top_k, row_seeds=seeds)
-        return [parse_tip(g.text) for g in gens]
+        return [parse_tip(g.text, max_words=ctx.memory_cfg.max_tip_words) for g in gens]
 
     return run
 

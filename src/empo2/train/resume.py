@@ -22,8 +22,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 from empo2.config import Config, ConfigError
+from empo2.memory.schema import check_file
 from empo2.train import checkpoint as ckpt
 from empo2.train import sharding
+from empo2.train.manifest import verify_manifest
 
 RESUME_SAFE = frozenset({
     "train.iterations", "train.output_dir", "train.progress", "train.tensorboard", "train.eval_every",
@@ -31,7 +33,7 @@ RESUME_SAFE = frozenset({
     "train.sample_trajectories", "train.zero_adv_warn_iters", "train.max_consecutive_env_failures",
     "train.preempt_save", "train.micro_batch_tokens", "train.logprob_chunk_tokens", "train.gradient_checkpointing",
     "train.report_to",
-    "policy.device", "policy.vllm_memory", "policy.prefix_sharing", "policy.reuse_heads",
+    "policy.device", "policy.vllm_memory", "policy.trust_remote_code", "policy.prefix_sharing", "policy.reuse_heads",
     "memory.overlap_reflection", "env.pool", "env.max_workers",
 })
 """Keys a ``--resume`` override may change (everything else must equal the run's ``config.yaml``)."""
@@ -53,6 +55,52 @@ def check_same_run(saved: Config, wanted: Config, run_dir: Path) -> None:
     raise ConfigError(f"--resume {run_dir} would change what the run is ({shown}); a resume may change only output, "
                       "progress, evaluation and checkpoint cadence, train.iterations and speed or memory settings; "
                       "start a new run (another train.output_dir) for other settings")
+
+
+def run_settings(cfg: Config) -> dict:
+    """The settings that make a run what it is: every key outside :data:`RESUME_SAFE`."""
+    return {k: v for k, v in _flat(cfg.to_dict()).items() if k not in RESUME_SAFE}
+
+
+def settings_digest(cfg: Config) -> str:
+    """sha256 of :func:`run_settings`, stored in each checkpoint's ``state.json`` (``settings_digest``)."""
+    text = json.dumps(run_settings(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_checkpoint_settings(wanted: Config, run_dir: Path) -> None:
+    """Raise :class:`ConfigError` (exit 2) when the run's newest readable checkpoint was trained with other settings
+    than ``wanted`` (a ``config.yaml`` edited by hand since: G, the model, the tasks …). The checkpoint's
+    ``settings_digest`` settles it; when the digests differ, the ``config`` it also stores names the keys, and keys
+    only one side knows (a field added or removed by another empo2 version) do not count."""
+    for folder in reversed(ckpt.list_checkpoints(run_dir)):
+        try:
+            state = json.loads((folder / ckpt.STATE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):  # unreadable or cut short: resume falls back past it too
+            continue
+        if not isinstance(state, dict) or "config" not in state and "settings_digest" not in state:
+            continue  # written before checkpoints recorded their settings
+        if state.get("settings_digest") == settings_digest(wanted):
+            return
+        stored, now = _stored_settings(state.get("config")), run_settings(wanted)
+        diff = [k for k in sorted(now) if k in stored and _canonical(stored[k]) != _canonical(now[k])]
+        if not diff and stored:
+            return
+        shown = ", ".join(f"{k}: {stored[k]!r} -> {now[k]!r}" for k in diff[:4]) + (" …" if len(diff) > 4 else "")
+        raise ConfigError(f"{run_dir}/config.yaml no longer matches the settings {folder} was trained with "
+                          f"({shown or 'settings digest differs'}); put the run's settings back, or start a new run "
+                          "(another train.output_dir) for other settings")
+
+
+def _stored_settings(config) -> dict:
+    """A checkpoint's stored ``config`` flattened; ``{}`` when it is not a mapping of sections."""
+    if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
+        return {}
+    return _flat(config)
+
+
+def _canonical(value) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
 
 
 def _flat(d: dict) -> dict:
@@ -146,12 +194,36 @@ def truncate_samples(run_dir: Path, iteration: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- checkpoints
+STATE_KEYS = ("iteration", "rng", "task_sampler", "mode_sampler", "novelty")
+"""What a checkpoint's ``state.json`` must hold for a resume to restore it."""
+
+
 def load_checkpoint(folder: Path, lora: bool) -> tuple[Path, dict, dict, dict]:
     """(folder, state, optimizer state, weights) of one checkpoint, all read (nothing executed); a sharded one's
-    optimizer state and weights are ``None``: every rank reads its own shards into the sharded model."""
+    optimizer state and weights are ``None``: every rank reads its own shards into the sharded model.
+
+    Raises for any damage: a file that differs from the checkpoint's manifest (checksums), a memory copy that fails
+    the memory checks, a state without what a resume restores. A checkpoint of an older empo2 has no manifest; it
+    is held to the other checks only."""
+    verify_manifest(folder)
+    state = ckpt.load_state(folder)  # an old pickled state is refused here, with how to convert it
+    check_state(state, Path(folder))
+    check_file(Path(folder) / "memory.sqlite")  # a missing copy (a run without memory) passes
     if sharding.is_sharded(folder):
-        return folder, ckpt.load_state(folder), None, None
-    return folder, ckpt.load_state(folder), ckpt.load_optimizer(folder), ckpt.read_weights(folder, lora)
+        return folder, state, None, None
+    return folder, state, ckpt.load_optimizer(folder), ckpt.read_weights(folder, lora)
+
+
+def check_state(state: object, folder: Path) -> None:
+    """Raise ``ValueError`` if ``state`` lacks a key of :data:`STATE_KEYS` or names another iteration than its
+    folder."""
+    if not isinstance(state, dict):
+        raise ValueError("state.json does not hold a JSON object")
+    missing = [key for key in STATE_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"state.json lacks {', '.join(missing)}")
+    if state["iteration"] != int(folder.name[len(ckpt.PREFIX):]):
+        raise ValueError(f"state.json is of iteration {str(state['iteration'])[:20]}, not of {folder.name}")
 
 
 def pick_checkpoint(run_dir: Path, lora: bool, say, dist) -> tuple[Path, dict, dict, dict] | None:

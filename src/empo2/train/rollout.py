@@ -16,12 +16,13 @@ import torch
 
 from empo2.agent.prompts import PromptParts, hints_text, parse_action, render_prompt_ids
 from empo2.config_sections import MemoryConfig, PolicyConfig
+from empo2.envs.base import state_of
 from empo2.envs.pool import WorkerError
 from empo2.policy.backend import RolloutBackend
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions, HeadMemo
 from empo2.policy.seeded import row_seed
-from empo2.train.episode import MEMORY_MODES, Episode, Step, namespace_of, state_text
+from empo2.train.episode import MEMORY_MODES, Episode, Step, namespace_of
 from empo2.train.protocols import Embedder, EnvWorkers, MemorySync, TipStore, Tokenizer
 
 
@@ -148,6 +149,7 @@ def _reset(ctx: RolloutContext, episodes: list[Episode]) -> dict[int, PromptPart
             continue
         parts[i] = PromptParts(env=ctx.env_name, task=ep.task_description, observation=obs, initial_observation=obs,
                                demonstration=demo, hints=hints_text(info))
+        ep.final_state = state_of(obs, info)  # the state the first action answers
     return parts
 
 
@@ -166,7 +168,7 @@ def _demonstration(ctx: RolloutContext, ep: Episode, i: int) -> str:
 def _retrieve(ctx: RolloutContext, episodes: list[Episode], parts: dict[int, PromptParts], active: list[int]):
     """State keys of the active rows; for memory-mode rows also their embeddings and the retrieved tips."""
     mcfg = ctx.memory_cfg
-    keys = [state_text(parts[i].observation) for i in active]
+    keys = [episodes[i].final_state for i in active]  # the state each row's next action answers
     tips: list[list[Any]] = [[] for _ in active]
     embs: list[np.ndarray | None] = [None] * len(active)
     rows = [r for r, i in enumerate(active) if episodes[i].mode in MEMORY_MODES]
@@ -213,7 +215,6 @@ def _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips
             prompt_ids=prompts[r], train_prompt_ids=train_prompts[r], response_ids=gen.ids,
             logp_old=gen.logprobs, raw_action=raw_actions[i], action=info.get("action", raw_actions[i]),
             observation=res.observation, reward=float(res.reward), state_text=keys[r], state_embedding=embs[r],
-            state_observation=parts[i].observation,  # still the observation before this action
             tip_ids=[t.id for t in tips[r]], tips=[t.text for t in tips[r]], accepted=bool(info.get("accepted", True)),
         ))
         if info.get("failed"):
@@ -222,6 +223,7 @@ def _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips
         ep.success = bool(info.get("success", False))
         parts[i].history.append((ep.steps[-1].action, res.observation))
         parts[i].observation = res.observation
+        ep.final_state = state_of(res.observation, info)
         if info.get("inventory") or info.get("focus_targets"):
             parts[i].hints = hints_text(info)
         ep.done = ep.done or res.done

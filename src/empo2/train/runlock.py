@@ -9,7 +9,10 @@ from a killed run and is taken over with a warning. Read-only commands (``memory
 from __future__ import annotations
 
 import fcntl
+import fnmatch
+import json
 import os
+import re
 import socket
 import sys
 import time
@@ -17,11 +20,19 @@ from pathlib import Path
 
 LOCK_NAME = ".empo2.lock"
 RUN_MARKER = ".empo2-run"
-"""Written into a run folder when a run starts there: ``train --overwrite`` empties only folders that hold it (or,
-for runs made before the marker existed, nothing but what a run writes: :data:`RUN_LAYOUT`)."""
+"""A JSON file that only empo2 writes, at the start of a fresh run: the folder is an empo2 run folder, and its
+``owns`` list names the entries the run writes there (``train --overwrite`` deletes those and nothing else)."""
 RUN_LAYOUT = {"config.yaml", "metrics.jsonl", "memory.sqlite", "memory.sqlite-wal", "memory.sqlite-shm",
               "memory.sqlite-journal", "checkpoints", "eval", "tb", "wandb", "trajectories.jsonl", "scores.png",
-              "modes.png", "memory.png", "machine.jsonl", "mlflow-run-id", LOCK_NAME, RUN_MARKER}
+              "modes.png", "memory.png", "machine.jsonl", "mlflow-run-id", LOCK_NAME, RUN_MARKER,
+              "memory.sqlite.ahead-of-*"}
+"""What a run writes in its folder (a pattern for the memories kept aside on resume)."""
+EMPO2_ONLY = {"memory.sqlite", "machine.jsonl", "trajectories.jsonl", "scores.png", "modes.png", "memory.png",
+              "mlflow-run-id"}
+"""Names of :data:`RUN_LAYOUT` that other trainers do not write (``config.yaml``, ``checkpoints/``, ``eval/``,
+``tb/`` and ``wandb/`` are everyone's): with a ``checkpoints/iter_NNNNNN`` folder they recognise a run made before
+the marker existed."""
+OLD_CHECKPOINT = re.compile(r"iter_\d{6}")
 
 
 class RunLockError(RuntimeError):
@@ -98,41 +109,110 @@ def owner_line() -> str:
     return f"pid {os.getpid()} on {socket.gethostname()} since {since} (empo2 {command})"
 
 
+def run_folder_owns(run_dir: Path) -> list[str] | None:
+    """The names (patterns) of ``run_dir``'s entries that empo2 wrote: its marker's ``owns`` list (a marker from before
+    the list: :data:`RUN_LAYOUT`); for an unmarked run made before the marker existed, :data:`RUN_LAYOUT` when the
+    folder holds ``config.yaml`` beside an empo2-only file (:data:`EMPO2_ONLY`, or an ``iter_NNNNNN`` checkpoint)
+    and nothing outside that layout. ``None``: not an empo2 run folder (or no folder)."""
+    run_dir = Path(run_dir)
+    marker = run_dir / RUN_MARKER
+    if marker.is_file():
+        try:
+            owns = json.loads(marker.read_text(encoding="utf-8"))["owns"]
+            if isinstance(owns, list):  # it may narrow what a run owns, never widen it
+                return sorted(n for n in owns if n in RUN_LAYOUT)
+        except (OSError, ValueError, KeyError, TypeError):  # the plain-text marker of earlier versions
+            pass
+        return sorted(RUN_LAYOUT)
+    if not run_dir.is_dir():
+        return None
+    names = {p.name for p in run_dir.iterdir()}
+    if names - {LOCK_NAME} and looks_like_an_old_run(run_dir, names) and all(_owned(n, RUN_LAYOUT) for n in names):
+        return sorted(RUN_LAYOUT)
+    return None
+
+
+def looks_like_an_old_run(run_dir: Path, names: set[str]) -> bool:
+    """``config.yaml`` beside an empo2-only file or an ``iter_NNNNNN`` checkpoint folder: a run folder written before
+    the marker existed (``--resume`` of one also needs its ``config.yaml`` to load as an empo2 config)."""
+    checkpoints = run_dir / "checkpoints"
+    old_checkpoint = checkpoints.is_dir() and any(OLD_CHECKPOINT.fullmatch(p.name) for p in checkpoints.iterdir())
+    return "config.yaml" in names and (bool(names & EMPO2_ONLY) or old_checkpoint)
+
+
+def _owned(name: str, owns) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in owns)
+
+
 def check_new_run_folder(run_dir: Path, overwrite: bool) -> None:
     """Refuse to start a fresh run in ``run_dir`` when that would destroy something: a run already there (without
-    ``--overwrite``), or a folder this project did not make (a run writes ``config.yaml`` and, with ``--overwrite``,
-    empties the folder). Raises :class:`RunLockError` naming what was found."""
+    ``--overwrite``), or any folder that holds files empo2 did not write (another trainer's run, a project): a run
+    writes ``config.yaml``, ``checkpoints/``, ``eval/`` … and ``--overwrite`` deletes them. Raises
+    :class:`RunLockError` naming what was found, before anything is written."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise RunLockError(f"{run_dir} is a file, not a folder; choose another train.output_dir")
     names = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    foreign = [n for n in names if not is_run_file(n)]
-    if foreign and RUN_MARKER not in names and (overwrite or "config.yaml" in names):
-        found = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise RunLockError(f"{run_dir} is not an empo2 run folder (it holds {found}); nothing was deleted — choose "
-                           "another train.output_dir (--overwrite empties only run folders)")
+    if not [n for n in names if n != LOCK_NAME]:
+        return  # a new or empty folder (a lock file left by a command that wrote nothing)
+    owns = run_folder_owns(run_dir)
+    if owns is None:
+        unusual = [n for n in names if not _owned(n, RUN_LAYOUT)] or [n for n in names if n != LOCK_NAME]
+        found = ", ".join(unusual[:5]) + (f" and {len(unusual) - 5} more" if len(unusual) > 5 else "")
+        raise RunLockError(f"{run_dir} is not an empo2 run folder (it holds {found}); nothing was deleted or "
+                           "written — choose another train.output_dir (a new run starts in an empty folder or an "
+                           "empo2 run folder)")
     if "metrics.jsonl" in names and not overwrite:
         raise RunLockError(f"{run_dir} already holds a run; resume it with --resume {run_dir}, "
                            "or pass --overwrite / another train.output_dir")
+
+
+def check_run_to_resume(run_dir: Path) -> None:
+    """``--resume`` continues only an empo2 run: a folder with the marker, or with ``config.yaml`` beside files only
+    empo2 writes (a run made before the marker existed); raises :class:`RunLockError` otherwise."""
+    run_dir = Path(run_dir)
+    names = {p.name for p in run_dir.iterdir()} if run_dir.is_dir() else set()
+    if "config.yaml" not in names:
+        raise RunLockError(f"{run_dir} is not a run folder (no config.yaml)")
+    if RUN_MARKER not in names and not looks_like_an_old_run(run_dir, names):
+        raise RunLockError(f"{run_dir} is not an empo2 run folder (no {RUN_MARKER}, and no file only empo2 writes: "
+                           "metrics of another trainer are not continued)")
+
+
+def mark_run_folder(run_dir: Path, ours=None) -> None:
+    """Write the marker. The run owns every name of :data:`RUN_LAYOUT` except those the folder already holds for
+    someone else: an entry already there is the run's only if it matches ``ours`` (default: what the folder's marker
+    lists; a run made before the marker: :data:`RUN_LAYOUT`). A fresh run's folder holds only its user's entries
+    after :func:`clear_run_folder`."""
+    run_dir = Path(run_dir)
+    if ours is None:
+        ours = run_folder_owns(run_dir) if (run_dir / RUN_MARKER).is_file() else ()
+    others = {p.name for p in run_dir.iterdir() if not _owned(p.name, ours)} - {LOCK_NAME, RUN_MARKER}
+    owns = sorted(n for n in RUN_LAYOUT if n not in others)
+    tmp = run_dir / f".{RUN_MARKER}.tmp"
+    tmp.write_text(json.dumps({"written_by": "empo2", "owns": owns}, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, run_dir / RUN_MARKER)
 
 
 def start_run_folder(run_dir: Path, overwrite: bool) -> None:
     """A fresh run's folder: emptied with ``--overwrite`` (after :func:`check_new_run_folder`), then marked."""
     if overwrite:
         clear_run_folder(run_dir)
-    (Path(run_dir) / RUN_MARKER).write_text("empo2 run folder\n")
+    mark_run_folder(run_dir)
 
 
 def is_run_file(name: str) -> bool:
     """Whether an entry of a run folder is one a run writes (:data:`RUN_LAYOUT`, or a memory kept aside on resume)."""
-    return name in RUN_LAYOUT or name.startswith("memory.sqlite.ahead-of-")
+    return _owned(name, RUN_LAYOUT)
 
 
 def clear_run_folder(run_dir: Path) -> None:
-    """Delete what a run wrote in ``run_dir`` (``train --overwrite``), except the lock this process holds; anything
-    else (a user's notes, a report written into the folder) stays, also in a folder that holds the run marker."""
+    """Delete what empo2 wrote in ``run_dir`` (``train --overwrite``): the entries its marker lists (unmarked:
+    :data:`RUN_LAYOUT`; callers first make sure the folder is a run's), except the lock this process holds and the
+    marker, which the fresh run rewrites; anything else stays."""
     import shutil
 
+    owns = run_folder_owns(run_dir) or sorted(RUN_LAYOUT)
     for child in Path(run_dir).iterdir():
-        if child.name != LOCK_NAME and is_run_file(child.name):
+        if child.name not in (LOCK_NAME, RUN_MARKER) and _owned(child.name, owns):
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import shutil
 import sqlite3
+import tempfile
 from pathlib import Path
 
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO}
@@ -45,7 +47,8 @@ def _describe_one(exc: BaseException, run_dir: Path) -> str | None:
         reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
     else:
         return None
-    return f"cannot write {path}: {reason}{_free(run_dir)}; {_last_checkpoint(run_dir)}"
+    return f"cannot write {path}: {reason}{_free(Path(path) if Path(path).is_dir() else run_dir)}; " \
+           f"{_last_checkpoint(run_dir)}"
 
 
 def _free(run_dir: Path) -> str:
@@ -62,6 +65,21 @@ def _last_checkpoint(run_dir: Path) -> str:
     if last is None:
         return "no checkpoint was written yet"
     return f"the last good checkpoint {last} is intact (free space, then resume with --resume {run_dir})"
+
+
+def check_writable(folder: Path, flag: str) -> None:
+    """Raise :class:`RunWriteError` when ``folder`` (or, while it does not exist, the nearest folder above it) does
+    not take a new file: checked before work whose result would be lost, naming the ``flag`` that picks another."""
+    probe = Path(folder).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        if not probe.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(probe))
+        tempfile.TemporaryFile(dir=probe).close()
+    except OSError as exc:
+        raise RunWriteError(f"cannot write {folder}: {exc.strerror or exc}; give a writable folder with {flag}") \
+            from None
 
 
 @contextlib.contextmanager

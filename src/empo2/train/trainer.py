@@ -12,7 +12,7 @@ the Method section and its figure of the three learning modes), one call per ste
 4. novelty (``_novelty``): the intrinsic reward r_int = 1/n of each state reached, n the number of similar states
    seen (the state-novelty reward; :func:`empo2.train.intrinsic.novelty_rewards`).
 5. returns and advantages (``_advantages``): R = R_ext + w·R_int and GRPO's group-normalised advantage
-   A_i = (R_i − mean_G R) / (std_G R + ε), or GiGPO's (:func:`empo2.algo.advantages.compute_advantages`).
+   A_i = (R_i − mean_G R) / (std_G R + ε), or GiGPO's or ProxMO's (:func:`empo2.algo.advantages.compute_advantages`).
 6. update (``_update``): the modified GRPO loss, a clipped ratio ρ (for ``off_tips`` π_θ(a|s,u) / π_θold(a|s,u,tips)),
    the low-probability mask 1[π_θ(a|s,u) ≥ δ] and β·D_KL (:class:`empo2.train.update.PolicyUpdate`, ``algo.losses``).
 7. sync (``_sync``): tips generated beside the update are written, a separate rollout backend takes the new weights.
@@ -71,7 +71,7 @@ from empo2.train.intrinsic import novelty_rewards
 from empo2.train.metrics import MetricsLog, iteration_line, plot_run, reset_peak_rss, trackers
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.reflection import reflect, tip_writers
-from empo2.train.resume import align_memory, pick_checkpoint, truncate_samples
+from empo2.train.resume import align_memory, pick_checkpoint, settings_digest, truncate_samples
 from empo2.train.rollout import RolloutContext, run_episodes, timed
 from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler
@@ -89,6 +89,8 @@ class Trainer:
         seed = cfg.train.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         settle_autocast(cfg.policy)  # "auto" becomes this machine's precision, recorded in the saved config
+        if cfg.algo.intrinsic_schedule == "linear" and not cfg.algo.intrinsic_schedule_iterations:
+            cfg.algo.intrinsic_schedule_iterations = cfg.train.iterations  # kept when a resume changes the length
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
         check_backend(cfg.policy.backend)
         self.dist = dp.init_from_env()
@@ -96,7 +98,8 @@ class Trainer:
             raise ConfigError(f"train.tasks_per_batch ({cfg.train.tasks_per_batch}) must be at least the number of "
                               f"ranks ({self.dist.world_size}): each rank plays whole groups")
 
-        self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
+        self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
+                                               cfg.policy.trust_remote_code)
         self.model = loader.make_trainable(self.model, cfg.policy, cfg.train.gradient_checkpointing)
         if sharding.wanted(cfg):  # before the optimizer: it holds the sharded parameters
             self.model = sharding.wrap(self.model, cfg, self.dist)
@@ -157,7 +160,7 @@ class Trainer:
         if cfg.policy.backend != "hf":  # HF generates with self.model itself: nothing to build or sync
             weights = str(next(self.model.parameters()).dtype).removeprefix("torch.")
             self.ctx.backend = make_backend(cfg.policy.backend, self.model, self.tokenizer,
-                                            loader.resolve_model_path(cfg.policy.model),
+                                            loader.resolve_model_path(cfg.policy.model, cfg.policy.trust_remote_code),
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed,
                                             engine_dtype(cfg.policy.autocast, weights, cfg.policy.device))
             self.ctx.backend.sync_weights(self.model)
@@ -178,6 +181,10 @@ class Trainer:
         elif resume:  # the memory of the weights' iteration (also when the live one is gone)
             align_memory(self.run_dir, self.resume_from[0] if self.resume_from else None, self._say, mc.seed_from)
         memory = open_tip_memory(path, self.embedder.dim, mc)
+        if memory.skipped and self.dist.is_main:
+            reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(memory.skipped.items()))
+            self._say(f"[warning] {path}: {sum(memory.skipped.values())} stored tip(s) fail the checks every new tip "
+                      f"passes ({reasons}); they stay in the file but are never retrieved")
         if self.dist.enabled and self.dist.is_main:  # the other ranks start their replicas from these bytes
             self.dist.broadcast_object(dp.database_bytes(memory))
         return memory
@@ -314,7 +321,7 @@ class Trainer:
         algo = self.cfg.algo
         inputs = AdvantageInput.from_episodes(batch.ran, batch.returns(algo.intrinsic_aggregation),
                                               batch.intrinsic_weight, AdvantageOptions.from_config(algo),
-                                              algo.intrinsic_aggregation)
+                                              algo.intrinsic_aggregation, gather=self.dist.all_gather)
         batch.advantages, batch.advantage_metrics = compute_advantages(self.algorithm.estimator(algo), inputs)
 
     def _update(self, batch: Batch, progress) -> None:
@@ -367,7 +374,7 @@ class Trainer:
                  "novelty": self.novelty.state_dict(), "zero_adv_streak": self.zero_adv_streak,
                  "step_counter": self.ctx.step_counter,
                  "env_steps": self.env_steps, "expert_env_steps": self.expert_env_steps,
-                 "config": self.cfg.to_dict()}
+                 "config": self.cfg.to_dict(), "settings_digest": settings_digest(self.cfg)}
         copy = self.memory.copy_to if self.memory is not None else None
         if self.dist.sharded:
             return sharding.save(self.run_dir, it, self.model, self.optimizer, state, copy,

@@ -16,8 +16,9 @@ from empo2.algo.losses import behaviour_logp_for_ratio, micro_batch_share
 from empo2.config import Config
 from empo2.policy import prefix as px
 from empo2.policy.generate import scoring_temperature
-from empo2.policy.loader import autocast_context
+from empo2.policy.loader import autocast_context, resolve_device, resolve_dtype
 from empo2.policy.logprobs import micro_batches, response_logprobs, shared_micro_batches
+from empo2.policy.precision import resolve_autocast
 from empo2.train import distributed as dp
 from empo2.train import sharding
 from empo2.train.rows import UpdateRow
@@ -39,7 +40,7 @@ class PolicyUpdate:
         self.shared = self.options.prefix_sharing and not cfg.train.gradient_checkpointing
         """Prefix sharing in the training forwards."""
         self.train_options = dataclasses.replace(self.options, prefix_sharing=self.shared)
-        self.old_logprobs = old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend)
+        self.old_logprobs = old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend, compute_dtype(cfg.policy))
         """``trainer`` or ``engine``: where the ratio's π_old comes from (``algo.old_logprobs``)."""
         self.loss_algo = dataclasses.replace(cfg.algo, dr_grpo_length=cfg.algo.dr_grpo_length
                                              or cfg.policy.max_completion_length)
@@ -217,11 +218,25 @@ class PolicyUpdate:
                                                       variant="tip_free").tolist()
 
 
-def old_logprobs_source(setting: str, backend: str) -> str:
-    """``algo.old_logprobs`` resolved: ``auto`` is ``trainer`` when a separate engine samples, ``engine`` with ``hf``."""
+def old_logprobs_source(setting: str, backend: str, compute: str) -> str:
+    """``algo.old_logprobs`` resolved: ``auto`` is ``trainer`` when a separate engine samples or when the forwards
+    run in a 16-bit ``compute`` dtype, ``engine`` only for the HF engine in float32.
+
+    In 16 bits, sampling (one token at a time against a KV cache) and the training forward (the whole response at
+    once, in another batch layout) round differently, so an engine π_old would start the ratio at e^{rounding} ≠ 1
+    and the clip would act on rounding noise; in float32 the two agree to about 1e-6 and the recompute is saved."""
     if setting != "auto":
         return setting
-    return "engine" if backend == "hf" else "trainer"
+    return "engine" if backend == "hf" and compute == "float32" else "trainer"
+
+
+def compute_dtype(policy_cfg) -> str:
+    """The dtype the policy's forwards compute in: the autocast dtype, else the weights' (``auto``: float32 on a
+    CPU, bfloat16 on a GPU)."""
+    autocast = resolve_autocast(policy_cfg.autocast, policy_cfg.device)
+    if autocast != "none":
+        return autocast
+    return str(resolve_dtype(policy_cfg.dtype, resolve_device(policy_cfg.device))).removeprefix("torch.")
 
 
 def _has_gradient(row: UpdateRow, beta: float) -> bool:

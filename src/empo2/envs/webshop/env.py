@@ -271,7 +271,8 @@ class WebShopEnv:
 
     def _info(self, s: _Session, raw: str, action: str, reward: float) -> dict[str, Any]:
         return dict(score=100.0 * reward if s.done else 0.0, success=bool(s.done and abs(reward - 1.0) < 1e-9),
-                    valid_actions=self._valid(s), raw_action=raw, action=action, page=s.page, steps=s.steps)
+                    valid_actions=self._valid(s), raw_action=raw, action=action, page=s.page, steps=s.steps,
+                    state=" ".join(s.observation.split()))  # the page is the whole situation
 
     def _session(self) -> _Session:
         if self._s is None:

@@ -1,0 +1,202 @@
+"""What the state definition changes, on real ScienceWorld rollouts: the simulator's one-line reply (the key every
+consumer read before) against the environment's state (the room and the inventory, :func:`empo2.envs.base.state_of`).
+
+    python benchmarks/states.py                       # writes benchmarks/results/states.json, prints a table
+    python benchmarks/states.py --variations 2 --group 4 --steps 8     # quicker
+
+Rollouts: a seeded random policy over the compact valid-action list (``focus on`` left out, so episodes run to the
+step cap), G members per (task, variation), as a GRPO group would. Both keys are read from the same steps.
+
+- distinct keys per 100 steps;
+- retrieval precision: every episode writes one tip keyed by its last step (as the reflection does); every step of
+  every other episode of the task queries the tips (cosine ≥ ``--threshold``, top ``--top-k``, the memory's
+  defaults); precision = share of retrieved tips written in the query's room (the namespace fixes the task);
+- GiGPO anchor groups (steps of one episode group with the same key): their sizes, and the share of steps in a group
+  that spans more than one room;
+- novelty reward per step (1/n, cosine ``--novelty-threshold``) of a scripted walk through new rooms and of one
+  action repeated in place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import re
+import subprocess
+import time
+import zlib
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from empo2.envs.base import state_of
+from empo2.envs.scienceworld import ScienceWorldEnv
+from empo2.memory.embedder import get_embedder
+from empo2.memory.novelty import NoveltyReward
+
+TASKS = ["find-animal", "find-living-thing", "find-non-living-thing", "lifespan-longest-lived"]
+WALK = ["go to kitchen", "go to outside", "go to greenhouse", "go to hallway", "go to workshop"]
+REPEAT = ["open door to kitchen"] * 5  # in the hallway: "The door is already open." every time
+
+
+def room_of(look: str) -> str:
+    match = re.search(r"called the ([^.]+)\.", look)
+    return match.group(1) if match else "?"
+
+
+def play(env: ScienceWorldEnv, task: str, variation: int, seed: int, steps: int) -> list[dict]:
+    """One random episode; per step: the reply key (before), the state key (after), and the room, each for the
+    situation the action answered and the one it reached."""
+    rng = random.Random(seed)
+    obs, info = env.reset(task, variation)
+    here = {"reply": " ".join(obs.split()), "state": state_of(obs, info), "room": room_of(info["look"])}
+    out = []
+    for _ in range(steps):
+        choices = [a for a in env.short_valid_actions() if not a.startswith(("focus on", "reset", "eat", "mix"))]
+        res = env.step(rng.choice(choices))
+        there = {"reply": " ".join(res.observation.split()), "state": state_of(res.observation, res.info),
+                 "room": room_of(res.info["look"])}
+        out.append({"answered": here, "reached": there})
+        here = there
+        if res.done:
+            break
+    return out
+
+
+def unit(x) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def retrieval_precision(episodes: list[dict], embed, key: str, k: int, threshold: float) -> dict:
+    """Tips keyed by each episode's last answered situation; queries: every step of the task's other episodes."""
+    hits = total = queries = answered = 0
+    by_task = defaultdict(list)
+    for i, ep in enumerate(episodes):
+        by_task[ep["task"]].append(i)
+    for idx in by_task.values():
+        tips = [(i, episodes[i]["steps"][-1]["answered"]) for i in idx if episodes[i]["steps"]]
+        tip_vecs = unit(embed([t[key] for _, t in tips]))
+        for i in idx:
+            steps = episodes[i]["steps"]
+            if not steps:
+                continue
+            q = unit(embed([s["answered"][key] for s in steps]))
+            sims = q @ tip_vecs.T  # [steps, tips]
+            for row, s in enumerate(steps):
+                cand = [(sims[row, j], tips[j][1]["room"]) for j in range(len(tips))
+                        if tips[j][0] != i and sims[row, j] >= threshold]
+                cand = sorted(cand, key=lambda c: -c[0])[:k]
+                queries += 1
+                if cand:
+                    answered += 1
+                    total += len(cand)
+                    hits += sum(room == s["answered"]["room"] for _, room in cand)
+    return {"precision": hits / total if total else None, "queries_with_hits": answered / max(queries, 1),
+            "tips_per_query": total / max(answered, 1)}
+
+
+def anchor_groups(episodes: list[dict], key: str) -> dict:
+    sizes, mixed_steps, steps_in_groups, n_steps = [], 0, 0, 0
+    groups = defaultdict(list)
+    for ep in episodes:
+        for s in ep["steps"]:
+            groups[(ep["task"], ep["variation"], s["answered"][key])].append(s["answered"]["room"])
+            n_steps += 1
+    for rooms in groups.values():
+        sizes.append(len(rooms))
+        if len(rooms) > 1:
+            steps_in_groups += len(rooms)
+            mixed_steps += len(rooms) * (len(set(rooms)) > 1)
+    sizes = np.array(sizes)
+    return {"groups": len(sizes), "mean_size": float(sizes.mean()), "max_size": int(sizes.max()),
+            "singleton_share": float((sizes == 1).mean()), "steps_in_groups_of_2plus": steps_in_groups / n_steps,
+            "steps_in_groups_mixing_rooms": mixed_steps / n_steps,
+            "size_histogram": dict(sorted(Counter(int(s) for s in sizes).items()))}
+
+
+def scripted_novelty(env: ScienceWorldEnv, embed, threshold: float) -> dict:
+    out = {}
+    for name, script in (("walk_new_rooms", WALK), ("repeat_in_place", REPEAT)):
+        env.reset("find-animal", 0)
+        reached = {"reply": [], "state": []}
+        for action in script:
+            res = env.step(action)
+            reached["reply"].append(" ".join(res.observation.split()))
+            reached["state"].append(state_of(res.observation, res.info))
+        for key, texts in reached.items():
+            rewards = NoveltyReward(threshold).reward(np.asarray(embed(texts)))
+            out[f"{name}/{key}"] = {"mean": float(rewards.mean()), "per_step": [round(float(r), 3) for r in rewards]}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tasks", nargs="+", default=TASKS)
+    ap.add_argument("--variations", type=int, default=3, help="first N train variations per task")
+    ap.add_argument("--group", type=int, default=8, help="episodes per variation (a GRPO group)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--top-k", type=int, default=10)
+    ap.add_argument("--threshold", type=float, default=0.5)
+    ap.add_argument("--novelty-threshold", type=float, default=0.9)
+    ap.add_argument("--out", default="benchmarks/results/states.json")
+    args = ap.parse_args()
+    flags = subprocess.run("lscpu | grep -o -E 'avx2|avx512_bf16|amx_bf16' | sort -u | tr '\\n' ' '", shell=True,
+                           capture_output=True, text=True).stdout.strip()
+    embedder = get_embedder()
+    cache: dict[str, np.ndarray] = {}
+
+    def embed(texts: list[str]) -> np.ndarray:
+        missing = sorted({t for t in texts if t not in cache})
+        if missing:
+            cache.update(zip(missing, np.asarray(embedder.encode(missing))))
+        return np.stack([cache[t] for t in texts])
+
+    t0 = time.perf_counter()
+    episodes = []
+    env = ScienceWorldEnv(max_steps=args.steps, valid_actions_in_info=False)
+    try:
+        for task in args.tasks:
+            for variation in env.variations(task, "train")[: args.variations]:
+                for member in range(args.group):
+                    steps = play(env, task, variation, seed=zlib.crc32(f"{task}/{variation}/{member}".encode()), steps=args.steps)
+                    episodes.append({"task": task, "variation": variation, "steps": steps})
+        novelty = scripted_novelty(env, embed, args.novelty_threshold)
+    finally:
+        env.close()
+    play_seconds = time.perf_counter() - t0
+    n_steps = sum(len(ep["steps"]) for ep in episodes)
+    result = {"machine": {"cpu_flags": flags, "python": platform.python_version()}, "args": vars(args),
+              "episodes": len(episodes), "steps": n_steps, "play_seconds": round(play_seconds, 1),
+              "rooms_visited": len({(ep["task"], s["answered"]["room"]) for ep in episodes for s in ep["steps"]})}
+    for key in ("reply", "state"):
+        distinct = len({(ep["task"], s["answered"][key]) for ep in episodes for s in ep["steps"]})
+        result[key] = {"distinct_per_100_steps": 100 * distinct / n_steps,
+                       "retrieval": retrieval_precision(episodes, embed, key, args.top_k, args.threshold),
+                       "anchor_groups": anchor_groups(episodes, key)}
+    result["novelty"] = novelty
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"cpu flags: {flags}; {len(episodes)} episodes, {n_steps} steps, {result['rooms_visited']} (task, room) "
+          f"pairs, {play_seconds:.0f} s")
+    print("| measure | reply (before) | state (after) |\n|---|---|---|")
+    rows = [("distinct keys per 100 steps", lambda r: f"{r['distinct_per_100_steps']:.1f}"),
+            ("retrieval precision (same room)", lambda r: f"{r['retrieval']['precision']:.2f}"),
+            ("queries with ≥ 1 tip", lambda r: f"{r['retrieval']['queries_with_hits']:.2f}"),
+            ("anchor groups: mean size", lambda r: f"{r['anchor_groups']['mean_size']:.2f}"),
+            ("anchor groups: max size", lambda r: f"{r['anchor_groups']['max_size']}"),
+            ("steps in anchor groups of ≥ 2", lambda r: f"{r['anchor_groups']['steps_in_groups_of_2plus']:.2f}"),
+            ("steps in anchor groups mixing rooms", lambda r: f"{r['anchor_groups']['steps_in_groups_mixing_rooms']:.2f}")]
+    for name, fmt in rows:
+        print(f"| {name} | {fmt(result['reply'])} | {fmt(result['state'])} |")
+    for name in ("walk_new_rooms", "repeat_in_place"):
+        print(f"| novelty per step, {name.replace('_', ' ')} | {novelty[name + '/reply']['mean']:.2f} "
+              f"{novelty[name + '/reply']['per_step']} | {novelty[name + '/state']['mean']:.2f} "
+              f"{novelty[name + '/state']['per_step']} |")
+
+
+if __name__ == "__main__":
+    main()
