@@ -190,7 +190,7 @@ def test_a_bad_enumerated_value_exits_2_with_one_line_before_anything_is_written
     assert capsys.readouterr().err.strip() == "error: algo.loss_type must be a string, got ['token_mean']"
     assert main(["train", "algo.loss_type=token", f"train.output_dir={run}"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "error: algo.loss_type must be one of token_mean, sequence_mean, got 'token'"
+    assert err == "error: algo.loss_type must be one of token_mean, sequence_mean, dr_grpo, got 'token'"
     assert len(err.splitlines()) == 1 and not run.exists()
 
 

@@ -329,7 +329,7 @@ def test_argument_checks():
     # the knobs are checked once, when the config loads
     with pytest.raises(ConfigError, match=r"algo.dual_clip must be > 1 \(or 0 to disable\), got 0.5"):
         Config.load(None, ["algo.dual_clip=0.5"])
-    with pytest.raises(ConfigError, match="algo.loss_type must be one of token_mean, sequence_mean, got 'sum'"):
+    with pytest.raises(ConfigError, match="algo.loss_type must be one of token_mean, sequence_mean, dr_grpo, got 'sum'"):
         Config.load(None, ["algo.loss_type=sum"])
 
 

@@ -187,6 +187,9 @@ class Config:
         spec = ALGORITHMS[self.algo.name]
         known("advantage estimator", "algo.advantage", spec.estimator(self.algo), ADVANTAGE_ESTIMATORS)
         known("policy loss", f"algorithm {spec.name!r} loss", spec.loss, POLICY_LOSSES)
+        if spec.expert_members and self.algo.num_generations <= spec.expert_members:
+            raise ConfigError(f"algo.name={spec.name} plays {spec.expert_members} expert member(s) per group, so "
+                              f"algo.num_generations must be more than that, got {self.algo.num_generations}")
         known("eviction policy", "memory.eviction", self.memory.eviction, EVICTION_POLICIES)
         known("rollout backend", "policy.backend", self.policy.backend, BACKENDS)
         if (wrong_arm := check_arm(self.algo)) is not None:

@@ -178,8 +178,10 @@ class AlgoConfig:
 
     name: str = "empo2"
     """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
-    only, no memory), ``gigpo`` or ``proxmo`` (GRPO's loop with the ``gigpo`` / ``proxmo`` estimator). The algorithm decides memory use, mode
-    probabilities, loss and (by default) estimator."""
+    only, no memory), ``gigpo`` or ``proxmo`` (GRPO's loop with the ``gigpo`` / ``proxmo`` estimator), ``luffy``
+    (one member of each group plays the gold path; LUFFY's advantage and loss, ``algo.luffy_*``) or ``empo2_luffy``
+    (EMPO² with such an expert member). The algorithm decides memory use, mode probabilities, loss, (by default)
+    estimator and expert members."""
     arm: str | None = None
     """The ablation this run is labelled as (``empo2.experiments.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
     ``grpo-novelty``, ``grpo-no-novelty``); ``compare --algos`` sets it. Checked at load: the config must hold the arm's algorithm and
@@ -237,10 +239,14 @@ class AlgoConfig:
     """KL-to-reference coefficient (k3 estimator). The KL term averages over the rows sampled from the prompt they
     train on (``on``, ``on_tips``); ``off_tips`` rows were sampled with tips, so their tokens are no sample of
     π_θ(·|s, u) and the term leaves them out."""
-    loss_type: Literal["token_mean", "sequence_mean"] = "token_mean"
-    """Loss aggregation: ``token_mean`` (sum over tokens / tokens of the mini-batch; TRL's ``dapo``/``bnpo``) or
-    ``sequence_mean`` (per-response mean, then mean over responses; TRL's ``grpo``). Either way the mean runs over
+    loss_type: Literal["token_mean", "sequence_mean", "dr_grpo"] = "token_mean"
+    """Loss aggregation: ``token_mean`` (sum over tokens / tokens of the mini-batch; TRL's ``dapo``/``bnpo``),
+    ``sequence_mean`` (per-response mean, then mean over responses; TRL's ``grpo``) or ``dr_grpo`` (sum over tokens
+    / (responses × ``dr_grpo_length``), no length normalisation; LUFFY's script). Either way the mean runs over
     every row of the mini-batch, zero-advantage rows included (the paper's 1/(N·T))."""
+    dr_grpo_length: int = 0
+    """``loss_type=dr_grpo``: the constant response length L of the normaliser (LUFFY's script: its padded
+    response length); 0 = ``policy.max_completion_length``."""
     drop_zero_advantage_rows: bool = False
     """DAPO-style filtering: drop rows whose advantage is 0 before the mini-batches are cut, so they leave the loss's
     denominator and the iteration takes fewer optimizer steps; the informative tokens then weigh more in batches
@@ -283,6 +289,16 @@ class AlgoConfig:
     ``train.iterations`` leaves the weights of the iterations already planned as they were."""
     novelty_threshold: float = 0.9
     """Cosine above which two observations (of one task) count as the same state for the novelty reward."""
+    luffy_gamma: float = 0.1
+    """LUFFY: γ of the policy-shaping function f(x) = x/(x + γ) on expert tokens (paper: 0.1)."""
+    luffy_shaping: bool = True
+    """LUFFY: shape the expert tokens' probability with f (Eq. 6); ``false``: f(x) = x (the mixed-policy
+    objective, Eq. 5 with π_φ = 1)."""
+    luffy_clip: bool = False
+    """LUFFY: clip the on-policy rows' ratio as GRPO does; ``false`` (paper App. E.1, official script): no clip."""
+    luffy_std: bool = False
+    """LUFFY: divide the mixed group's centred returns by their sample std (Eq. 4 as printed); ``false`` (official
+    script, Dr.GRPO): mean-only."""
 
 
 @dataclass

@@ -53,6 +53,8 @@ class AdvantageOptions:
     gigpo_normalization: str = "mean_norm"
     """GiGPO, both levels: ``mean_norm`` (subtract the group mean) or ``mean_std_norm`` (then divide by the
     sample std + ``eps``); ``scale_rewards`` is GRPO's switch and does not apply."""
+    luffy_std: bool = False
+    """LUFFY (Eq. 4): also divide by the group's sample std (ddof 1) + ``eps``; off = the script's mean-only."""
     proxmo_psc: bool = True
     """ProxMO: weight A^E by the polarized signal controller (off: w = 1)."""
     proxmo_psa: bool = True
@@ -74,7 +76,8 @@ class AdvantageOptions:
                    step_advantage_weight=algo.step_advantage_weight, step_similarity=algo.step_similarity,
                    gigpo_normalization=algo.gigpo_normalization, proxmo_psc=algo.proxmo_psc,
                    proxmo_psa=algo.proxmo_psa, proxmo_alpha=algo.proxmo_alpha, proxmo_range=algo.proxmo_range,
-                   proxmo_tau=algo.proxmo_tau, proxmo_max_features=algo.proxmo_max_features)
+                   proxmo_tau=algo.proxmo_tau, proxmo_max_features=algo.proxmo_max_features,
+                   luffy_std=algo.luffy_std)
 
 
 def _one_rank(obj: Any) -> list[Any]:

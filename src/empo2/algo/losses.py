@@ -14,6 +14,7 @@ KL(π_θ(·|s, u) ‖ π_ref(·|s, u)); the other rows train on the prompt they 
 
 ``token_mean``:    loss = Σ_{i,t} loss_t / Σ_{i,t} response_mask      (the paper's 1/(N·T); masked tokens count in T)
 ``sequence_mean``: loss = mean_i [ Σ_t loss_t / Σ_t response_mask ]   (rows with no valid token are left out)
+``dr_grpo``:       loss = Σ_{i,t} loss_t / (B · L)                     (Dr.GRPO: a constant L = ``dr_grpo_length``)
 
 A registered loss is called as ``loss_fn(logp_new, logp_old, advantages, response_mask, algo, *, logp_ref, modes)``
 and reads its knobs from ``algo``, the run's ``algo`` config section (ε_low = ``epsilon``, ε_high =
@@ -148,7 +149,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
         if beta > 0:
             token_loss = token_loss + beta * torch.where(_kl_rows(valid, modes), k3, 0.0)
 
-    loss = _aggregate(token_loss, valid, aggregation)  # []
+    loss = _aggregate(token_loss, valid, aggregation, algo.dr_grpo_length)  # []
 
     with torch.no_grad():
         metrics = _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip)
@@ -188,9 +189,12 @@ def _skip_if_not_finite(loss: torch.Tensor, metrics: dict[str, float], logp_new:
     return loss, metrics
 
 
-def _aggregate(token_loss: torch.Tensor, valid: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """token_loss [B, T], valid [B, T] -> scalar; normaliser = valid tokens (masked-out tokens still count)."""
+def _aggregate(token_loss: torch.Tensor, valid: torch.Tensor, aggregation: str, length: int = 0) -> torch.Tensor:
+    """token_loss [B, T], valid [B, T] -> scalar; normaliser = valid tokens (masked-out tokens still count), or
+    rows × ``length`` for ``dr_grpo`` (``length`` 0: the padded width T)."""
     counts = valid.sum(dim=1)  # [B]
+    if aggregation == "dr_grpo":
+        return token_loss.sum() / max(token_loss.shape[0] * (length or token_loss.shape[1]), 1)
     if aggregation == "token_mean":
         return token_loss.sum() / counts.sum().clamp(min=1)
     per_row = token_loss.sum(dim=1) / counts.clamp(min=1)  # [B]

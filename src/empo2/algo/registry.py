@@ -17,6 +17,7 @@ from typing import Any
 
 from empo2.algo import (
     gigpo,  # noqa: F401 - registers the "gigpo" advantage estimator
+    luffy,  # noqa: F401 - registers the "luffy" advantage estimator and LUFFY's losses
     proxmo,  # noqa: F401 - registers the "proxmo" advantage estimator
 )
 from empo2.algo.modes import MODES
@@ -46,6 +47,9 @@ class AlgorithmSpec:
     """``AlgoConfig -> {mode: probability}`` over ``on`` / ``on_tips`` / ``off_tips``."""
     updates_weights: bool = True
     """``False`` for memory-only baselines (no optimizer step is ever taken)."""
+    expert_members: int = 0
+    """Members of each group that play the environment's gold path instead of sampling (LUFFY's off-policy
+    guidance, :mod:`empo2.train.expert`); their rows are marked off-policy for the loss."""
 
     def estimator(self, algo_cfg: Any) -> str:
         return self.advantage or algo_cfg.advantage
@@ -78,3 +82,7 @@ register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_p
 register_algorithm(AlgorithmSpec("grpo", uses_memory=False, loss="grpo"))
 register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo"))  # Feng et al. 2025
 register_algorithm(AlgorithmSpec("proxmo", uses_memory=False, loss="grpo", advantage="proxmo"))  # arXiv 2602.19225
+register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy",
+                                 expert_members=1))  # Yan et al. 2025
+register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,
+                                 expert_members=1))  # EMPO² with an expert member: no published method

@@ -37,6 +37,11 @@ ESTIMATOR = "grpo"
 """Every arm's advantage estimator: a label without ``+gigpo`` never runs GiGPO's."""
 
 
+LUFFY_SETTINGS = {"luffy_shaping": True, "luffy_clip": False, "luffy_std": False, "loss_type": "dr_grpo",
+                  "intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}
+"""The settings of LUFFY's official script that the ``luffy`` arms fix (no novelty bonus: LUFFY has none)."""
+
+
 def novelty_on(algo_cfg: Any) -> bool:
     """Whether the episode novelty reward enters the return at some iteration."""
     if algo_cfg.intrinsic_schedule == "linear":
@@ -58,6 +63,13 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
         "unweighted (algo.proxmo_psc=false)", {"proxmo_psc": False, "proxmo_psa": True}),
     Arm("proxmo-no-psa", "proxmo", "ProxMO without its proximity-weighted step advantage: A = the weighted episode "
         "advantage only (algo.proxmo_psa=false)", {"proxmo_psc": True, "proxmo_psa": False}),
+    # LUFFY as its official script runs it: Dr.GRPO aggregation, mean-only advantage, no on-policy clip, no mask
+    Arm("luffy", "luffy", "LUFFY: one expert (gold-path) member per group, shaped expert tokens f(x)=x/(x+0.1), "
+        "unclipped on-policy rows, mean-only advantage, Dr.GRPO aggregation", dict(LUFFY_SETTINGS)),
+    Arm("luffy-no-shaping", "luffy", "LUFFY without policy shaping (f(x)=x: the mixed-policy objective)",
+        {**LUFFY_SETTINGS, "luffy_shaping": False}),
+    Arm("empo2+luffy", "empo2_luffy", "EMPO² with an expert member: tips, novelty and EMPO²'s loss on the sampled "
+        "rows, LUFFY's shaped expert tokens in the same group"),
 )}
 """Every ablation arm, by name."""
 

@@ -46,7 +46,8 @@ def run_result(plan) -> dict[str, Any]:
             "start": curve[0][1] if start is not None else None,
             "start_from": start.get("reused_from") if start is not None else None,
             "episodes": [[e["task"], e["variation"]] for e in final["episodes"]],
-            "env_steps": env_steps, "iterations": t.iterations,
+            "env_steps": env_steps, "expert_env_steps": int(rows[-1].get("expert_env_steps", 0)) if rows else 0,
+            "iterations": t.iterations,
             "train_episodes": t.iterations * t.tasks_per_batch * plan.cfg.algo.num_generations, "curve": curve,
             "machines": machine.read(plan.folder)}
 
@@ -120,6 +121,7 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
              + ".", *(_protocol_text(meta["protocol"], results) if "protocol" in meta else []),
              *arms.describe(meta.get("algos", [])),
              f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
+             *_expert_steps_text(results),
              ("Learning curve: `curves.png` (eval score vs environment steps; line = mean over seeds, band = 95% "
               f"t interval over seeds, drawn from {stats.MIN_CI} seeds on)."), ""]
     if summary_stats is not None:
@@ -139,6 +141,16 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
     if missing:
         lines += ["", f"Not finished (left out above): {', '.join(missing)}. Re-run the same command to resume them."]
     return "\n".join(lines) + "\n"
+
+
+def _expert_steps_text(results: list[dict]) -> list[str]:
+    """Where runs had expert members (LUFFY): their environment steps, which the env steps column leaves out."""
+    expert = [r for r in results if r.get("expert_env_steps")]
+    if not expert:
+        return []
+    return [f"Expert steps: the gold-path members of {', '.join(dict.fromkeys(r['algo'] for r in expert))} took "
+            "environment steps of their own, counted apart from the policy's (not in the env steps column nor in "
+            "the curves' x): " + ", ".join(f"{r['name']} {r['expert_env_steps']}" for r in expert) + "."]
 
 
 def plot_curves(per_algo: dict[str, dict], path: Path) -> Path:

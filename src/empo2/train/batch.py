@@ -56,13 +56,25 @@ class Batch:
                                self.intrinsic_weight)
 
 
-def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps: int) -> dict[str, Any]:
-    """The metrics record of ``batch`` (the whole batch, on rank 0); ``env_steps`` is the run's running total."""
+def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps: int,
+                     expert_env_steps: int = 0) -> dict[str, Any]:
+    """The metrics record of ``batch`` (the whole batch, on rank 0); ``env_steps`` is the run's running total of the
+    policy's environment steps, ``expert_env_steps`` that of the expert members' (algorithms with experts only)."""
     episodes, ran, stats = batch.episodes, batch.ran, batch.stats
     scores = [ep.score for ep in episodes]
+    expert = {}
+    if "expert_slots" in stats:  # LUFFY's expert members, their steps apart from the policy's
+        expert = {"expert_env_steps": expert_env_steps,
+                  "expert": {"slots": int(stats["expert_slots"]), "kept": int(stats["expert_kept"]),
+                             "fallback": int(stats["expert_fallback"]),
+                             "fallback_rate": stats["expert_fallback"] / max(stats["expert_slots"], 1),
+                             "env_steps": int(stats["expert_steps"] + stats["expert_discarded_steps"]),
+                             "discarded_env_steps": int(stats["expert_discarded_steps"]),
+                             "rows": int(batch.losses.get("expert_rows", 0))}}
     return {
         "iteration": batch.iteration,
         "env_steps": env_steps,
+        **expert,
         "modes": batch.modes,
         "mode_counts": dict(Counter(batch.modes)),
         "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
@@ -114,8 +126,14 @@ def append_samples(path: Path, batch: Batch, n: int, tokenizer) -> None:
 
 
 def batch_env_steps(batch: Batch) -> int:
-    """Environment steps of all the batch's episodes (the run's budget this iteration spent)."""
-    return sum(len(ep.steps) for ep in batch.episodes)
+    """Environment steps of the batch's sampled episodes (the run's budget this iteration spent); an expert
+    member's steps are counted apart (:func:`batch_expert_steps`)."""
+    return sum(len(ep.steps) for ep in batch.episodes if not ep.expert)
+
+
+def batch_expert_steps(batch: Batch) -> int:
+    """Environment steps the expert members took, the kept ones and the replays that missed the goal."""
+    return int(batch.stats.get("expert_steps", 0) + batch.stats.get("expert_discarded_steps", 0))
 
 
 def mean_or_zero(values: list[float]) -> float:

@@ -59,6 +59,8 @@ class Episode:
     error: str = ""
     tip_written: str | None = None
     tip_rejected: str | None = None
+    expert: bool = False
+    """Played the environment's gold path instead of sampling (LUFFY's off-policy member, :mod:`empo2.train.expert`)."""
     final_state: str = ""
     """The state the last step reached (the state each earlier step reached is the next step's ``state_text``)."""
 

@@ -248,6 +248,8 @@ def iteration_line(r: dict[str, Any]) -> str:
             f"memory {r['memory']['size']:>4} (+{r['memory']['added']}) | "
             f"zero-adv groups {r['advantage']['zero_adv_groups']:.0f}/{r['advantage']['groups']:.0f} | "
             f"rollout {r['time']['rollout']:.0f}s update {r['time']['update']:.0f}s")
+    if r.get("expert"):
+        line += f" | expert kept {r['expert']['kept']}/{r['expert']['slots']}, {r['expert']['rows']} rows"
     if r.get("eval"):
         line += f" | eval {r['eval']['score_mean']:.1f}"
     return line

@@ -21,6 +21,8 @@ class UpdateRow:
     """The prompt the action was sampled on (with tips in the memory modes); ``None``: ``train_prompt``."""
     token_weights: list[float] | None = None
     """Per-token importance weights on the advantage (truncated engine/trainer ratios); ``None``: all 1."""
+    off_policy: bool = False
+    """An expert's action (the gold path, not sampled from π_old): the loss shapes it instead of taking a ratio."""
 
 
 def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]:
@@ -30,5 +32,5 @@ def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]
         for step, a in zip(ep.steps, advs):
             if step.response_ids:
                 rows.append(UpdateRow(step.train_prompt_ids, step.response_ids, list(step.logp_old), float(a),
-                                      ep.mode, rollout_prompt=step.prompt_ids))
+                                      ep.mode, rollout_prompt=step.prompt_ids, off_policy=ep.expert))
     return rows

@@ -57,8 +57,16 @@ from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
 from empo2.train import sharding
-from empo2.train.batch import Batch, append_samples, batch_env_steps, iteration_record, no_signal_warnings
+from empo2.train.batch import (
+    Batch,
+    append_samples,
+    batch_env_steps,
+    batch_expert_steps,
+    iteration_record,
+    no_signal_warnings,
+)
 from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
+from empo2.train.expert import ExpertPlayer
 from empo2.train.intrinsic import novelty_rewards
 from empo2.train.metrics import MetricsLog, iteration_line, plot_run, reset_peak_rss, trackers
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
@@ -134,7 +142,10 @@ class Trainer:
         self.start_iteration = 0
         self.zero_adv_streak = 0
         self.resumed_step_counter = 0
-        self.env_steps = 0  # environment steps of all training episodes so far (the run's budget spent)
+        self.env_steps = 0  # environment steps of all sampled training episodes so far (the run's budget spent)
+        self.expert_env_steps = 0  # the expert members' environment steps so far, counted apart
+        self.expert = ExpertPlayer(cfg.algo.num_generations, self.algorithm.expert_members) \
+            if self.algorithm.expert_members else None
         self.env_failures = FailureStreak(cfg.train.max_consecutive_env_failures)
         if resume:
             self._restore()
@@ -192,6 +203,7 @@ class Trainer:
         self.zero_adv_streak = state.get("zero_adv_streak", 0)
         self.resumed_step_counter = state.get("step_counter", 0)
         self.env_steps = state.get("env_steps", 0)
+        self.expert_env_steps = state.get("expert_env_steps", 0)
         ckpt.set_rng_state(state["rng"])
         self.start_iteration = state["iteration"] + 1
         if self.dist.is_main:  # the iterations after the checkpoint are played again
@@ -276,8 +288,9 @@ class Trainer:
         reset_peak_rss()
         signals.set_phase("the rollout", where=f"iteration {it}")
         with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
-            batch.episodes, batch.stats = run_episodes(self.ctx, batch.specs, temperature=cfg.policy.temperature,
-                                                       progress=partial(_rollout_progress, progress, it))
+            play = self.expert.play if self.expert is not None else run_episodes  # LUFFY: gold-path members
+            batch.episodes, batch.stats = play(self.ctx, batch.specs, temperature=cfg.policy.temperature,
+                                               progress=partial(_rollout_progress, progress, it))
 
     def _reflect(self, batch: Batch) -> None:
         """Each finished episode writes its tip into memory (memory algorithms only); with ``overlap_reflection``
@@ -337,8 +350,10 @@ class Trainer:
         for text in warnings:
             self._say(text)
         self.env_steps += batch_env_steps(whole)
+        self.expert_env_steps += batch_expert_steps(whole)
         memory_size = self.memory.stats()["tips"] if self.memory is not None else 0
-        return iteration_record(whole, self.cfg.algo.intrinsic_aggregation, memory_size, self.env_steps)
+        return iteration_record(whole, self.cfg.algo.intrinsic_aggregation, memory_size, self.env_steps,
+                                self.expert_env_steps)
 
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False, progress=None) -> dict[str, Any]:
@@ -358,7 +373,7 @@ class Trainer:
         state = {"task_sampler": self.task_sampler.state_dict(), "mode_sampler": self.mode_sampler.state_dict(),
                  "novelty": self.novelty.state_dict(), "zero_adv_streak": self.zero_adv_streak,
                  "step_counter": self.ctx.step_counter,
-                 "env_steps": self.env_steps,
+                 "env_steps": self.env_steps, "expert_env_steps": self.expert_env_steps,
                  "config": self.cfg.to_dict(), "settings_digest": settings_digest(self.cfg)}
         copy = self.memory.copy_to if self.memory is not None else None
         if self.dist.sharded:

@@ -42,6 +42,9 @@ class PolicyUpdate:
         self.train_options = dataclasses.replace(self.options, prefix_sharing=self.shared)
         self.old_logprobs = old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend, compute_dtype(cfg.policy))
         """``trainer`` or ``engine``: where the ratio's π_old comes from (``algo.old_logprobs``)."""
+        self.loss_algo = dataclasses.replace(cfg.algo, dr_grpo_length=cfg.algo.dr_grpo_length
+                                             or cfg.policy.max_completion_length)
+        """The ``algo`` section the loss reads, with Dr.GRPO's constant length resolved."""
 
     def __call__(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
         """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
@@ -56,13 +59,13 @@ class PolicyUpdate:
         if cfg.algo.drop_zero_advantage_rows:
             rows = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
         if not self.dist.all_reduce([len(rows)])[0]:  # data parallel: no rank has rows, so no rank steps
-            return {"rows": 0, "computed_rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0,
+            return {"rows": 0, "computed_rows": 0, "expert_rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0,
                     "skipped_steps": 0}
         live = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
         gap = {}
-        if self.old_logprobs == "trainer":
+        if self.old_logprobs == "trainer":  # an expert's action has no π_old and no engine log-probs to correct
             with sharding.gathered(model):  # each rank's own number of forwards: no collective inside
-                gap = self._trainer_old_logp(live)
+                gap = self._trainer_old_logp([r for r in live if not r.off_policy])
         if cfg.algo.off_policy_ratio == "tip_free":
             with sharding.gathered(model):  # one forward per row of this rank's: no collective inside
                 self._tip_free_old_logp(live)
@@ -87,7 +90,8 @@ class PolicyUpdate:
         out = {k: v / max(n_mb, 1) for k, v in sums.items()}
         computed = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
         processed = sum(len(r.train_prompt) + len(r.response) for r in computed) * cfg.train.num_iterations
-        out.update(rows=len(rows), computed_rows=len(computed), response_tokens=sum(len(r.response) for r in rows),
+        out.update(rows=len(rows), computed_rows=len(computed), expert_rows=sum(r.off_policy for r in rows),
+                   response_tokens=sum(len(r.response) for r in rows),
                    tokens=processed, optimizer_steps=steps, skipped_steps=skipped, **gap)
         return out
 
@@ -134,8 +138,9 @@ class PolicyUpdate:
             with torch.no_grad(), self._reference(), autocast_context(self.model, self.cfg.policy.autocast):
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
                                                 temperature=self.temperature, options=self.options)
-        loss, metrics = self.loss_fn(logp_new, logp_old, adv, mask, cfg.algo, logp_ref=logp_ref,
-                                     modes=[r.mode for r in batch])
+        expert = {"off_policy": [r.off_policy for r in batch]} if any(r.off_policy for r in batch) else {}
+        loss, metrics = self.loss_fn(logp_new, logp_old, adv, mask, self.loss_algo, logp_ref=logp_ref,
+                                     modes=[r.mode for r in batch], **expert)
         share = micro_batch_share(cfg.algo, mask.sum().item(), len(batch), mini_tokens, mini_rows)
         ok = metrics.get("skipped", 0.0) == 0.0
         if ok:

@@ -1,0 +1,283 @@
+"""LUFFY (algo/luffy.py, train/expert.py): float64 references written out independently of the code under test,
+the expert member on real ScienceWorld (the gold path reaches the goal; the bare "0" trap), and a 1-iteration run on
+the WebShop fixture that logs its expert rows."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
+from empo2.algo.losses import get_policy_loss
+from empo2.config_sections import AlgoConfig
+from empo2.train.expert import AUTO_ANSWER, ExpertPlayer, expert_generation, replayable_gold
+
+GAMMA = 0.1
+
+
+def luffy(logp_new, logp_old, adv, mask, off_policy, name="luffy", **knobs):
+    algo = AlgoConfig(**{"luffy_gamma": GAMMA, **knobs})
+    return get_policy_loss(name)(logp_new, logp_old, adv, mask, algo, modes=["on"] * logp_new.shape[0],
+                                 off_policy=off_policy)
+
+
+# ------------------------------------------------------------------------------------------------ Eq. 4 advantage
+
+
+def reference_advantage(returns, groups, std):
+    """Loop-by-loop: each member's return minus its group's mean (expert included), optionally / sample std."""
+    out = []
+    for i, r in enumerate(returns):
+        members = [returns[j] for j in range(len(returns)) if groups[j] == groups[i]]
+        mean = sum(members) / len(members)
+        a = r - mean
+        if std:
+            sd = math.sqrt(sum((m - mean) ** 2 for m in members) / (len(members) - 1))
+            a = a / (sd + 1e-6)
+        out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("std", [False, True])
+def test_mixed_policy_advantage_puts_the_expert_in_the_group(std):
+    # two groups of 4: three sampled members, then the expert (last); the expert's success moves the mean
+    returns = [0.0, 0.0, 30.0, 100.0, 0.0, 0.0, 0.0, 100.0]
+    groups = [0, 0, 0, 0, 1, 1, 1, 1]
+    inp = AdvantageInput.from_returns(returns, groups, lengths=[2, 1, 3, 5, 1, 1, 2, 4],
+                                      options=AdvantageOptions(luffy_std=std))
+    adv, metrics = compute_advantages("luffy", inp)
+    want = reference_advantage(returns, groups, std)
+    for a, w in zip(adv, want):
+        np.testing.assert_allclose(a, w, rtol=1e-12, atol=1e-12)  # every step of an episode gets its value
+    if not std:  # mean-only (Dr.GRPO): a failed sampled member of group 1 gets −25, not −(0 − 0) = 0 without expert
+        assert adv[4][0] == pytest.approx(-25.0)
+    assert metrics["zero_adv_groups"] == 0.0
+    # an all-success group (expert included) carries no signal
+    adv, metrics = compute_advantages("luffy", AdvantageInput.from_returns([100.0] * 4, [0] * 4,
+                                                                           options=AdvantageOptions()))
+    assert [float(a[0]) for a in adv] == [0.0] * 4 and metrics["zero_adv_groups"] == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ Eq. 6 gradient
+
+
+@pytest.mark.parametrize("shaped", [True, False])
+@pytest.mark.parametrize("a_hat", [1.7, -0.6])
+def test_expert_token_gradient_matches_the_closed_form(shaped, a_hat):
+    """d/dz of −Â·f(softmax(z)_a) = −Â·f′(π_a)·π_a·(1[k=a] − π_k), f′(x) = γ/(x+γ)² (f(x) = x: f′ = 1)."""
+    rng = np.random.default_rng(3)
+    for _ in range(5):
+        z_np = rng.normal(size=7) * 2.0
+        a = int(rng.integers(7))
+        z = torch.tensor(z_np, dtype=torch.float64, requires_grad=True)
+        logp = torch.log_softmax(z, dim=0)[a].reshape(1, 1)
+        old = torch.full((1, 1), float("nan"), dtype=torch.float64)  # an expert row never reads π_old
+        loss, metrics = luffy(logp, old, torch.tensor([a_hat], dtype=torch.float64), torch.ones(1, 1),
+                              [True], luffy_shaping=shaped, loss_type="token_mean")
+        loss.backward()
+        p = np.exp(z_np - z_np.max())
+        p /= p.sum()
+        f = p[a] / (p[a] + GAMMA) if shaped else p[a]
+        fprime = GAMMA / (p[a] + GAMMA) ** 2 if shaped else 1.0
+        want_grad = -a_hat * fprime * p[a] * ((np.arange(7) == a) - p)
+        assert float(loss.detach()) == pytest.approx(-a_hat * f, rel=1e-12)
+        np.testing.assert_allclose(z.grad.numpy(), want_grad, rtol=1e-10, atol=1e-14)
+        assert metrics["skipped"] == 0.0
+
+
+def test_shaping_raises_low_probability_tokens_against_plain_mixed_policy():
+    """Eq. 8: the per-logit weight f′(π)·π(1−π) is larger for shaped rare tokens than π(1−π)."""
+    for p in (0.01, 0.05, 0.2):
+        logp = torch.tensor([[math.log(p)]], dtype=torch.float64, requires_grad=True)
+        luffy(logp, torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1), [True], loss_type="token_mean")[0].backward()
+        shaped = -float(logp.grad)
+        assert shaped == pytest.approx(GAMMA * p / (p + GAMMA) ** 2, rel=1e-12)  # −∂loss/∂log π = f′(π)·π
+        assert shaped > p  # f(x)=x gives π
+
+
+# ------------------------------------------------------------------------------------------------ on-policy rows
+
+
+@pytest.mark.parametrize("a_hat", [2.0, -1.5])
+def test_on_policy_rows_lose_their_clip_and_the_switch_restores_it(a_hat):
+    # ratio 3 (far outside [0.8, 1.3]) and a second token with ratio 0.5
+    new = torch.tensor([[math.log(0.3), math.log(0.1)]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[math.log(0.1), math.log(0.2)]], dtype=torch.float64)
+    ratio = np.array([3.0, 0.5])
+    loss, metrics = luffy(new, old, torch.tensor([a_hat], dtype=torch.float64), torch.ones(1, 2), [False],
+                          loss_type="token_mean")
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-a_hat * ratio.mean(), rel=1e-12)
+    np.testing.assert_allclose(new.grad.numpy()[0], -a_hat * ratio / 2, rtol=1e-12)  # d(−Â·ρ)/d log π = −Â·ρ
+    assert metrics["clip_frac"] == 0.0 and metrics["dual_clip_frac"] == 0.0
+
+    new.grad = None
+    luffy(new, old, torch.tensor([a_hat], dtype=torch.float64), torch.ones(1, 2), [False], loss_type="token_mean",
+          luffy_clip=True)[0].backward()
+    clipped = np.where((ratio > 1.3) & (a_hat > 0) | (ratio < 0.8) & (a_hat < 0), 0.0, -a_hat * ratio / 2)
+    np.testing.assert_allclose(new.grad.numpy()[0], clipped, rtol=1e-12)  # GRPO's clip (dual clip 10 not reached)
+
+
+def test_luffy_drops_the_low_probability_mask_and_empo2_luffy_keeps_it():
+    new = torch.tensor([[math.log(0.001)]], dtype=torch.float64, requires_grad=True)  # π < δ = 0.01
+    old = new.detach().clone()
+    for name, masked in (("luffy", False), ("empo2_luffy", True)):
+        new.grad = None
+        luffy(new, old, torch.ones(1, dtype=torch.float64), torch.ones(1, 1), [False], name=name,
+              delta=0.01)[0].backward()
+        assert (float(new.grad) == 0.0) == masked
+
+
+# ------------------------------------------------------------------------------------------------ expert rows
+
+
+def test_expert_rows_ignore_pi_old_the_mask_and_the_clip():
+    """The expert row's loss and gradient are the same whatever its logp_old holds (NaN included), its rare
+    tokens are not masked, and mixed with an on-policy row the batch is aggregated as one (both aggregations)."""
+    lp_expert = np.log([0.002, 0.4, 0.9])  # the first token is below δ
+    lp_on = np.log([0.5, 0.25, 0.1])
+    lp_old_on = np.log([0.25, 0.25, 0.2])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv = torch.tensor([0.75, -0.25], dtype=torch.float64)
+    grads = {}
+    for agg in ("token_mean", "dr_grpo"):
+        for old_expert in (np.full(3, np.nan), np.log([0.9, 0.9, 0.9]), np.zeros(3)):
+            new = torch.tensor(np.stack([lp_expert, lp_on]), dtype=torch.float64, requires_grad=True)
+            old = torch.tensor(np.stack([old_expert, lp_old_on]), dtype=torch.float64)
+            loss, metrics = luffy(new, old, adv, mask, [True, False], loss_type=agg, dr_grpo_length=8,
+                                  delta=0.01, tis_cap=2.0)
+            loss.backward()
+            assert metrics["skipped"] == 0.0
+            grads.setdefault(agg, []).append((float(loss.detach()), new.grad.numpy().copy()))
+        # float64 reference, token by token
+        p = np.exp(lp_expert)
+        expert_terms = -0.75 * p / (p + GAMMA)
+        expert_grad = -0.75 * GAMMA * p / (p + GAMMA) ** 2
+        ratio = np.exp(lp_on[:2] - lp_old_on[:2])
+        on_terms = 0.25 * ratio
+        on_grad = 0.25 * ratio
+        norm = 5 if agg == "token_mean" else 2 * 8
+        want_loss = (expert_terms.sum() + on_terms.sum()) / norm
+        want_grad = np.stack([expert_grad, np.append(on_grad, 0.0)]) / norm
+        for got_loss, got_grad in grads[agg]:
+            assert got_loss == pytest.approx(want_loss, rel=1e-12)
+            np.testing.assert_allclose(got_grad, want_grad, rtol=1e-10, atol=1e-15)
+
+
+def test_expert_generation_and_gold_cleaning(smollm):
+    _, tok = smollm
+    gen = expert_generation(tok, "open door to kitchen")
+    assert gen.ids == tok.encode("open door to kitchen", add_special_tokens=False) + [tok.eos_token_id]
+    assert gen.logprobs == [0.0] * len(gen.ids) and gen.text == "open door to kitchen"
+    assert tok.decode(gen.ids, skip_special_tokens=True) == "open door to kitchen"
+    assert replayable_gold(["look around", AUTO_ANSWER, " 0 ", "move 0 seed", "1"]) == ["look around", "move 0 seed",
+                                                                                       "1"]
+
+
+def test_update_rows_mark_the_expert_off_policy():
+    from empo2.train.episode import Episode, Step
+    from empo2.train.rows import update_rows
+
+    def ep(expert):
+        e = Episode("t", 0, 0, "on", expert=expert)
+        e.steps.append(Step([1], [1], [2, 3], [0.0, 0.0], "a", "a", "o", 0.0, "s"))
+        return e
+
+    rows = update_rows([ep(False), ep(True)], [[0.5], [0.5]])
+    assert [r.off_policy for r in rows] == [False, True]
+
+
+# ------------------------------------------------------------------------------------------------ real environments
+
+
+@pytest.mark.slow
+def test_expert_plays_a_real_scienceworld_gold_path_to_the_goal(smollm):
+    from empo2.config_sections import MemoryConfig, PolicyConfig
+    from empo2.envs.pool import EnvPool
+    from empo2.train.rollout import RolloutContext
+
+    _, tok = smollm
+
+    def never(*args):
+        raise AssertionError("a group of experts only asks the policy nothing")
+
+    with EnvPool("scienceworld", {"max_steps": 30, "valid_actions_in_info": False}, 1) as pool:
+        ctx = RolloutContext(None, tok, pool, None, None, "scienceworld",
+                             PolicyConfig(history_window=2, max_prompt_length=1024, few_shot=0), MemoryConfig())
+        player = ExpertPlayer(group_size=1)
+        actions = player.actions(never)
+        from empo2.train.rollout import run_episodes
+
+        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on")], 1.0, actions=actions)
+        gold = replayable_gold(pool.call(0, "gold_actions"))
+    ep = episodes[0]
+    assert ep.expert and ep.success and ep.score == 100 and len(ep.steps) <= 30
+    assert [s.raw_action for s in ep.steps] == gold[: len(ep.steps)]
+    for s in ep.steps:  # the tokens the policy would have written; rendered prompts as a policy row gets them
+        assert s.response_ids == tok.encode(s.raw_action, add_special_tokens=False) + [tok.eos_token_id]
+        assert tok.decode(s.prompt_ids).rstrip().endswith("assistant") and s.logp_old == [0.0] * len(s.response_ids)
+    assert "Your next action:" in tok.decode(ep.steps[-1].prompt_ids)
+
+
+@pytest.mark.slow
+def test_bare_zero_in_a_real_gold_path_is_answered_by_the_env_not_replayed():
+    """grow-plant variation 0: gold action 10 is a bare "0" answering an "Ambiguous request" that our env already
+    answers; sent as an action it becomes some corrected command the gold path never had. Without it, every
+    command the simulator runs is the gold's."""
+    from empo2.envs.actions import clean_action
+    from empo2.envs.scienceworld import ScienceWorldEnv
+
+    env = ScienceWorldEnv(max_steps=1000, valid_actions_in_info=False)
+    try:
+        env.reset("grow-plant", 0)
+        gold = env.gold_actions()  # the episode is still at its start
+        zero = gold.index(AUTO_ANSWER)
+        prefix = gold[: zero + 2]
+        ran = [env.step(a).info["action"] for a in prefix]
+        assert ran[zero] != AUTO_ANSWER and ran[zero] not in prefix  # the trap: an arbitrary corrected action
+        env.reset("grow-plant", 0)
+        clean = replayable_gold(prefix)
+        ran = [env.step(a).info["action"] for a in clean]
+        assert AUTO_ANSWER not in clean and ran == [clean_action(a) for a in clean]
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+def test_one_luffy_iteration_on_the_webshop_fixture_logs_its_expert_rows(tmp_path, tiny_model):
+    from empo2.cli import main
+
+    run = tmp_path / "luffy"
+    assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "luffy", f"train.output_dir={run}",
+                 "train.iterations=1", f"policy.model={tiny_model}", "env.max_steps=5", "env.eval_variations=1",
+                 "algo.num_generations=2", "policy.max_completion_length=8", "train.progress=false",
+                 "algo.loss_type=dr_grpo"]) == 0
+    rec = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert rec["expert"]["slots"] == 1 and rec["expert"]["kept"] == 1 and rec["expert"]["fallback"] == 0
+    gold = rec["expert_env_steps"]  # search → item → options → buy: 4 or 5 steps on the fixture
+    assert 4 <= gold <= 5 and rec["expert"]["rows"] == rec["expert"]["env_steps"] == rec["loss"]["expert_rows"] == gold
+    assert rec["loss"]["rows"] == gold + rec["env_steps"]  # the policy's steps are counted apart
+    assert rec["env_steps"] == rec["train"]["env_steps"] >= 1
+
+
+def test_expert_algorithms_need_a_sampled_member(tmp_path, capsys):
+    from empo2.cli import main
+
+    assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "luffy", "algo.num_generations=1",
+                 f"train.output_dir={tmp_path / 'x'}"]) == 2
+    assert "algo.num_generations must be more than that" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_compare_summary_counts_expert_steps_apart():
+    from empo2.experiments.compare_summary import _expert_steps_text
+
+    runs = [{"name": "grpo-s0", "algo": "grpo", "expert_env_steps": 0},
+            {"name": "luffy-s0", "algo": "luffy", "expert_env_steps": 37}]
+    [text] = _expert_steps_text(runs)
+    assert "luffy-s0 37" in text and "grpo" not in text and "counted apart" in text
+    assert _expert_steps_text(runs[:1]) == []
