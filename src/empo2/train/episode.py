@@ -36,6 +36,9 @@ class Step:
     intrinsic: float = 0.0
     accepted: bool = True
     """Whether the environment accepted the action (after correction)."""
+    commands: list[str] = field(default_factory=list)
+    """What the environment ran for this step (``info['commands']``: ScienceWorld's rejected tries, corrections and
+    automatic answers included), so that the episode can be replayed up to here; empty = just ``action``."""
 
 
 @dataclass

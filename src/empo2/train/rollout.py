@@ -215,6 +215,7 @@ def _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips
             observation=res.observation, reward=float(res.reward), state_text=keys[r], state_embedding=embs[r],
             state_observation=parts[i].observation,  # still the observation before this action
             tip_ids=[t.id for t in tips[r]], tips=[t.text for t in tips[r]], accepted=bool(info.get("accepted", True)),
+            commands=list(info.get("commands", ())),
         ))
         if info.get("failed"):
             ep.failed, ep.error = True, str(info.get("error", "environment failure"))
