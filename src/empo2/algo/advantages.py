@@ -49,13 +49,16 @@ class AdvantageOptions:
     gigpo_normalization: str = "mean_norm"
     """GiGPO, both levels: ``mean_norm`` (subtract the group mean) or ``mean_std_norm`` (then divide by the
     sample std + ``eps``); ``scale_rewards`` is GRPO's switch and does not apply."""
+    elpo_lambda: float = 0.5
+    """ELPO: λ_tree in A_hier = λ·A_branch + (1 − λ)·A_trajectory (Eq. 10)."""
 
     @classmethod
     def from_config(cls, algo) -> AdvantageOptions:
         """From an ``AlgoConfig`` (``algo.scale_rewards``, ``adv_eps``, ``gamma``, ``step_*``, ``gigpo_*``)."""
         return cls(scale_rewards=algo.scale_rewards, eps=algo.adv_eps, gamma=algo.gamma,
                    step_advantage_weight=algo.step_advantage_weight, step_similarity=algo.step_similarity,
-                   gigpo_normalization=algo.gigpo_normalization)
+                   gigpo_normalization=algo.gigpo_normalization,
+                   elpo_lambda=getattr(algo, "elpo_lambda", cls.elpo_lambda))
 
 
 @dataclass
@@ -72,6 +75,8 @@ class AdvantageInput:
     """N lists of T_i strings: the observation each step's action answered, verbatim (GiGPO's anchor key; anchor
     groups never span two episode groups, and one episode group is one task and variation)."""
     options: AdvantageOptions = field(default_factory=AdvantageOptions)
+    tree: list[tuple[int, tuple[int, int] | None]] | None = None
+    """Per episode (member, parent): ELPO's tree links, parent = (member it branched from, m) or ``None``."""
 
     @classmethod
     def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
@@ -87,7 +92,8 @@ class AdvantageInput:
             rewards.append(np.array([s.reward + w * s.intrinsic for s in ep.steps], dtype=np.float64))
         keys = [[s.state_observation for s in ep.steps] for ep in episodes]
         groups = np.array([ep.group for ep in episodes], dtype=np.int64)
-        return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options)
+        tree = [(ep.member, getattr(ep, "parent", None)) for ep in episodes]
+        return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options, tree)
 
     @classmethod
     def from_returns(cls, returns, group_ids, lengths: Sequence[int] | None = None,
@@ -200,7 +206,7 @@ def _checked(inp: AdvantageInput) -> AdvantageInput:
         raise ValueError("every episode needs one state key per step reward")
     if not np.all(np.isfinite(r)) or not all(np.all(np.isfinite(x)) for x in rewards):
         raise ValueError("returns or step rewards contain non-finite values")
-    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options)
+    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options, inp.tree)
 
 
 def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:

@@ -42,6 +42,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from empo2.algo.advantages import AdvantageInput, register_advantage
+
 # Table 2 (App. C).
 N_TOTAL = 16
 B_MAX = 3
@@ -188,6 +190,18 @@ def tree_advantages(paths: Sequence[Sequence[int]], rewards: Sequence[float], la
     return TreeAdvantages(r, a_b, a_t, a_node, hierarchical_advantages(a_b, a_node, lam))
 
 
+def tree_paths(parents: Sequence[tuple[int, int] | None], lengths: Sequence[int]) -> list[list[int]]:
+    """Node paths of one tree from its episodes: ``parents[i]`` = (j, m) when episode i branched after step m of
+    episode j (j < i; it holds only its own ``lengths[i]`` steps), ``None`` for a full trajectory."""
+    paths: list[list[int]] = []
+    next_node = 0
+    for parent, n in zip(parents, lengths):
+        prefix = [] if parent is None else paths[parent[0]][: parent[1]]
+        paths.append(prefix + list(range(next_node, next_node + n)))
+        next_node += n
+    return paths
+
+
 # ----------------------------------------------------------------------------------------------- clipping
 def critical_clip_low(n_steps: int, t_crit: int | None, eps_low: float = EPS_LOW,
                       eps_elc: float = EPS_ELC) -> np.ndarray:
@@ -313,3 +327,29 @@ def localise(steps: int, probe: Callable[[int, int], bool], budget: int,
         spent += len(outcomes)
         search.record(any(outcomes))
     return search, spent
+
+
+@register_advantage("elpo")
+def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
+    """Eq. 6–10 on each group's tree: every step an episode holds gets its node's A_hier (a branch holds only the
+    steps after its prefix, so a shared prefix step is one row). A branch whose source is missing from the batch
+    (a crashed worker) counts as a tree of its own. Raw returns feed Eq. 6–8 (App. B's rewards are −1.1 / 1.0)."""
+    o = inp.options
+    tree = inp.tree or [(i, None) for i in range(len(inp.returns))]
+    out: list[np.ndarray] = [np.zeros(len(r)) for r in inp.step_rewards]
+    for g in np.unique(inp.group_ids):
+        rows = [int(i) for i in np.flatnonzero(inp.group_ids == g)]
+        local = {tree[i][0]: k for k, i in enumerate(rows)}
+        parents = []
+        for i in rows:
+            p = tree[i][1]
+            parents.append((local[p[0]], p[1]) if p is not None and local.get(p[0], len(rows)) < local[tree[i][0]]
+                           else None)
+        paths = tree_paths(parents, [len(inp.step_rewards[i]) for i in rows])
+        hier = tree_advantages(paths, [float(inp.returns[i]) for i in rows], o.elpo_lambda, o.eps).hier
+        for i, path in zip(rows, paths):
+            own = len(inp.step_rewards[i])
+            out[i] = hier[path[len(path) - own:]] if own else np.zeros(0)
+    flat = np.concatenate(out) if out else np.zeros(0)
+    return out, {"groups": float(len(np.unique(inp.group_ids))), "adv_abs_mean": float(np.abs(flat).mean())
+                 if flat.size else 0.0, "zero_adv_groups": 0.0}

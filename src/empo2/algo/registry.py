@@ -15,7 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from empo2.algo import gigpo  # noqa: F401 - registers the "gigpo" advantage estimator
+from empo2.algo import (
+    elpo,  # noqa: F401 - registers the "elpo" advantage estimator
+    gigpo,  # noqa: F401 - registers the "gigpo" advantage estimator
+)
 from empo2.algo.modes import MODES
 
 

@@ -58,6 +58,11 @@ class Episode:
     error: str = ""
     tip_written: str | None = None
     tip_rejected: str | None = None
+    parent: tuple[int, int] | None = None
+    """A branch (ELPO): (member of the episode of the same group it branched from, m); it shares that episode's first
+    m steps, which it does not hold, and its ``steps`` are the ones after them."""
+    critical_step: int | None = None
+    """A searched failure (ELPO): t_crit, the first irrecoverable step (1-based) the binary search localised."""
 
     @property
     def extrinsic_return(self) -> float:
