@@ -216,3 +216,39 @@ def test_binary_search_counts_suffixes_and_stops_at_the_budget():
     # Sparse successes: nothing ever succeeds, so the search ends at step 1 (the paper's stated limit).
     search, _ = elpo.localise(30, lambda m, s: False, budget=100)
     assert search.t_crit == 1 and all(not ok for _, ok in search.probes)
+
+
+def test_registered_elpo_loss_widens_only_the_critical_rows():
+    import dataclasses
+
+    from empo2.algo.losses import get_policy_loss
+    from empo2.config_sections import AlgoConfig
+    from empo2.train.episode import Episode, Step
+    from empo2.train.rows import update_rows
+
+    algo = dataclasses.replace(AlgoConfig(), epsilon_high=0.315, dual_clip=0.0)
+    # Rows from episodes: a searched failure with t_crit = 2 of 3 steps, and a branch of it (never widened).
+    def ep(n, t_crit=None):
+        e = Episode("t", 0, 0, "on", critical_step=t_crit)
+        e.steps = [Step([1], [1], [2, 3], [-1.0, -1.0], "a", "a", "o", 0.0, "s") for _ in range(n)]
+        return e
+    rows = update_rows([ep(3, 2), ep(2)], [[-1.0] * 3, [-1.0] * 2])
+    assert [r.critical for r in rows] == [False, True, True, False, False]
+    critical = torch.tensor([r.critical for r in rows])
+    ratios = torch.tensor([0.75, 0.75, 0.9, 0.75, 0.75], dtype=torch.float64)
+    logp_old = torch.full((5, 2), -1.0, dtype=torch.float64)
+    logp_new = (logp_old + ratios.log()[:, None]).requires_grad_(True)
+    adv = torch.tensor([r.advantage for r in rows], dtype=torch.float64)
+    mask = torch.ones(5, 2)
+    loss, metrics = get_policy_loss("elpo")(logp_new, logp_old, adv, mask, algo, critical=critical)
+    loss.backward()
+    grad_elpo = logp_new.grad.clone()
+    logp_new.grad = None
+    get_policy_loss("grpo")(logp_new, logp_old, adv, mask, algo)[0].backward()
+    # ρ = 0.75 < 1 − 0.2 with A < 0: GRPO clips (no gradient); ELPO's bound 0.685 keeps row 1's gradient.
+    # Token-mean over 10 tokens: d(−ρA)/dlogp = −ρA/10 = 0.075 per token.
+    assert grad_elpo[1].tolist() == pytest.approx([0.075, 0.075])
+    assert logp_new.grad[1].tolist() == [0.0, 0.0]
+    for row in (0, 2, 3, 4):
+        assert grad_elpo[row].tolist() == pytest.approx(logp_new.grad[row].tolist(), abs=1e-15)
+    assert metrics["critical_rows"] == 2

@@ -45,7 +45,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "policy.reflection_max_tokens": (1, 1_000_000), "policy.history_window": (0, 100_000),
     "policy.few_shot": (0, 1000),
     "memory.top_k_tips": (0, 100_000), "memory.capacity": (1, _BIG), "memory.max_tip_words": (1, 1_000_000),
-    "algo.num_generations": (1, 4096),
+    "algo.num_generations": (1, 4096), "algo.elpo_b_max": (1, 4096),
     "train.iterations": (0, _BIG), "train.tasks_per_batch": (1, 1_000_000), "train.num_iterations": (1, 10_000),
     "train.mini_batch_size": (0, _BIG), "train.micro_batch_tokens": (1, _BIG),
     "train.logprob_chunk_tokens": (1, _BIG), "train.eval_every": (0, _BIG),
@@ -63,7 +63,8 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "algo.step_advantage_weight": (0.0, 1e6), "algo.adv_eps": (1e-12, 1.0), "algo.epsilon_high": (0.0, 100.0),
     "algo.dual_clip": (0.0, 1e6), "algo.beta": (0.0, 1e6), "algo.intrinsic_weight": (0.0, 1e6), "algo.tis_cap": (0.0, 1e6),
     "algo.intrinsic_weight_start": (0.0, 1e6), "algo.intrinsic_weight_end": (0.0, 1e6),
-    "algo.novelty_threshold": (-1.0, 1.0),
+    "algo.novelty_threshold": (-1.0, 1.0), "algo.elpo_lambda": (0.0, 1.0), "algo.elpo_eps_elc": (0.0, 1.0),
+    "algo.elpo_x_min": (1.0, 4096.0), "algo.elpo_x_max": (1.0, 4096.0), "algo.elpo_beta": (0.0, 1e6),
     "train.learning_rate": (1e-12, 10.0), "train.weight_decay": (0.0, 100.0), "train.max_grad_norm": (1e-12, 1e9),
 }
 """Inclusive bounds of the float fields that :meth:`Config.validate` does not bound itself."""

@@ -58,7 +58,7 @@ class AdvantageOptions:
         return cls(scale_rewards=algo.scale_rewards, eps=algo.adv_eps, gamma=algo.gamma,
                    step_advantage_weight=algo.step_advantage_weight, step_similarity=algo.step_similarity,
                    gigpo_normalization=algo.gigpo_normalization,
-                   elpo_lambda=getattr(algo, "elpo_lambda", cls.elpo_lambda))
+                   elpo_lambda=algo.elpo_lambda)
 
 
 @dataclass

@@ -46,6 +46,8 @@ class AlgorithmSpec:
     """``AlgoConfig -> {mode: probability}`` over ``on`` / ``on_tips`` / ``off_tips``."""
     updates_weights: bool = True
     """``False`` for memory-only baselines (no optimizer step is ever taken)."""
+    rollout: str = "episodes"
+    """Rollout driver (``empo2.train.drivers``): ``episodes`` (G independent episodes per group) or ``elpo``."""
 
     def estimator(self, algo_cfg: Any) -> str:
         return self.advantage or algo_cfg.advantage
@@ -77,3 +79,5 @@ def get_algorithm(name: str) -> AlgorithmSpec:
 register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes))
 register_algorithm(AlgorithmSpec("grpo", uses_memory=False, loss="grpo"))
 register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo"))  # Feng et al. 2025
+register_algorithm(AlgorithmSpec("elpo", uses_memory=False, loss="elpo", advantage="elpo",
+                                 rollout="elpo"))  # Liang et al. 2026

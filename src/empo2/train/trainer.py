@@ -58,13 +58,14 @@ from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
 from empo2.train import sharding
 from empo2.train.batch import Batch, append_samples, batch_env_steps, iteration_record, no_signal_warnings
+from empo2.train.drivers import rollout_driver
 from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
 from empo2.train.metrics import MetricsLog, iteration_line, plot_run, reset_peak_rss, trackers
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.reflection import reflect, tip_writers
 from empo2.train.resume import align_memory, pick_checkpoint, truncate_samples
-from empo2.train.rollout import RolloutContext, run_episodes, timed
+from empo2.train.rollout import RolloutContext, timed
 from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler
 from empo2.train.update import PolicyUpdate
@@ -269,8 +270,8 @@ class Trainer:
         reset_peak_rss()
         signals.set_phase("the rollout", where=f"iteration {it}")
         with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
-            batch.episodes, batch.stats = run_episodes(self.ctx, batch.specs, temperature=cfg.policy.temperature,
-                                                       progress=partial(_rollout_progress, progress, it))
+            drive = rollout_driver(self.algorithm.rollout)  # G independent episodes, or ELPO's tree
+            batch.episodes, batch.stats = drive(self.ctx, batch.specs, cfg, partial(_rollout_progress, progress, it))
 
     def _reflect(self, batch: Batch) -> None:
         """Each finished episode writes its tip into memory (memory algorithms only); with ``overlap_reflection``
