@@ -25,11 +25,13 @@ ASIN = "click[b0fx010000]"
 FAILURE = ["search[men's running shoes with arch support, non slip]", ASIN, "click[navy blue]", "click[< prev]", ASIN,
            "click[10]", "click[buy now]"]
 T_CRIT = 6
-BUDGET = 8  # per group: B_max = 2 failures, then 3 probes of X_m = 2 suffixes (zero entropy gap: Eq. 5 gives 2)
+BUDGET = {0: 8, 1: 7}  # B_max = 2 failures, then 3 probes of X_m = 2 suffixes (zero entropy gap: Eq. 5 gives 2);
+# group 1's last probe has 1 rollout left
 
 
 def scripted(ctx, workers, episodes, prompts):
-    """Group 0 recovers from any prefix shorter than T_CRIT steps; group 1 never recovers (sparse successes)."""
+    """Group 0 recovers from any prefix shorter than T_CRIT steps, but only in every second suffix (odd members):
+    one success among a probe's suffixes must be enough. Group 1 never recovers (sparse successes)."""
     out = []
     for ep in episodes:
         if ep.parent is None:
@@ -38,7 +40,7 @@ def scripted(ctx, workers, episodes, prompts):
             m = ep.parent[1]
             on_results = m in (1, 4)  # the states after steps 1 and 4 are result pages
             fix = ([ASIN] if on_results else []) + ["click[navy blue]", "click[9]", "click[buy now]"]
-            suffix = fix if ep.group == 0 and m < T_CRIT else ["click[buy now]"]
+            suffix = fix if ep.group == 0 and m < T_CRIT and ep.member % 2 else ["click[buy now]"]
             action = suffix[min(len(ep.steps), len(suffix) - 1)]
         out.append(Generation(ids=[], logprobs=[], text=action))
     return out
@@ -53,11 +55,11 @@ def pool():
 
 def test_driver_localises_the_critical_step_within_the_budget(pool):
     ctx = RolloutContext(None, None, pool, None, None, "webshop", PolicyConfig(few_shot=0), MemoryConfig())
-    specs = [("webshop", GOAL, g, "on") for g in (0, 1) for _ in range(BUDGET)]
+    specs = [("webshop", GOAL, g, "on") for g in (0, 1) for _ in range(BUDGET[g])]
     episodes, stats = run_elpo(ctx, specs, temperature=1.0, actions=scripted, options=ElpoOptions(b_max=2))
     for g, t_crit in ((0, T_CRIT), (1, 1)):
         mine = [ep for ep in episodes if ep.group == g]
-        assert len(mine) == BUDGET  # every full trajectory and every suffix counts against N
+        assert len(mine) == BUDGET[g]  # every full trajectory and every suffix counts against N
         searched = [ep for ep in mine if ep.critical_step is not None]
         assert [ep.critical_step for ep in searched] == [t_crit]
         anchors = sorted({ep.parent[1] for ep in mine if ep.parent is not None})
@@ -67,10 +69,10 @@ def test_driver_localises_the_critical_step_within_the_budget(pool):
     assert anchors == [1, 2, 4]  # group 1: nothing recovers, so the search halves down to step 1
     assert stats["elpo_searches"] == 2 and stats["elpo_localised_after_first"] == 1
     assert stats["elpo_probes"] == 6 and stats["elpo_waves"] == 4  # 1 wave of failures + 3 probes, both groups
-    assert stats["replay_branches"] == 12 and stats["replay_mismatch_branches"] == 0
+    assert stats["replay_branches"] == 11 and stats["replay_mismatch_branches"] == 0
     group0 = [ep for ep in episodes if ep.group == 0]
     assert [(ep.parent[1], ep.success) for ep in group0 if ep.parent is not None] == [
-        (4, True), (4, True), (6, False), (6, False), (5, True), (5, True)]  # L = 5, then R = 6, then L = 6
+        (4, False), (4, True), (6, False), (6, False), (5, False), (5, True)]  # L = 5, then R = 6, then L = 6
 
     # The tree feeds the estimator: each episode's own steps get their node's A_hier (Eq. 10).
     returns = np.array([ep.extrinsic_return for ep in episodes])
