@@ -15,7 +15,7 @@ def test_defaults_match_released_mode_probabilities():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("algo.name=nope", "algo.name: unknown algorithm 'nope'; valid: empo2"),
+    ("algo.name=nope", "algo.name: unknown algorithm 'nope'; valid: "),
     ("algo.advantage=nope", "algo.advantage: unknown advantage estimator 'nope'; valid: "),
     ("env.name=atari", "unknown environment 'atari'; valid environments: scienceworld, webshop"),
     ("env.tasks=[find-dragon]", "unknown ScienceWorld task 'find-dragon'"),

@@ -46,7 +46,7 @@ INT_BOUNDS: dict[str, tuple[int, int]] = {
     "policy.few_shot": (0, 1000),
     "memory.top_k_tips": (0, 100_000), "memory.capacity": (1, _BIG), "memory.max_tip_words": (1, 1_000_000),
     "algo.num_generations": (1, 4096), "algo.dr_grpo_length": (0, 1_000_000), "algo.intrinsic_schedule_iterations": (0, _BIG),
-    "algo.proxmo_max_features": (0, _BIG),
+    "algo.proxmo_max_features": (0, _BIG), "algo.elpo_b_max": (1, 4096),
     "train.iterations": (0, _BIG), "train.tasks_per_batch": (1, 1_000_000), "train.num_iterations": (1, 10_000),
     "train.mini_batch_size": (0, _BIG), "train.micro_batch_tokens": (1, _BIG),
     "train.logprob_chunk_tokens": (1, _BIG), "train.eval_every": (0, _BIG),
@@ -66,6 +66,8 @@ FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
     "algo.intrinsic_weight_start": (0.0, 1e6), "algo.intrinsic_weight_end": (0.0, 1e6),
     "algo.novelty_threshold": (-1.0, 1.0), "algo.luffy_gamma": (1e-6, 1.0),
     "algo.proxmo_alpha": (0.0, 100.0), "algo.proxmo_range": (0.0, 0.99), "algo.proxmo_tau": (1e-6, 1e6),
+    "algo.elpo_lambda": (0.0, 1.0), "algo.elpo_eps_elc": (0.0, 1.0),
+    "algo.elpo_x_min": (1.0, 4096.0), "algo.elpo_x_max": (1.0, 4096.0), "algo.elpo_beta": (0.0, 1e6),
     "train.learning_rate": (1e-12, 10.0), "train.weight_decay": (0.0, 100.0), "train.max_grad_norm": (1e-12, 1e9),
 }
 """Inclusive bounds of the float fields that :meth:`Config.validate` does not bound itself."""

@@ -299,6 +299,18 @@ class AlgoConfig:
     luffy_std: bool = False
     """LUFFY: divide the mixed group's centred returns by their sample std (Eq. 4 as printed); ``false`` (official
     script, Dr.GRPO): mean-only."""
+    elpo_lambda: float = 0.5
+    """ELPO: λ_tree in A_hier = λ·A_branch + (1 − λ)·A_trajectory (Eq. 10; Table 2: 0.5)."""
+    elpo_eps_elc: float = 0.115
+    """ELPO: ε_elc added to ε_low (``epsilon``) on a searched failure's critical step and its suffix (Eq. 11)."""
+    elpo_b_max: int = 3
+    """ELPO: failures buffered before each binary search (Algorithm 1's B_max; Table 2: 3)."""
+    elpo_x_min: float = 1.0
+    """ELPO: fewest suffixes per probe, X_min of Eq. 5."""
+    elpo_x_max: float = 3.0
+    """ELPO: most suffixes per probe, X_max of Eq. 5."""
+    elpo_beta: float = 5.0
+    """ELPO: entropy-gap scale β of Eq. 5."""
 
 
 @dataclass

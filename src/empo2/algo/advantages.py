@@ -67,6 +67,8 @@ class AdvantageOptions:
     """ProxMO PSA: softmax temperature τ over the cosine similarities."""
     proxmo_max_features: int = 1024
     """ProxMO PSA: TF-IDF keeps the batch's this many most frequent terms (0 = all)."""
+    elpo_lambda: float = 0.5
+    """ELPO: λ_tree in A_hier = λ·A_branch + (1 − λ)·A_trajectory (Eq. 10)."""
 
     @classmethod
     def from_config(cls, algo) -> AdvantageOptions:
@@ -77,7 +79,7 @@ class AdvantageOptions:
                    gigpo_normalization=algo.gigpo_normalization, proxmo_psc=algo.proxmo_psc,
                    proxmo_psa=algo.proxmo_psa, proxmo_alpha=algo.proxmo_alpha, proxmo_range=algo.proxmo_range,
                    proxmo_tau=algo.proxmo_tau, proxmo_max_features=algo.proxmo_max_features,
-                   luffy_std=algo.luffy_std)
+                   luffy_std=algo.luffy_std, elpo_lambda=algo.elpo_lambda)
 
 
 def _one_rank(obj: Any) -> list[Any]:
@@ -103,6 +105,8 @@ class AdvantageInput:
     gather: Callable[[Any], list[Any]] = _one_rank
     """``obj -> [obj of rank 0, obj of rank 1, …]`` over the data-parallel ranks (every rank calls it together): for
     estimators whose statistics run over the whole global batch, while ``returns``… hold this rank's groups only."""
+    tree: list[tuple[int, tuple[int, int] | None]] | None = None
+    """Per episode (member, parent): ELPO's tree links, parent = (member it branched from, m) or ``None``."""
 
     @classmethod
     def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
@@ -119,7 +123,8 @@ class AdvantageInput:
         keys = [[s.state_text for s in ep.steps] for ep in episodes]
         groups = np.array([ep.group for ep in episodes], dtype=np.int64)
         success = np.array([bool(ep.success) for ep in episodes], dtype=bool)
-        return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options, success, gather or _one_rank)
+        tree = [(ep.member, getattr(ep, "parent", None)) for ep in episodes]
+        return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options, success, gather or _one_rank, tree)
 
     @classmethod
     def from_returns(cls, returns, group_ids, lengths: Sequence[int] | None = None,
@@ -235,7 +240,8 @@ def _checked(inp: AdvantageInput) -> AdvantageInput:
     success = None if inp.success is None else np.asarray(inp.success, dtype=bool).reshape(-1)
     if success is not None and success.shape != r.shape:
         raise ValueError(f"returns {r.shape} and success {success.shape} must have the same length")
-    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options, success, inp.gather)
+    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options, success, inp.gather,
+                          inp.tree)
 
 
 def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:

@@ -109,14 +109,15 @@ def behaviour_logp_for_ratio(
 
 @register_policy_loss("empo2")
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
-                algo: Any, *, logp_ref: torch.Tensor | None = None,
-                modes: Sequence[str] | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                algo: Any, *, logp_ref: torch.Tensor | None = None, modes: Sequence[str] | None = None,
+                clip_low: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
     """EMPO² loss. logp_new/logp_old/logp_ref/response_mask [B, T]; advantages [B] or [B, T]; modes: B strings;
     ``algo``: the ``algo`` config section (:class:`empo2.config_sections.AlgoConfig`), which holds the knobs.
 
     Returns ``(loss scalar, metrics)``; see the module docstring for the formula. Gradient flows through ``logp_new``
     only. Metrics (python floats): ratio_mean, ratio_max, clip_frac, dual_clip_frac, masked_frac, approx_kl, kl_ref,
-    valid_tokens, kept_tokens, skipped, and loss_<mode> for each mode present in ``modes``.
+    valid_tokens, kept_tokens, skipped, and loss_<mode> for each mode present in ``modes``. ``clip_low`` [B]: a
+    per-row ε_low in place of ``algo.epsilon`` (ELPO's error-localised clip, :func:`elpo_loss`).
     """
     _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes)
     epsilon, epsilon_high, dual_clip = algo.epsilon, algo.epsilon_high, algo.dual_clip
@@ -136,7 +137,11 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     log_ratio = torch.where(keep, logp_new - logp_old, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     obj_unclipped = ratio * adv  # [B, T]
-    obj_clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv  # [B, T]
+    if clip_low is None:
+        obj_clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv  # [B, T]
+    else:  # a lower bound per row [B, 1]
+        low = (1.0 - clip_low.to(ratio.device, ratio.dtype))[:, None].expand_as(ratio)
+        obj_clipped = torch.clamp(ratio, min=low, max=torch.full_like(ratio, 1.0 + epsilon_high)) * adv  # [B, T]
     obj = torch.minimum(obj_unclipped, obj_clipped)  # [B, T]
     if dual_clip > 0:
         obj = torch.where(adv < 0, torch.maximum(obj, dual_clip * adv), obj)  # [B, T]
@@ -260,3 +265,19 @@ def grpo_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) -> 
     """``grpo``: :func:`policy_loss` without the low-probability mask (``algo.delta`` is taken as 0)."""
     return policy_loss(logp_new, logp_old, advantages, response_mask, dataclasses.replace(algo, delta=0.0), **kwargs)
 
+
+
+@register_policy_loss("elpo")
+def elpo_loss(logp_new, logp_old, advantages, response_mask, algo, *, critical: torch.Tensor | None = None,
+              **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """``elpo`` (Liang et al., 2026, Eq. 11–12): GRPO's clipped surrogate, without the low-probability mask or the
+    dual clip, whose lower bound is 1 − (ε_low + ε_elc) on rows in a searched failure's critical suffix
+    (``critical`` [B] bool) and 1 − ε_low elsewhere; ε_low = ``algo.epsilon``, ε_elc = ``algo.elpo_eps_elc``,
+    ε_high = ``algo.epsilon_high``. Metric ``critical_rows``: the rows with the wider bound."""
+    clip_low = None
+    if critical is not None:
+        clip_low = algo.epsilon + algo.elpo_eps_elc * critical.to(logp_new.device, torch.float64)  # [B]
+    loss, metrics = policy_loss(logp_new, logp_old, advantages, response_mask,
+                                dataclasses.replace(algo, delta=0.0, dual_clip=0.0), clip_low=clip_low, **kwargs)
+    metrics["critical_rows"] = float(critical.sum()) if critical is not None else 0.0
+    return loss, metrics

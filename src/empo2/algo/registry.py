@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from empo2.algo import (
+    elpo,  # noqa: F401 - registers the "elpo" advantage estimator
     gigpo,  # noqa: F401 - registers the "gigpo" advantage estimator
     luffy,  # noqa: F401 - registers the "luffy" advantage estimator and LUFFY's losses
     proxmo,  # noqa: F401 - registers the "proxmo" advantage estimator
@@ -50,6 +51,8 @@ class AlgorithmSpec:
     expert_members: int = 0
     """Members of each group that play the environment's gold path instead of sampling (LUFFY's off-policy
     guidance, :mod:`empo2.train.expert`); their rows are marked off-policy for the loss."""
+    rollout: str = "episodes"
+    """Rollout driver (``empo2.train.drivers``): ``episodes`` (G independent episodes per group) or ``elpo``."""
 
     def estimator(self, algo_cfg: Any) -> str:
         return self.advantage or algo_cfg.advantage
@@ -86,3 +89,5 @@ register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advan
                                  expert_members=1))  # Yan et al. 2025
 register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,
                                  expert_members=1))  # EMPO² with an expert member: no published method
+register_algorithm(AlgorithmSpec("elpo", uses_memory=False, loss="elpo", advantage="elpo",
+                                 rollout="elpo"))  # Liang et al. 2026

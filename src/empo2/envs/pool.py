@@ -123,6 +123,13 @@ class EnvPool:
         replies = self._request({i: ("reset", (task, variation)) for i, task, variation in assignments})
         return {i: Failure(i, payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
 
+    def restore(self, assignments: list[tuple[int, str, int, list[list[str]]]]) -> dict[int, tuple[str, dict] | Failure]:
+        """Put worker ``i`` into the state after a recorded prefix, ``(i, task, variation, step_commands)`` each, in
+        parallel (the environment's ``restore_prefix``); failures and errors as :meth:`reset`."""
+        replies = self._request({i: ("restore_prefix", (task, variation, steps))
+                                 for i, task, variation, steps in assignments})
+        return {i: Failure(i, payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
+
     def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
         """Send ``actions[i]`` to worker ``i`` for every ``i`` at once, then collect the results.
 

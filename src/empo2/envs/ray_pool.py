@@ -92,6 +92,13 @@ class RayEnvPool:
         replies = self._request({i: ("reset", (task, variation)) for i, task, variation in assignments})
         return {i: Failure(i, payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
 
+    def restore(self, assignments: list[tuple[int, str, int, list[list[str]]]]) -> dict[int, tuple[str, dict] | Failure]:
+        """Put worker ``i`` into the state after a recorded prefix, ``(i, task, variation, step_commands)`` each, in
+        parallel (the environment's ``restore_prefix``); failures and errors as :meth:`reset`."""
+        replies = self._request({i: ("restore_prefix", (task, variation, steps))
+                                 for i, task, variation, steps in assignments})
+        return {i: Failure(i, payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
+
     def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
         replies = self._request({i: ("step", (action,)) for i, action in actions.items()})
         return {i: failed_step(payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}

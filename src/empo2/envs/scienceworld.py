@@ -39,6 +39,9 @@ SPLITS = {"train": "train", "dev": "dev", "eval": "dev", "test": "test"}
 JAVA_HINT = "ScienceWorld needs Java >= 11 on PATH; install it with: apt-get install -y openjdk-17-jre-headless"
 UNPARSED = "No known action matches that input."
 AMBIGUOUS = "Ambiguous request"
+ANSWER = "answer: "
+"""How an answer to the simulator's question is recorded: this prefix and the text of the reading taken, since the
+order of the readings changes between loads (``open drawer (in cupboard, ...)`` is 0 in one load, 1 in the next)."""
 DEMO_OBS_CHARS = 160
 DEFAULT_JAVA_OPTIONS = "-Xmx1g -XX:+UseSerialGC"
 """A small heap and the serial collector: a worker's JVM holds far less memory and steps faster than with the JVM's
@@ -182,6 +185,7 @@ class ScienceWorldEnv:
         if self._done:
             return StepResult("The episode is over; call reset().", 0.0, True, self._info(raw=action, action=""))
         command = clean_action(action) if self.action_correction else str(action).strip()
+        first_command = len(self._history)
         obs, completed = self._send(command)
         if self.action_correction and obs.startswith(UNPARSED):
             # An unparsed input leaves the state unchanged, so each candidate is a fresh try. The simulator's
@@ -192,7 +196,8 @@ class ScienceWorldEnv:
                 if not obs.startswith(UNPARSED):
                     break
         if obs.startswith(AMBIGUOUS):  # the simulator asks which object was meant: take the first reading
-            obs, completed = self._send("0")
+            readings = _readings(obs)
+            obs, completed = self._send(ANSWER + readings[0] if readings else "0", obs)
         accepted = not obs.startswith(UNPARSED)
         score = self._read_score()
         reward = float(score - self._score)
@@ -205,17 +210,49 @@ class ScienceWorldEnv:
         info["success"] = bool(completed and score >= 100)
         info["truncated"] = truncated
         info["accepted"] = accepted
+        info["commands"] = self._history[first_command:]  # what replays this step: tries and answers included
         return StepResult(obs, reward, self._done, info)
+
+    def restore_prefix(self, task: str, variation: int, step_commands: list[list[str]]) -> tuple[str, dict[str, Any]]:
+        """Put this instance into the state after the first ``len(step_commands)`` steps of a recorded episode: load
+        ``task`` at ``variation`` and replay each step's simulator commands (its ``info['commands']``: rejected
+        tries, corrections and automatic answers included). Returns ``(observation, info)`` as :meth:`reset` does,
+        with ``info['observations']``: the observation after each replayed step, for checking the replay.
+
+        The simulator has no state snapshot; replay is the way back. Its text is not byte-identical across loads
+        (object listing order, some readings), so the caller compares what matters to it."""
+        obs, first = self.reset(task, variation)
+        observations, completed = [], False
+        for commands in step_commands:
+            for command in commands:
+                obs, completed = self._send(command, obs)
+            observations.append(obs)
+            self._steps += 1
+        self._score = self._read_score()
+        truncated = not completed and self._score >= 0 and self._steps >= self.step_cap(task)
+        self._done = bool(completed or self._score < 0 or truncated)
+        info = {**first, **self._info(raw="", action="")}
+        info.update(observations=observations, done=self._done)
+        return obs, info
 
     def _read_score(self) -> int:
         """The simulator's score on the 0–100 scale (−100 after a wrong focus)."""
         return int(round(100 * self._sim.server.getScore()))
 
-    def _send(self, command: str) -> tuple[str, bool]:
-        """One simulator command, recorded so the episode can be replayed after a scratch load."""
+    def _send(self, command: str, previous: str = "") -> tuple[str, bool]:
+        """One simulator command, recorded so the episode can be replayed after a scratch load; ``previous`` is the
+        observation before it (the question an answer answers)."""
         self._history.append(command)
-        obs = self._sim.server.step(command)
+        obs = self._run(command, previous)
         return obs, bool(self._sim.server.getCompleted())
+
+    def _run(self, command: str, previous: str) -> str:
+        """Send a recorded command; an answer goes as the index its reading has in ``previous``, the question."""
+        if command.startswith(ANSWER):
+            readings = _readings(previous)
+            reading = command[len(ANSWER):]
+            command = str(readings.index(reading)) if reading in readings else "0"
+        return self._sim.server.step(command)
 
     def _info(self, raw: str, action: str) -> dict[str, Any]:
         valid = self.short_valid_actions() if self.valid_actions_in_info else []
@@ -248,11 +285,11 @@ class ScienceWorldEnv:
 
     def _restore(self, gold: bool) -> None:
         """Reload the current episode (with its gold path if ``gold``) and replay its commands (deterministic)."""
-        self._load(self._task, self._variation, gold=gold)
+        obs = self._load(self._task, self._variation, gold=gold)
         if gold:
             self._gold = list(self._sim.get_gold_action_sequence())
         for command in self._history:
-            self._sim.server.step(command)
+            obs = self._run(command, obs)
 
     # ------------------------------------------------------------------ helpers for prompts and policies
     def valid_actions(self) -> list[str]:
@@ -359,6 +396,11 @@ def scienceworld_state(look: str, inventory: str) -> str:
         listing = []
         lines.append(line)
     return "\n".join(lines + sorted(listing))
+
+
+def _readings(question: str) -> list[str]:
+    """The readings the simulator offers in an ambiguity question (``0:\topen drawer (in cupboard, in kitchen)``)."""
+    return [line.split(":", 1)[1].strip() for line in question.splitlines()[1:] if line.split(":", 1)[0].isdigit()]
 
 
 def _short(text: str, limit: int = DEMO_OBS_CHARS) -> str:

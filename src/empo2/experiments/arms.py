@@ -70,6 +70,11 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
         {**LUFFY_SETTINGS, "luffy_shaping": False}),
     Arm("empo2+luffy", "empo2_luffy", "EMPO² with an expert member: tips, novelty and EMPO²'s loss on the sampled "
         "rows, LUFFY's shaped expert tokens in the same group"),
+    Arm("elpo", "elpo", "ELPO with Table 2's settings (tree rollouts by binary error localisation, hierarchical "
+        "advantages, ε_low 0.2 + ε_elc 0.115 on the critical suffix, ε_high 0.315; no intrinsic reward)",
+        {"epsilon": 0.2, "epsilon_high": 0.315, "elpo_eps_elc": 0.115, "elpo_lambda": 0.5, "elpo_b_max": 3,
+         "elpo_x_min": 1.0, "elpo_x_max": 3.0, "elpo_beta": 5.0, "intrinsic_weight": 0.0,
+         "intrinsic_schedule": "constant"}),
 )}
 """Every ablation arm, by name."""
 

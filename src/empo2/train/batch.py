@@ -97,7 +97,18 @@ def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps
         "tokens_per_s": {"generate": stats["gen_tokens"] / max(stats["gen_time"], 1e-9),
                          "update": batch.losses.get("tokens", 0) / max(batch.seconds["update"], 1e-9)},
         "long_prompts": stats["long_prompts"], "memory_peak_rss_gb": peak_rss_gb(),
+        **_tree_record(stats),
     }
+
+
+def _tree_record(stats: dict[str, float]) -> dict[str, Any]:
+    """ELPO's searches and replays, when the rollout grew trees: ``localised_share`` is the share of searches whose
+    first irrecoverable step came after step 1 (with no success anywhere a search ends at step 1)."""
+    if "elpo_searches" not in stats:
+        return {}
+    out = {k.removeprefix("elpo_"): float(v) for k, v in stats.items() if k.startswith(("elpo_", "replay_"))}
+    out["localised_share"] = out["localised_after_first"] / out["searches"] if out["searches"] else 0.0
+    return {"elpo": out}
 
 
 def no_signal_warnings(batch: Batch, zero_adv_streak: int, train_cfg) -> tuple[int, list[str]]:

@@ -35,6 +35,9 @@ class Step:
     intrinsic: float = 0.0
     accepted: bool = True
     """Whether the environment accepted the action (after correction)."""
+    commands: list[str] = field(default_factory=list)
+    """What the environment ran for this step (``info['commands']``: ScienceWorld's rejected tries, corrections and
+    automatic answers included), so that the episode can be replayed up to here; empty = just ``action``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.state_text, str) or not self.state_text.strip():
@@ -59,8 +62,15 @@ class Episode:
     error: str = ""
     tip_written: str | None = None
     tip_rejected: str | None = None
+    parent: tuple[int, int] | None = None
+    """A branch (ELPO): (member of the episode of the same group it branched from, m); it shares that episode's first
+    m steps, which it does not hold, and its ``steps`` are the ones after them."""
+    critical_step: int | None = None
+    """A searched failure (ELPO): t_crit, the first irrecoverable step (1-based) the binary search localised."""
     expert: bool = False
     """Played the environment's gold path instead of sampling (LUFFY's off-policy member, :mod:`empo2.train.expert`)."""
+    initial_observation: str = ""
+    """The observation the episode started with (its prompts show it)."""
     final_state: str = ""
     """The state the last step reached (the state each earlier step reached is the next step's ``state_text``)."""
 

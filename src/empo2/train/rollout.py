@@ -149,7 +149,7 @@ def _reset(ctx: RolloutContext, episodes: list[Episode]) -> dict[int, PromptPart
             continue
         parts[i] = PromptParts(env=ctx.env_name, task=ep.task_description, observation=obs, initial_observation=obs,
                                demonstration=demo, hints=hints_text(info))
-        ep.final_state = state_of(obs, info)  # the state the first action answers
+        ep.initial_observation, ep.final_state = obs, state_of(obs, info)  # the state the first action answers
     return parts
 
 
@@ -216,6 +216,7 @@ def _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips
             logp_old=gen.logprobs, raw_action=raw_actions[i], action=info.get("action", raw_actions[i]),
             observation=res.observation, reward=float(res.reward), state_text=keys[r], state_embedding=embs[r],
             tip_ids=[t.id for t in tips[r]], tips=[t.text for t in tips[r]], accepted=bool(info.get("accepted", True)),
+            commands=list(info.get("commands", ())),
         ))
         if info.get("failed"):
             ep.failed, ep.error = True, str(info.get("error", "environment failure"))

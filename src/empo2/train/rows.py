@@ -23,14 +23,18 @@ class UpdateRow:
     """Per-token importance weights on the advantage (truncated engine/trainer ratios); ``None``: all 1."""
     off_policy: bool = False
     """An expert's action (the gold path, not sampled from π_old): the loss shapes it instead of taking a ratio."""
+    critical: bool = False
+    """The step is a searched failure's critical step or after it (ELPO widens its lower clip bound there)."""
 
 
 def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]:
     """One row per generated step of ``episodes``; ``step_advantages[i][t]`` is step t of episode i."""
     rows = []
     for ep, advs in zip(episodes, step_advantages):
-        for step, a in zip(ep.steps, advs):
+        t_crit = getattr(ep, "critical_step", None)
+        for t, (step, a) in enumerate(zip(ep.steps, advs), start=1):
             if step.response_ids:
                 rows.append(UpdateRow(step.train_prompt_ids, step.response_ids, list(step.logp_old), float(a),
-                                      ep.mode, rollout_prompt=step.prompt_ids, off_policy=ep.expert))
+                                      ep.mode, rollout_prompt=step.prompt_ids, off_policy=ep.expert,
+                                      critical=t_crit is not None and t >= t_crit))
     return rows

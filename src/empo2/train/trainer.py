@@ -65,6 +65,7 @@ from empo2.train.batch import (
     iteration_record,
     no_signal_warnings,
 )
+from empo2.train.drivers import rollout_driver
 from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.train.expert import ExpertPlayer
 from empo2.train.intrinsic import novelty_rewards
@@ -72,7 +73,7 @@ from empo2.train.metrics import MetricsLog, iteration_line, plot_run, reset_peak
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
 from empo2.train.reflection import reflect, tip_writers
 from empo2.train.resume import align_memory, pick_checkpoint, settings_digest, truncate_samples
-from empo2.train.rollout import RolloutContext, run_episodes, timed
+from empo2.train.rollout import RolloutContext, timed
 from empo2.train.rows import update_rows
 from empo2.train.sampling import TaskSampler
 from empo2.train.update import PolicyUpdate
@@ -288,9 +289,13 @@ class Trainer:
         reset_peak_rss()
         signals.set_phase("the rollout", where=f"iteration {it}")
         with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
-            play = self.expert.play if self.expert is not None else run_episodes  # LUFFY: gold-path members
-            batch.episodes, batch.stats = play(self.ctx, batch.specs, temperature=cfg.policy.temperature,
-                                               progress=partial(_rollout_progress, progress, it))
+            progress_fn = partial(_rollout_progress, progress, it)
+            if self.expert is not None:  # LUFFY: gold-path members
+                batch.episodes, batch.stats = self.expert.play(self.ctx, batch.specs,
+                                                               temperature=cfg.policy.temperature, progress=progress_fn)
+            else:  # G independent episodes, or ELPO's tree
+                drive = rollout_driver(self.algorithm.rollout)
+                batch.episodes, batch.stats = drive(self.ctx, batch.specs, cfg, progress_fn)
 
     def _reflect(self, batch: Batch) -> None:
         """Each finished episode writes its tip into memory (memory algorithms only); with ``overlap_reflection``

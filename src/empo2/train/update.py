@@ -138,9 +138,11 @@ class PolicyUpdate:
             with torch.no_grad(), self._reference(), autocast_context(self.model, self.cfg.policy.autocast):
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
                                                 temperature=self.temperature, options=self.options)
-        expert = {"off_policy": [r.off_policy for r in batch]} if any(r.off_policy for r in batch) else {}
+        extra = {"off_policy": [r.off_policy for r in batch]} if any(r.off_policy for r in batch) else {}
+        if any(r.critical for r in batch):
+            extra["critical"] = torch.tensor([r.critical for r in batch])
         loss, metrics = self.loss_fn(logp_new, logp_old, adv, mask, self.loss_algo, logp_ref=logp_ref,
-                                     modes=[r.mode for r in batch], **expert)
+                                     modes=[r.mode for r in batch], **extra)
         share = micro_batch_share(cfg.algo, mask.sum().item(), len(batch), mini_tokens, mini_rows)
         ok = metrics.get("skipped", 0.0) == 0.0
         if ok:

@@ -116,9 +116,29 @@ class WebShopEnv:
         info = self._info(s, raw, action, reward)
         info.update(details)
         info["accepted"] = not details.get("invalid", False)
+        info["commands"] = [action]  # what replays this step (after correction)
         if not s.done and s.steps >= self.max_steps:
             s.done, info["truncated"], info["valid_actions"] = True, True, []
         return StepResult(s.observation, reward, s.done, info)
+
+    def restore_prefix(self, task: str, variation: int, step_commands: list[list[str]]) -> tuple[str, dict[str, Any]]:
+        """The state after the first ``len(step_commands)`` steps of a recorded episode: a fresh session of goal
+        ``variation`` with each step's commands (its ``info['commands']``) applied. Returns ``(observation, info)`` as
+        :meth:`reset` does, with ``info['observations']``, the page after each replayed step."""
+        self.reset(task, variation)
+        s = self._s
+        observations = []
+        for commands in step_commands:
+            if s.done:
+                raise EnvError("the replayed prefix goes past the end of its episode")
+            for command in commands:
+                self._apply(s, command)
+            s.steps += 1
+            observations.append(s.observation)
+        s.done = s.done or s.steps >= self.max_steps
+        info = self._info(s, "", "", 0.0)
+        info.update(observations=observations, done=s.done)
+        return s.observation, info
 
     def valid_actions(self) -> list[str]:
         return self._valid(self._session())

@@ -1,0 +1,355 @@
+"""ELPO (Liang et al., 2026, "Learning from the Irrecoverable: Error-Localized Policy Optimization for
+Tool-Integrated LLM Reasoning", arXiv 2602.09598 v1), written as its equations.
+
+The rollout tree of one task (the paper's G_x): each sampled trajectory is a path of step nodes from the implicit
+root; a suffix sampled after step m of a trajectory shares that trajectory's first m nodes. Here a tree is given as
+``paths`` (trajectory i = its node ids, step 1 first) with ``rewards`` [N] (the terminal reward of each trajectory).
+Nodes are numbered 0..S−1; a node shared by several paths is one update row.
+
+Binary error localisation (BEL, §4.1, Algorithm 1):
+
+- :func:`token_entropy` (Eq. 3) — H = −Σ_j p_j log p_j per generated token.
+- :func:`entropy_gap`, :func:`choose_search` (Eq. 4) — τ*_search = argmax_τ∈B (H^tool(τ) − H^root(τ)).
+- :func:`suffix_count` (Eq. 5) — X_m = X_min + (X_max − X_min)·σ(β(H^tool_m − H^root)) suffixes at anchor m.
+- :class:`CriticalStepSearch` (Algorithm 1, lines 22–46) — the binary search for the first irrecoverable step t_crit;
+  :func:`localise` runs it against any probe under a rollout budget.
+
+Advantages (§4.2):
+
+- :func:`tree_rewards` (Eq. 6) — r(s) = R(s) at a leaf, else the mean of r over the DIRECT children.
+- :func:`branch_advantages` (Eq. 7) — A_b(c) = (r(c) − μ_b)/(σ_b + ϵ) over the children of a branching node.
+- :func:`trajectory_advantages` (Eq. 8) — A_t(τ_i) = (R_i − μ_t)/(σ_t + ϵ) over all N leaves of the tree.
+- :func:`node_credit` (Eq. 9) — A_t(s) = mean of A_t over the trajectories through s.
+- :func:`hierarchical_advantages` (Eq. 10) — A_hier = λ·A_b + (1 − λ)·A_t.
+
+Error-localised clipping (§4.3):
+
+- :func:`critical_clip_low` (Eq. 11) — ε^t_low = ε_low + ε_elc on the searched trajectory's steps t ≥ t_crit.
+- :func:`elc_surrogate` (Eq. 12) — min(ρ·A_hier, clip(ρ, 1 − ε^t_low, 1 + ε_high)·A_hier).
+
+Where the text is silent, the worked tree of App. B (Figure 4) decides: σ is the POPULATION std (ddof 0) at both
+levels; a child whose siblings all have the same r gets A_b = 0; a node with a single child passes its own A_b on to
+that child (Eq. 7 defines A_b only where M > 1; Figure 4 prints the parent's value on every lone child). Table 2's
+defaults are the module constants below.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from empo2.algo.advantages import AdvantageInput, register_advantage
+
+# Table 2 (App. C).
+N_TOTAL = 16
+B_MAX = 3
+X_MIN = 1.0
+X_MAX = 3.0
+BETA = 5.0
+LAMBDA_TREE = 0.5
+EPS_LOW = 0.2
+EPS_HIGH = 0.315
+EPS_ELC = 0.115
+
+EQUAL_RTOL = 1e-9
+"""Values of one normalisation group that differ by at most this × max(1, |v|) count as equal: advantage exactly 0."""
+
+ROOT = -1
+"""The parent of a first step: the implicit root (the task prompt), which is not a row."""
+
+
+# ----------------------------------------------------------------------------------------------- the tree
+def tree_parents(paths: Sequence[Sequence[int]]) -> np.ndarray:
+    """parent [S] int64 of every node (``ROOT`` for a first step), from the trajectories' node paths.
+
+    Raises ``ValueError`` when the paths do not form a tree: node ids not 0..S−1, a node with two parents, or a
+    trajectory that ends inside another's path (every trajectory must end at its own leaf).
+    """
+    parent: dict[int, int] = {}
+    for path in paths:
+        if not len(path):
+            raise ValueError("every trajectory needs at least one step")
+        prev = ROOT
+        for node in path:
+            node = int(node)
+            if parent.setdefault(node, prev) != prev:
+                raise ValueError(f"node {node} has two parents ({parent[node]} and {prev})")
+            prev = node
+    if sorted(parent) != list(range(len(parent))):
+        raise ValueError("node ids must be 0..S-1")
+    out = np.array([parent[s] for s in range(len(parent))], dtype=np.int64)  # [S]
+    inner = set(out.tolist())
+    ends = [int(p[-1]) for p in paths]
+    if any(e in inner for e in ends) or len(set(ends)) != len(ends):
+        raise ValueError("every trajectory must end at a leaf of its own")
+    return out
+
+
+def _children(parent: np.ndarray) -> list[list[int]]:
+    kids: list[list[int]] = [[] for _ in range(len(parent))]
+    for s, p in enumerate(parent.tolist()):
+        if p != ROOT:
+            kids[p].append(s)
+    return kids
+
+
+def _depth_order(parent: np.ndarray) -> list[int]:
+    """Nodes ordered so that every parent comes before its children."""
+    depth = np.zeros(len(parent), dtype=np.int64)
+    for s in range(len(parent)):
+        d, p = 0, s
+        while parent[p] != ROOT:
+            p, d = int(parent[p]), d + 1
+        depth[s] = d
+    return np.argsort(depth, kind="stable").tolist()
+
+
+def _normalise(values: np.ndarray, eps: float) -> np.ndarray:
+    """(v − mean)/(population std + ϵ); exactly 0 when all values agree up to :data:`EQUAL_RTOL`."""
+    v = np.asarray(values, dtype=np.float64)
+    spread = float(v.max() - v.min()) if v.size else 0.0
+    if spread <= EQUAL_RTOL * max(1.0, float(np.abs(v).max(initial=0.0))):
+        return np.zeros_like(v)
+    return (v - v.mean()) / (v.std(ddof=0) + eps)
+
+
+# ----------------------------------------------------------------------------------------------- advantages
+def tree_rewards(paths: Sequence[Sequence[int]], rewards: Sequence[float]) -> np.ndarray:
+    """Eq. 6: r [S] float64; r(s) = R(s) at a leaf, else the mean of r over the direct children of s (not over the
+    leaves below s: children −1.1, 1, 1 give 0.3, where the six leaves below would give −0.4)."""
+    parent = tree_parents(paths)
+    kids = _children(parent)
+    r = np.full(len(parent), np.nan)
+    for path, reward in zip(paths, rewards):
+        r[int(path[-1])] = float(reward)
+    for s in reversed(_depth_order(parent)):  # children before parents
+        if kids[s]:
+            r[s] = float(np.mean(r[kids[s]]))
+    return r
+
+
+def branch_advantages(paths: Sequence[Sequence[int]], r: np.ndarray, eps: float = 1e-6) -> np.ndarray:
+    """Eq. 7: A_b [S] float64. The children of a branching node (the root included) are normalised among themselves
+    (population std); the single child of a non-branching node carries its parent's A_b (App. B)."""
+    parent = tree_parents(paths)
+    kids = _children(parent)
+    first = [s for s in range(len(parent)) if parent[s] == ROOT]
+    a_b = np.zeros(len(parent))
+    if len(first) > 1:  # the root branches: its children are the first steps
+        a_b[first] = _normalise(r[first], eps)
+    for s in _depth_order(parent):  # parents first, so a lone child finds its parent's value set
+        if len(kids[s]) > 1:
+            a_b[kids[s]] = _normalise(r[kids[s]], eps)
+        elif kids[s]:
+            a_b[kids[s][0]] = a_b[s]
+    return a_b
+
+
+def trajectory_advantages(rewards: Sequence[float], eps: float = 1e-6) -> np.ndarray:
+    """Eq. 8: A_t [N] float64, each trajectory's reward normalised over all N leaves (population std)."""
+    return _normalise(np.asarray(rewards, dtype=np.float64), eps)
+
+
+def node_credit(paths: Sequence[Sequence[int]], a_traj: np.ndarray) -> np.ndarray:
+    """Eq. 9: A_t [S] float64 per node, the mean of A_t(τ) over the trajectories τ whose path holds the node."""
+    n_nodes = len(tree_parents(paths))
+    total, count = np.zeros(n_nodes), np.zeros(n_nodes)
+    for path, a in zip(paths, a_traj):
+        total[list(path)] += float(a)
+        count[list(path)] += 1
+    return total / count
+
+
+def hierarchical_advantages(a_branch: np.ndarray, a_node: np.ndarray, lam: float = LAMBDA_TREE) -> np.ndarray:
+    """Eq. 10: A_hier = λ·A_b + (1 − λ)·A_t, per node."""
+    return lam * np.asarray(a_branch, dtype=np.float64) + (1.0 - lam) * np.asarray(a_node, dtype=np.float64)
+
+
+@dataclass
+class TreeAdvantages:
+    """Every per-node quantity of §4.2 for one tree (arrays [S] float64; ``trajectory`` is [N])."""
+
+    reward: np.ndarray
+    branch: np.ndarray
+    trajectory: np.ndarray
+    node: np.ndarray
+    hier: np.ndarray
+
+
+def tree_advantages(paths: Sequence[Sequence[int]], rewards: Sequence[float], lam: float = LAMBDA_TREE,
+                    eps: float = 1e-6) -> TreeAdvantages:
+    """Eq. 6–10 in order for one tree."""
+    r = tree_rewards(paths, rewards)
+    a_b = branch_advantages(paths, r, eps)
+    a_t = trajectory_advantages(rewards, eps)
+    a_node = node_credit(paths, a_t)
+    return TreeAdvantages(r, a_b, a_t, a_node, hierarchical_advantages(a_b, a_node, lam))
+
+
+def tree_paths(parents: Sequence[tuple[int, int] | None], lengths: Sequence[int]) -> list[list[int]]:
+    """Node paths of one tree from its episodes: ``parents[i]`` = (j, m) when episode i branched after step m of
+    episode j (j < i; it holds only its own ``lengths[i]`` steps), ``None`` for a full trajectory."""
+    paths: list[list[int]] = []
+    next_node = 0
+    for parent, n in zip(parents, lengths):
+        prefix = [] if parent is None else paths[parent[0]][: parent[1]]
+        paths.append(prefix + list(range(next_node, next_node + n)))
+        next_node += n
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------- clipping
+def critical_clip_low(n_steps: int, t_crit: int | None, eps_low: float = EPS_LOW,
+                      eps_elc: float = EPS_ELC) -> np.ndarray:
+    """Eq. 11 for one trajectory of ``n_steps`` steps: ε^t_low [T] float64, ε_low + ε_elc on steps t_crit..T
+    (1-based, the critical step and its suffix), ε_low elsewhere; ``t_crit=None`` (not searched) = ε_low throughout."""
+    out = np.full(n_steps, float(eps_low))
+    if t_crit is not None:
+        out[max(int(t_crit) - 1, 0):] += float(eps_elc)
+    return out
+
+
+def node_clip_low(paths: Sequence[Sequence[int]], critical: dict[int, int], eps_low: float = EPS_LOW,
+                  eps_elc: float = EPS_ELC) -> np.ndarray:
+    """Eq. 11 on the tree's rows: ε_low [S] per node; ``critical`` maps a searched trajectory's index to its t_crit.
+    Only the searched trajectory's own nodes from step t_crit on are widened (not its failed sibling suffixes)."""
+    out = np.full(len(tree_parents(paths)), float(eps_low))
+    for i, t_crit in critical.items():
+        path = list(paths[i])
+        out[path] = np.maximum(out[path], critical_clip_low(len(path), t_crit, eps_low, eps_elc))
+    return out
+
+
+def elc_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: torch.Tensor | float,
+                  eps_high: float = EPS_HIGH) -> torch.Tensor:
+    """Eq. 12 (to be maximised): min(ρ·A, clip(ρ, 1 − ε^t_low, 1 + ε_high)·A) per token. ratio, adv [B, T];
+    clip_low a float, [B, 1] (per row) or [B, T]."""
+    low = 1.0 - torch.as_tensor(clip_low, dtype=ratio.dtype, device=ratio.device)
+    clipped = torch.minimum(torch.maximum(ratio, low), torch.full_like(ratio, 1.0 + eps_high))
+    return torch.minimum(ratio * adv, clipped * adv)
+
+
+# ----------------------------------------------------------------------------------------------- BEL
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Eq. 3: logits [..., V] -> H [...] = −Σ_j p_j log p_j (nats), with p = softmax(logits)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(dim=-1)
+
+
+def entropy_gap(step_entropy: Sequence[float]) -> float:
+    """Eq. 4's score of one failed trajectory: H^tool − H^root, with ``step_entropy`` [T] the mean token entropy of
+    each step's response. H^root = step 1 (the response to the task prompt); H^tool = the mean over steps 2..T (each
+    a response to an environment observation, the agent's "tool feedback"). A one-step trajectory scores 0."""
+    h = np.asarray(step_entropy, dtype=np.float64)
+    return float(h[1:].mean() - h[0]) if h.size > 1 else 0.0
+
+
+def choose_search(step_entropies: Sequence[Sequence[float]]) -> int:
+    """Eq. 4: the index of the buffered failure with the largest entropy gap (the first one on ties)."""
+    if not len(step_entropies):
+        raise ValueError("the failure buffer is empty")
+    return int(np.argmax([entropy_gap(h) for h in step_entropies]))
+
+
+def suffix_count(h_tool_m: float, h_root: float, x_min: float = X_MIN, x_max: float = X_MAX,
+                 beta: float = BETA) -> float:
+    """Eq. 5: X_m = X_min + (X_max − X_min)·σ(β(H^tool_m − H^root)), a real number (2.0 at a zero gap)."""
+    z = beta * (h_tool_m - h_root)
+    sigmoid = 1.0 / (1.0 + math.exp(-z)) if z >= 0 else math.exp(z) / (1.0 + math.exp(z))
+    return x_min + (x_max - x_min) * sigmoid
+
+
+def suffix_samples(h_tool_m: float, h_root: float, x_min: float = X_MIN, x_max: float = X_MAX,
+                   beta: float = BETA) -> int:
+    """Eq. 5 as Algorithm 1 uses it, a loop count: X_m rounded half up (the paper does not say how it rounds)."""
+    return int(math.floor(suffix_count(h_tool_m, h_root, x_min, x_max, beta) + 0.5))
+
+
+@dataclass
+class CriticalStepSearch:
+    """Algorithm 1, lines 22–46: the binary search over the K steps of a failed trajectory.
+
+    An anchor m fixes steps 1..m as a prefix; suffixes are sampled from step m + 1 on. If any succeeds the error
+    lies after m (L = m + 1), else at or before m (R = m). t_crit = L when the range has collapsed (or when the
+    budget ran out first: Algorithm 1 still reports L). When no suffix ever succeeds the search ends at step 1.
+    """
+
+    steps: int
+    low: int = 1
+    high: int = 0
+    probes: list[tuple[int, bool]] = field(default_factory=list)
+    """(anchor m, recoverable) of every probe, in order."""
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError("a searched trajectory needs at least one step")
+        self.high = self.high or self.steps
+
+    @property
+    def done(self) -> bool:
+        return self.low >= self.high
+
+    def anchor(self) -> int:
+        """m = ⌊(L + R)/2⌋, the next prefix length to probe (1 ≤ m < K)."""
+        if self.done:
+            raise RuntimeError("the search is over")
+        return (self.low + self.high) // 2
+
+    def record(self, recoverable: bool) -> None:
+        """The outcome of the probe at :meth:`anchor`: whether any of its suffixes succeeded."""
+        m = self.anchor()
+        self.probes.append((m, bool(recoverable)))
+        if recoverable:
+            self.low = m + 1
+        else:
+            self.high = m
+
+    @property
+    def t_crit(self) -> int:
+        return self.low
+
+
+def localise(steps: int, probe: Callable[[int, int], bool], budget: int,
+             samples: Callable[[int], int] | None = None) -> tuple[CriticalStepSearch, int]:
+    """Run :class:`CriticalStepSearch` on a trajectory of ``steps`` steps against ``probe(m, k)`` (does suffix k
+    after prefix m succeed?), sampling ``samples(m)`` suffixes per anchor (Eq. 5; default 1) while the rollout
+    ``budget`` lasts (each suffix costs one rollout, Algorithm 1 lines 23 and 29). Returns the search and the
+    rollouts spent. Suffixes of one anchor are all sampled (they go out as one wave), as Algorithm 1 does."""
+    search, spent = CriticalStepSearch(steps), 0
+    while not search.done and spent < budget:
+        m = search.anchor()
+        n = max(1, samples(m) if samples else 1)
+        outcomes = [probe(m, k) for k in range(min(n, budget - spent))]
+        spent += len(outcomes)
+        search.record(any(outcomes))
+    return search, spent
+
+
+@register_advantage("elpo")
+def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
+    """Eq. 6–10 on each group's tree: every step an episode holds gets its node's A_hier (a branch holds only the
+    steps after its prefix, so a shared prefix step is one row). A branch whose source is missing from the batch
+    (a crashed worker) counts as a tree of its own. Raw returns feed Eq. 6–8 (App. B's rewards are −1.1 / 1.0)."""
+    o = inp.options
+    tree = inp.tree or [(i, None) for i in range(len(inp.returns))]
+    out: list[np.ndarray] = [np.zeros(len(r)) for r in inp.step_rewards]
+    for g in np.unique(inp.group_ids):
+        rows = [int(i) for i in np.flatnonzero(inp.group_ids == g)]
+        local = {tree[i][0]: k for k, i in enumerate(rows)}
+        parents = []
+        for i in rows:
+            p = tree[i][1]
+            parents.append((local[p[0]], p[1]) if p is not None and local.get(p[0], len(rows)) < local[tree[i][0]]
+                           else None)
+        paths = tree_paths(parents, [len(inp.step_rewards[i]) for i in rows])
+        hier = tree_advantages(paths, [float(inp.returns[i]) for i in rows], o.elpo_lambda, o.eps).hier
+        for i, path in zip(rows, paths):
+            own = len(inp.step_rewards[i])
+            out[i] = hier[path[len(path) - own:]] if own else np.zeros(0)
+    flat = np.concatenate(out) if out else np.zeros(0)
+    return out, {"groups": float(len(np.unique(inp.group_ids))), "adv_abs_mean": float(np.abs(flat).mean())
+                 if flat.size else 0.0, "zero_adv_groups": 0.0}
