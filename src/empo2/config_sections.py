@@ -294,6 +294,10 @@ class TrainConfig:
     runs the same sharded code on a group of one. With ``policy.backend: vllm`` each rank's engine takes the weights
     gathered one decoder layer at a time; the update runs without prefix sharing; checkpoints are sharded (``empo2
     export RUN OUT`` writes Hugging Face weights). ``empo2.train.sharding``."""
+    memory_check: bool = True
+    """Before the first rollout on a GPU, estimate one rank's peak memory (weights, gradients, AdamW state,
+    activations, the vLLM engine's share) and stop with one line, and a setting that fits, when it exceeds the
+    device's free memory (:mod:`empo2.train.preflight`); false skips the check."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
     eval_at_start: bool = False

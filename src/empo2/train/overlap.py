@@ -30,10 +30,12 @@ from empo2.train.rollout import RolloutContext
 
 
 def overlap_wanted(setting: bool | None, model: torch.nn.Module, backend) -> bool:
-    """``memory.overlap_reflection``; ``None`` (auto) = on where generation has its own weights or runs on a GPU."""
+    """``memory.overlap_reflection``; ``None`` (auto) = on where generation has its own weights, or on a GPU with a
+    LoRA adapter (a full fine-tune's snapshot would be a second copy of every weight, beside the update's peak)."""
     if setting is not None:
         return setting
-    return backend is not None or next(model.parameters()).device.type == "cuda"
+    lora = hasattr(model, "peft_config")
+    return backend is not None or (lora and next(model.parameters()).device.type == "cuda")
 
 
 @dataclass

@@ -56,7 +56,7 @@ from empo2.policy.prefix import compute_options
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
-from empo2.train import sharding
+from empo2.train import preflight, sharding
 from empo2.train.batch import Batch, append_samples, batch_env_steps, iteration_record, no_signal_warnings
 from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
@@ -90,6 +90,10 @@ class Trainer:
 
         self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype)
         self.model = loader.make_trainable(self.model, cfg.policy, cfg.train.gradient_checkpointing)
+        # before the first rollout: a run that does not fit its GPU would die at its first optimizer step
+        preflight.check(self.model, cfg, self.dist.world_size,
+                        overlap_snapshot=cfg.policy.backend == "hf" and not cfg.policy.lora and bool(
+                            overlap_wanted(cfg.memory.overlap_reflection, self.model, None)))
         if sharding.wanted(cfg):  # before the optimizer: it holds the sharded parameters
             self.model = sharding.wrap(self.model, cfg, self.dist)
         self.compute = compute_options(cfg.policy, cfg.train)  # prefix sharing, compute dtype, log-prob chunks
