@@ -49,7 +49,8 @@ class BackgroundReflection:
     """Starts an iteration's reflections on a worker thread (:meth:`start`) and writes them (:meth:`finish`)."""
 
     def __init__(self, model: torch.nn.Module, backend=None, autocast=nullcontext):
-        self.model, self.backend, self.autocast = model, backend, autocast
+        # an engine computes in its own dtype, outside the trainer's autocast
+        self.model, self.backend, self.autocast = model, backend, nullcontext if backend is not None else autocast
         self.snapshot, self._pairs = (None, []) if backend is not None else _snapshot(model)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="empo2-reflect")
 

@@ -82,8 +82,8 @@ class Trainer:
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         settle_autocast(cfg.policy)  # "auto" becomes this machine's precision, recorded in the saved config
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
-        check_backend(cfg.policy.backend)
-        self.dist = dp.init_from_env()
+        check_backend(cfg.policy.backend, cfg.policy.lora_r if cfg.policy.lora else 0)
+        self.dist = dp.init_from_env(cfg.policy.device)
         if cfg.train.tasks_per_batch < self.dist.world_size:
             raise ConfigError(f"train.tasks_per_batch ({cfg.train.tasks_per_batch}) must be at least the number of "
                               f"ranks ({self.dist.world_size}): each rank plays whole groups")
@@ -153,7 +153,8 @@ class Trainer:
                                             loader.resolve_model_path(cfg.policy.model),
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed,
                                             engine_dtype(cfg.policy.autocast, weights, cfg.policy.device))
-            self.ctx.backend.sync_weights(self.model)
+            if self.start_iteration > 0:  # a fresh engine loaded the model's own starting weights already
+                self.ctx.backend.sync_weights(self.model)
         self.reflection = None
         overlap = overlap_wanted(cfg.memory.overlap_reflection, self.model, self.ctx.backend)
         if self.use_memory and overlap and not self.dist.sharded:  # sharded: generation must gather, not copy

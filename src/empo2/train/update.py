@@ -129,10 +129,10 @@ class PolicyUpdate:
             weights = [r.token_weights or [1.0] * len(r.response) for r in batch]
             adv = adv[:, None] * _pad(weights, logp_new.shape[1]).to(logp_new.device)  # [B, T]
         logp_ref = None
-        if cfg.algo.beta > 0:
+        if cfg.algo.beta > 0:  # the trained forward's options: a checkpointed layer in train mode drops a shared head
             with torch.no_grad(), self._reference(), autocast_context(self.model, self.cfg.policy.autocast):
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
-                                                temperature=self.temperature, options=self.options)
+                                                temperature=self.temperature, options=self.train_options)
         loss, metrics = self.loss_fn(logp_new, logp_old, adv, mask, cfg.algo, logp_ref=logp_ref,
                                      modes=[r.mode for r in batch])
         share = micro_batch_share(cfg.algo, mask.sum().item(), len(batch), mini_tokens, mini_rows)
