@@ -132,3 +132,24 @@ def test_weight_items_stream_what_save_pretrained_writes(tmp_path, tiny_model):
     for name, tensor in streamed.items():
         assert tensor.dtype == torch.bfloat16
         assert torch.equal(tensor, saved[name].to(torch.bfloat16)), name
+
+
+def test_auto_engine_follows_the_measured_table():
+    import json
+    from pathlib import Path
+
+    from empo2.policy.engine_choice import MEASURED, choose, settle_backend
+
+    arms = json.loads((Path(__file__).parents[1] / "benchmarks/results/engines.json").read_text())["arms"]
+    steps = arms["vllm"]["summary"]["steps_per_s"] / arms["hf_fp32"]["summary"]["steps_per_s"]
+    iteration = arms["hf_fp32"]["summary"]["iteration_s"] / arms["vllm"]["summary"]["iteration_s"]
+    engine, why = MEASURED["avx2"]
+    assert engine == ("vllm" if steps > 1 else "hf")  # the faster engine of the committed measurement
+    assert f"{steps:.2f}×" in why and f"{iteration:.2f}×" in why
+    assert choose("cpu", {"avx2", "fma"}) == ("hf", f"avx2: {why}")
+    engine, reason = choose("cpu", {"avx2", "avx512f", "avx512_bf16"})
+    assert engine == "hf" and reason.startswith("avx512_bf16 not measured; nearest measured, avx2")
+    assert choose("cuda", None)[0] == "hf"
+    cfg = Config.load("configs/webshop_cpu.yaml", ["policy.backend=auto", "policy.device=cpu"])
+    assert settle_backend(cfg.policy) and cfg.policy.backend == "hf"
+    assert settle_backend(cfg.policy) is None  # a named engine stays

