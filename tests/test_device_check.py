@@ -4,6 +4,7 @@ one summary.json and a log tail (the GPU run uses the same driver and steps, at 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,16 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device_check.py"
 
 
-def _run(out: Path, *args: str) -> tuple[int, dict]:
+def _run(out: Path, *args: str, env: dict | None = None) -> tuple[int, dict]:
     proc = subprocess.run([sys.executable, str(SCRIPT), "--cpu", "--out", str(out), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     return proc.returncode, json.loads((out / "summary.json").read_text())
 
 
 def test_cpu_mode_runs_its_steps_and_skips_the_cuda_only_ones(tmp_path):
     """env, the FSDP-vs-unsharded update with a sharded checkpoint round trip, an EMPO² run with β > 0 under
     gradient checkpointing, and vLLM (skipped with its reason where it does not import)."""
-    code, summary = _run(tmp_path / "out", "--steps", "env,hf_speed,update,e2e_kl,vllm")
+    code, summary = _run(tmp_path / "out", "--steps", "env,hf_speed,update,e2e_kl,vllm",
+                         env={"EMPO2_CHECK_TINY_EMBEDDER": "1"})  # as on a node without the MiniLM wheel
     steps = summary["steps"]
     assert summary["mode"] == "cpu"
     assert steps["hf_speed"] == {"status": "SKIP", "reason": "CUDA only"}

@@ -153,3 +153,12 @@ def test_auto_engine_follows_the_measured_table():
     cfg = Config.load("configs/webshop_cpu.yaml", ["policy.backend=auto", "policy.device=cpu"])
     assert settle_backend(cfg.policy) and cfg.policy.backend == "hf"
     assert settle_backend(cfg.policy) is None  # a named engine stays
+
+
+def test_training_in_float16_is_refused_without_a_gradient_scaler():
+    from empo2.policy.loader import ModelLoadError, check_precision
+
+    check_precision("float32", "cpu", True, "bfloat16")
+    for dtype, autocast in (("float32", "float16"), ("float16", "none")):
+        with pytest.raises(ModelLoadError, match="gradient scaler"):
+            check_precision(dtype, "cpu", True, autocast)
