@@ -101,7 +101,10 @@ class VLLMBackend:
         start = time.perf_counter()
         try:  # processed: the log-probs of the distribution sampled (after temperature), the backend contract's
             with _trainer_state_kept():
-                self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=seed,
+                # each rank's engine its own sampling stream (as TRL's colocated engines: seed + rank)
+                ranks = int(os.environ.get("WORLD_SIZE", "1")) > 1
+                rank_seed = seed + (int(os.environ.get("RANK", "0")) if ranks else 0)
+                self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=rank_seed,
                                     logprobs_mode="processed_logprobs", **_engine_kwargs(memory_fraction, dtype),
                                     **extra)
         except TypeError as exc:  # a vLLM without logprobs_mode returns untempered log-probs: wrong at T != 1
