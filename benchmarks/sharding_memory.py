@@ -48,7 +48,7 @@ def worker(args) -> None:
     from empo2.train import sharding
 
     torch.manual_seed(0)
-    dist = dp.init_from_env()
+    dist = dp.init_from_env("cpu")
     shape = LlamaConfig(hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3, num_hidden_layers=args.layers,
                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
     model = LlamaForCausalLM(shape)

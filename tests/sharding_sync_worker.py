@@ -86,7 +86,7 @@ def gathered_for(model) -> dict[str, bool]:
 def main(model_name: str, out: str, lora: str) -> None:
     cfg = Config.load("configs/scienceworld_cpu.yaml", [f"policy.model={model_name}", "train.sharding=fsdp",
                                                         f"policy.lora={lora == '1'}", "policy.autocast=none"])
-    dist = dp.init_from_env()
+    dist = dp.init_from_env("cpu")
     model = changed_model(model_name, lora == "1", cfg)
     if dist.is_main:
         model.save_pretrained(str(Path(out) / "plain"))

@@ -48,7 +48,7 @@ def main(model_name: str, out: str, mode: str, lora: str, *overrides: str) -> No
     cfg = Config.load("configs/scienceworld_cpu.yaml", [f"policy.model={model_name}", f"train.sharding={mode}",
                                                         f"policy.lora={lora == '1'}", *overrides])
     torch.manual_seed(cfg.train.seed)
-    dist = dp.init_from_env()
+    dist = dp.init_from_env("cpu")
     model, tokenizer = load_model(cfg.policy.model, "cpu", cfg.policy.dtype)
     model = _with_adapter(model, cfg.policy) if cfg.policy.lora else model
     for p in model.parameters() if not cfg.policy.lora else ():  # full fine-tuning, as the trainer sets it

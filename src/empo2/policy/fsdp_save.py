@@ -65,12 +65,29 @@ def _write_weights(model: torch.nn.Module, folder: Path) -> None:
     (folder / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _gathered(tensor: torch.Tensor) -> torch.Tensor:
-    """The full tensor of a shard (a collective), in host memory: a GPU holds one gathered tensor at a time."""
+def weight_items(model: torch.nn.Module, dtype: torch.dtype | None = None):
+    """``(name, tensor)`` of ``model``'s full weights in the checkpoint format ``save_pretrained`` writes, one FSDP
+    unit gathered at a time, on the model's device, cast to ``dtype``: for an engine that loads tensors, not files.
+    Every rank of a sharded model iterates it at the same point (each gather is a collective)."""
+    state = model.state_dict()
+    skipped = _not_saved(model)
+    with torch.no_grad():
+        for names in _files(model, [name for name in state if name not in skipped]):
+            tensors = _reverted(model, {name: _full(state[name]) for name in names})
+            for name, tensor in tensors.items():
+                yield name, tensor if dtype is None else tensor.to(dtype)
+            del tensors  # this unit's full tensors are freed before the next unit is gathered
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
-    full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-    return full.detach().cpu().contiguous()
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a shard (a collective), in host memory: a GPU holds one gathered tensor at a time."""
+    return _full(tensor).cpu().contiguous()
 
 
 def _not_saved(model: torch.nn.Module) -> set[str]:

@@ -78,6 +78,9 @@ def check_precision(dtype: str, device: str, lora: bool, autocast: str) -> None:
     dev = resolve_device(device)
     if autocast not in ("auto", "none", "bfloat16", "float16"):
         raise ModelLoadError(f"unknown policy.autocast {autocast!r}; use auto, none, bfloat16 or float16")
+    if autocast == "float16" or dtype == "float16":
+        raise ModelLoadError("training in float16 needs a gradient scaler, which empo2 does not run (small gradients "
+                             "would underflow to zero); use policy.autocast=bfloat16, or none on a GPU without it")
     if not lora and resolve_dtype(dtype, dev) != torch.float32:
         raise ModelLoadError(
             f"full fine-tuning with {resolve_dtype(dtype, dev)} weights (policy.dtype={dtype}) rounds small updates "

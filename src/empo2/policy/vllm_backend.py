@@ -11,8 +11,10 @@ Weight sync after every update, without restarting the engine:
 
 - LoRA: the adapter is saved to a fresh folder and requests switch to a new ``LoRARequest`` id (vLLM caches
   adapters by id, so a reused id would serve the old adapter).
-- Full weights: the model is saved as safetensors and the engine reloads them in place (``reload_weights``);
-  copying tensors into the engine's modules does not work on CPU, where vLLM repacks linear weights.
+- Full weights on a GPU: the tensors go to the engine's worker in this process (``reload_weights`` with a weights
+  iterator), one decoder layer gathered at a time, in the engine's dtype. On a CPU the model is saved as
+  safetensors and the engine reloads them in place (``reload_weights``); copying tensors into the engine's modules
+  does not work there, where vLLM repacks linear weights.
 
 Either way the prefix cache is cleared: its blocks hold KV computed with the old weights. A model sharded with FSDP
 (``train.sharding: fsdp``) is written by :mod:`empo2.policy.fsdp_save`, gathered one decoder layer at a time into each
@@ -46,9 +48,16 @@ def _import_vllm():
     return vllm
 
 
-def _engine_kwargs(memory_fraction: float, dtype: str | None) -> dict:
-    if torch.cuda.is_available():
-        return {"gpu_memory_utilization": memory_fraction, "dtype": dtype or "bfloat16"}
+def _engine_kwargs(memory_fraction: float, dtype: str | None, env=os.environ, cuda: bool | None = None) -> dict:
+    """The engine's arguments on this machine. Under a launcher with several ranks each rank's engine runs on the
+    rank's own GPU (``LOCAL_RANK``): vLLM's default single-process executor would take GPU 0 on every rank and make it
+    the process's current device, under the trainer's collectives; ``external_launcher`` reads the rank from the
+    launcher's environment and serves this process alone."""
+    if torch.cuda.is_available() if cuda is None else cuda:
+        kwargs = {"gpu_memory_utilization": memory_fraction, "dtype": dtype or "bfloat16"}
+        if int(env.get("WORLD_SIZE", "1")) > 1:
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        return kwargs
     # The engine's worker sets the process's thread count and CPU affinity when it starts; "nobind" keeps the
     # trainer's cores and threads as they are (they share this process).
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -62,6 +71,8 @@ def _trainer_state_kept():
     replaces ``torch.set_num_threads`` with a no-op. The trainer keeps its random streams and threads as they were."""
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    cuda = torch.cuda.is_available()
+    gpu_states, device = (torch.cuda.get_rng_state_all(), torch.cuda.current_device()) if cuda else (None, None)
     try:
         yield
     finally:
@@ -70,6 +81,9 @@ def _trainer_state_kept():
         random.setstate(states[0])
         np.random.set_state(states[1])
         torch.random.set_rng_state(states[2])
+        if cuda:  # the engine seeds the CUDA generators and may switch the current device
+            torch.cuda.set_rng_state_all(gpu_states)
+            torch.cuda.set_device(device)
 
 
 class VLLMBackend:
@@ -78,13 +92,19 @@ class VLLMBackend:
     def __init__(self, model_path: str, tokenizer, lora_rank: int = 0, memory_fraction: float = 0.4, seed: int = 0,
                  dtype: str | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # see the module docstring
+        from empo2.policy.backend import check_lora_rank
+
+        check_lora_rank(lora_rank)
         vllm = _import_vllm()
         self.tokenizer, self._vllm = tokenizer, vllm
         extra = {"enable_lora": True, "max_lora_rank": lora_rank} if lora_rank else {}
         start = time.perf_counter()
         try:  # processed: the log-probs of the distribution sampled (after temperature), the backend contract's
             with _trainer_state_kept():
-                self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=seed,
+                # each rank's engine its own sampling stream (as TRL's colocated engines: seed + rank)
+                ranks = int(os.environ.get("WORLD_SIZE", "1")) > 1
+                rank_seed = seed + (int(os.environ.get("RANK", "0")) if ranks else 0)
+                self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=rank_seed,
                                     logprobs_mode="processed_logprobs", **_engine_kwargs(memory_fraction, dtype),
                                     **extra)
         except TypeError as exc:  # a vLLM without logprobs_mode returns untempered log-probs: wrong at T != 1
@@ -119,6 +139,10 @@ class VLLMBackend:
 
     def sync_weights(self, model) -> None:
         """Make the engine sample from ``model``'s current weights (LoRA adapter or full weights)."""
+        if self._sync_in_process(model):
+            self._lora = None
+            self.llm.reset_prefix_cache()
+            return
         folder = self._new_folder()
         if fsdp_save.is_fsdp(model):  # every rank, together: the weights are gathered one decoder layer at a time
             fsdp_save.save_pretrained(model, folder)
@@ -134,6 +158,23 @@ class VLLMBackend:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
             self._drop_folders(keep=0)
         self.llm.reset_prefix_cache()
+
+    def _sync_in_process(self, model) -> bool:
+        """Full weights handed to the engine's worker as tensors, one FSDP unit gathered at a time, in the engine's
+        dtype: the engine lives in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so its ``collective_rpc``
+        calls the worker directly and nothing is serialised or written to disk. On a GPU only (on a CPU vLLM
+        repacks linear weights on load, which its file path does). Returns False where the worker refuses it."""
+        if hasattr(model, "peft_config") or not torch.cuda.is_available() or \
+                os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            return False
+        dtype = self.llm.llm_engine.model_config.dtype
+        try:
+            self.llm.collective_rpc("reload_weights",
+                                    kwargs={"weights_iterator": fsdp_save.weight_items(model, dtype)})
+        except TypeError as exc:  # a vLLM whose reload_weights takes no weights_iterator
+            print(f"[vllm] in-process weight sync refused ({exc}); syncing through files", file=sys.stderr)
+            return False
+        return True
 
     def _new_folder(self) -> str:
         self._drop_folders(keep=1)  # the adapter in use stays on disk until the next one replaces it

@@ -45,8 +45,11 @@ class CheckpointError(ConfigError):
 def rng_state() -> dict[str, Any]:
     version, keys, gauss = random.getstate()
     name, mt, pos, has_gauss, cached = np.random.get_state()
-    return {"python": [version, list(keys), gauss], "numpy": [name, mt, pos, has_gauss, cached],
-            "torch": torch.get_rng_state()}
+    state = {"python": [version, list(keys), gauss], "numpy": [name, mt, pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # GPU sampling and LoRA dropout draw from the CUDA generators
+        state["cuda"] = torch.stack(torch.cuda.get_rng_state_all())
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -55,6 +58,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
     name, mt, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(mt, dtype=np.uint32), int(pos), int(has_gauss), float(cached)))
     torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8))
+    gpu = state.get("cuda")  # absent in a checkpoint written without a GPU
+    if gpu is not None and torch.cuda.is_available():
+        gpu = torch.as_tensor(gpu, dtype=torch.uint8)
+        torch.cuda.set_rng_state_all(list(gpu[: torch.cuda.device_count()]))
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -165,7 +172,8 @@ def load_state(ckpt: Path) -> dict[str, Any]:
 
 
 def load_optimizer(ckpt: Path) -> dict[str, Any]:
-    return torch.load(Path(ckpt) / "optimizer.pt", weights_only=True)
+    # on the host: each rank moves its own state to its device on load_state_dict (not all of it onto cuda:0 first)
+    return torch.load(Path(ckpt) / "optimizer.pt", weights_only=True, map_location="cpu")
 
 
 def read_weights(ckpt: Path, lora: bool) -> dict[str, torch.Tensor]:

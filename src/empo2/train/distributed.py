@@ -161,27 +161,38 @@ class Dist:
             torch.distributed.destroy_process_group()
 
     def _device(self) -> torch.device:
+        # this rank's own GPU, named explicitly: a library sharing the process (vLLM) may move the current device
         if torch.distributed.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", self.local_rank)
         return torch.device("cpu")
 
 
-def init_from_env() -> Dist:
+def process_group_backend(device: str, cuda_available: bool) -> str:
+    """nccl for a model on a GPU, gloo for one on the CPU (``policy.device``), also where CUDA exists: NCCL
+    collectives take no CPU tensors."""
+    kind = ("cuda" if cuda_available else "cpu") if device == "auto" else torch.device(device).type
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def init_from_env(device: str = "auto") -> Dist:
     """Join the process group the launcher describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``…).
 
-    nccl when CUDA is available (each rank on ``cuda:LOCAL_RANK``), gloo otherwise. ``EMPO2_DIST_TIMEOUT_S``
-    (default 3600) bounds how long a rank waits for the others (a rank still rolling out, rank 0 saving).
+    nccl when the model is on a GPU (``device``: ``policy.device``; each rank on ``cuda:LOCAL_RANK``), gloo
+    otherwise. ``EMPO2_DIST_TIMEOUT_S`` (default 3600) bounds how long a rank waits for the others (a rank still
+    rolling out, rank 0 saving).
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist()
     rank, local = env_rank(), int(os.environ.get("LOCAL_RANK", "0"))
     if not torch.distributed.is_initialized():
-        cuda = torch.cuda.is_available()
-        if cuda:
+        backend = process_group_backend(device, torch.cuda.is_available())
+        extra = {}
+        if backend == "nccl":
             torch.cuda.set_device(local)
+            extra["device_id"] = torch.device("cuda", local)  # binds the group to this rank's GPU
         timeout = timedelta(seconds=float(os.environ.get("EMPO2_DIST_TIMEOUT_S", "3600")))
-        torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        torch.distributed.init_process_group(backend, timeout=timeout, **extra)
     return Dist(rank=rank, world_size=world, local_rank=local)
 
 

@@ -30,10 +30,12 @@ from empo2.train.rollout import RolloutContext
 
 
 def overlap_wanted(setting: bool | None, model: torch.nn.Module, backend) -> bool:
-    """``memory.overlap_reflection``; ``None`` (auto) = on where generation has its own weights or runs on a GPU."""
+    """``memory.overlap_reflection``; ``None`` (auto) = on where generation has its own weights, or on a GPU with a
+    LoRA adapter (a full fine-tune's snapshot would be a second copy of every weight, beside the update's peak)."""
     if setting is not None:
         return setting
-    return backend is not None or next(model.parameters()).device.type == "cuda"
+    lora = hasattr(model, "peft_config")
+    return backend is not None or (lora and next(model.parameters()).device.type == "cuda")
 
 
 @dataclass
@@ -47,7 +49,8 @@ class BackgroundReflection:
     """Starts an iteration's reflections on a worker thread (:meth:`start`) and writes them (:meth:`finish`)."""
 
     def __init__(self, model: torch.nn.Module, backend=None, autocast=nullcontext):
-        self.model, self.backend, self.autocast = model, backend, autocast
+        # an engine computes in its own dtype, outside the trainer's autocast
+        self.model, self.backend, self.autocast = model, backend, nullcontext if backend is not None else autocast
         self.snapshot, self._pairs = (None, []) if backend is not None else _snapshot(model)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="empo2-reflect")
 

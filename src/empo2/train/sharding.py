@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -110,11 +110,15 @@ def gathered(model: torch.nn.Module):
 @contextmanager
 def generating(model: torch.nn.Module, autocast: str, backend=None):
     """The compute context of rollouts, reflection and evaluation: :func:`gathered`, under ``policy.autocast``. With a
-    separate rollout ``backend`` (vLLM) the engine generates from its own copy and the model runs no forward, so
-    nothing is gathered: the trainer holds only its shards beside the engine."""
+    separate rollout ``backend`` (vLLM) the engine generates from its own copy in its own dtype and the model runs no
+    forward, so nothing is gathered (the trainer holds only its shards beside the engine) and no autocast is
+    entered (the engine's compiled kernels and sampler are not the trainer's)."""
     from empo2.policy.loader import autocast_context
 
-    with nullcontext() if backend is not None else gathered(model), autocast_context(model, autocast):
+    if backend is not None:
+        yield
+        return
+    with gathered(model), autocast_context(model, autocast):
         yield
 
 

@@ -50,13 +50,14 @@ from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
 from empo2.policy import loader
 from empo2.policy.backend import check_backend, make_backend
+from empo2.policy.engine_choice import settle_backend
 from empo2.policy.loader import autocast_context, load_model
 from empo2.policy.precision import engine_dtype, settle_autocast
 from empo2.policy.prefix import compute_options
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt
 from empo2.train import distributed as dp
-from empo2.train import sharding
+from empo2.train import preflight, sharding
 from empo2.train.batch import (
     Batch,
     append_samples,
@@ -93,8 +94,9 @@ class Trainer:
         if cfg.algo.intrinsic_schedule == "linear" and not cfg.algo.intrinsic_schedule_iterations:
             cfg.algo.intrinsic_schedule_iterations = cfg.train.iterations  # kept when a resume changes the length
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
-        check_backend(cfg.policy.backend)
-        self.dist = dp.init_from_env()
+        settle_backend(cfg.policy)  # "auto" becomes the engine measured faster here, recorded in the saved config
+        check_backend(cfg.policy.backend, cfg.policy.lora_r if cfg.policy.lora else 0)
+        self.dist = dp.init_from_env(cfg.policy.device)
         if cfg.train.tasks_per_batch < self.dist.world_size:
             raise ConfigError(f"train.tasks_per_batch ({cfg.train.tasks_per_batch}) must be at least the number of "
                               f"ranks ({self.dist.world_size}): each rank plays whole groups")
@@ -102,6 +104,10 @@ class Trainer:
         self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                                cfg.policy.trust_remote_code)
         self.model = loader.make_trainable(self.model, cfg.policy, cfg.train.gradient_checkpointing)
+        # before the first rollout: a run that does not fit its GPU would die at its first optimizer step
+        preflight.check(self.model, cfg, self.dist.world_size,
+                        overlap_snapshot=cfg.policy.backend == "hf" and not cfg.policy.lora and bool(
+                            overlap_wanted(cfg.memory.overlap_reflection, self.model, None)))
         if sharding.wanted(cfg):  # before the optimizer: it holds the sharded parameters
             self.model = sharding.wrap(self.model, cfg, self.dist)
         self.compute = compute_options(cfg.policy, cfg.train)  # prefix sharing, compute dtype, log-prob chunks
@@ -164,7 +170,8 @@ class Trainer:
                                             loader.resolve_model_path(cfg.policy.model, cfg.policy.trust_remote_code),
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed,
                                             engine_dtype(cfg.policy.autocast, weights, cfg.policy.device))
-            self.ctx.backend.sync_weights(self.model)
+            if self.start_iteration > 0:  # a fresh engine loaded the model's own starting weights already
+                self.ctx.backend.sync_weights(self.model)
         self.reflection = None
         overlap = overlap_wanted(cfg.memory.overlap_reflection, self.model, self.ctx.backend)
         if self.use_memory and overlap and not self.dist.sharded:  # sharded: generation must gather, not copy

@@ -134,10 +134,10 @@ class PolicyUpdate:
             weights = [r.token_weights or [1.0] * len(r.response) for r in batch]
             adv = adv[:, None] * _pad(weights, logp_new.shape[1]).to(logp_new.device)  # [B, T]
         logp_ref = None
-        if cfg.algo.beta > 0:
+        if cfg.algo.beta > 0:  # the trained forward's options: a checkpointed layer in train mode drops a shared head
             with torch.no_grad(), self._reference(), autocast_context(self.model, self.cfg.policy.autocast):
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
-                                                temperature=self.temperature, options=self.options)
+                                                temperature=self.temperature, options=self.train_options)
         extra = {"off_policy": [r.off_policy for r in batch]} if any(r.off_policy for r in batch) else {}
         if any(r.critical for r in batch):
             extra["critical"] = torch.tensor([r.critical for r in batch])

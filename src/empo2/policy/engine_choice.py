@@ -1,0 +1,48 @@
+"""``policy.backend: auto``: the rollout engine that was measured faster on this kind of machine.
+
+The table holds what ``benchmarks/engines.py`` measured (docs/benchmarks.md), keyed by the CPU's widest vector
+feature (:data:`empo2.machine.ISA_FLAGS`). A feature set with no measurement of its own takes the nearest narrower
+one that has, and says so; a GPU has no measurement yet and takes the reference engine. The decision and its reason
+go into the run's banner, and the saved config records the engine chosen.
+"""
+
+from __future__ import annotations
+
+from empo2.machine import ISA_FLAGS
+
+MEASURED: dict[str, tuple[str, str]] = {
+    "avx2": ("hf", "vLLM 0.56× HF env-steps/s, 0.38× iteration speed (engines.py, AMD EPYC AVX2, 2026-12-01)"),
+}
+"""Widest CPU feature → (faster engine, the measurement)."""
+
+
+def choose(device_type: str, flags: set[str] | None) -> tuple[str, str]:
+    """The engine for a device type (``cpu``, ``cuda``) and CPU flags, and why, in a few words."""
+    if device_type != "cpu":
+        return "hf", f"{device_type}: no engines.py measurement yet, the reference engine"
+    have = [f for f in ISA_FLAGS if flags and f in flags]
+    widest = have[-1] if have else None
+    if widest in MEASURED:
+        engine, why = MEASURED[widest]
+        return engine, f"{widest}: {why}"
+    for narrower in reversed(have[:-1]):
+        if narrower in MEASURED:
+            engine, why = MEASURED[narrower]
+            return engine, f"{widest} not measured; nearest measured, {narrower}: {why}"
+    return "hf", f"{widest or 'this CPU'}: not measured, the reference engine"
+
+
+def settle_backend(policy_cfg) -> str | None:
+    """Replace ``policy.backend: auto`` in the config section by the engine :func:`choose` picks here; returns the
+    reason for the banner (``None`` when the config named an engine itself)."""
+    if policy_cfg.backend != "auto":
+        return None
+    import torch
+
+    from empo2.policy.precision import cpu_flags
+
+    device = policy_cfg.device
+    kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device).type
+    engine, why = choose(kind, cpu_flags() if kind == "cpu" else None)
+    policy_cfg.backend = engine
+    return why
