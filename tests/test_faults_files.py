@@ -202,12 +202,12 @@ def test_checkpoint_files_are_readable_as_the_umask_allows(trained):
     mask = os.umask(0o022)
     os.umask(mask)
     for folder in ckpt.list_checkpoints(trained):
-        listed = json.loads((folder / MANIFEST).read_text())["files"]
-        assert sorted(listed) == sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                                        if p.is_file() and p.name != MANIFEST)
         for path in [folder, *folder.rglob("*")]:
             wanted = 0o777 if path.is_dir() else 0o666
             assert stat.S_IMODE(path.stat().st_mode) & ~0o111 == wanted & ~mask & ~0o111, (path, oct(mask))
+        listed = json.loads((folder / MANIFEST).read_text())["files"]
+        assert sorted(listed) == sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                                        if p.is_file() and p.name != MANIFEST)
 
 
 # ----------------------------------------------------------------------------- 7: one line where a traceback was
