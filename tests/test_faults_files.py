@@ -93,6 +93,41 @@ def test_seed_memory_with_a_huge_or_undecodable_tip_is_skipped(trained, tmp_path
     assert "look around the room carefully and then look around" not in samples and "Look\ufffd" not in samples
 
 
+def test_stored_tips_are_read_bounded_and_checked(tmp_path):
+    """A memory file with a 10 MB tip, a tip in invalid UTF-8, a blob where text belongs and a 10 MB state key
+    beside two sound tips: opening it reads the sound ones only (Python never holds the 10 MB values: tracemalloc's
+    peak stays far below them) and counts the rest by reason; retrieval never returns them."""
+    import tracemalloc
+
+    import numpy as np
+
+    from empo2.memory.store import TipMemory
+
+    db = tmp_path / "memory.sqlite"
+    rng = np.random.default_rng(0)
+    keys = rng.normal(size=(6, 384))
+    with TipMemory(db) as mem:
+        mem.bulk_insert("find-animal", [f"tip {i}: look for the animal outside the house" for i in range(6)], keys,
+                        rng.normal(size=(6, 384)))
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE tips SET text = ? WHERE id = 1", (BIG_TIP,))
+    conn.execute("UPDATE tips SET text = CAST(X'4c6f6f6bff' AS TEXT) WHERE id = 2")
+    conn.execute("UPDATE tips SET text = X'00ff' WHERE id = 3")
+    conn.execute("UPDATE tips SET key_text = ? WHERE id = 4", (BIG_TIP,))
+    conn.commit()
+    conn.close()
+    tracemalloc.start()
+    try:
+        with TipMemory(db, dim=None, read_only=True) as mem:
+            peak = tracemalloc.get_traced_memory()[1]
+            assert mem.skipped == {"too_long": 2, "invalid_unicode": 2} and len(mem) == 2
+            found = mem.retrieve("find-animal", keys, k=6, threshold=-1.0)
+            assert {t.id for hits in found for t in hits} == {5, 6}
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_000_000, peak
+
+
 @pytest.mark.slow
 def test_resume_of_an_old_checkpoint_whose_memory_has_an_undecodable_tip(trained, tmp_path):
     """A run's own memory (live and in its latest checkpoint, one written before checkpoints had a manifest) with a
@@ -167,12 +202,12 @@ def test_checkpoint_files_are_readable_as_the_umask_allows(trained):
     mask = os.umask(0o022)
     os.umask(mask)
     for folder in ckpt.list_checkpoints(trained):
-        listed = json.loads((folder / MANIFEST).read_text())["files"]
-        assert sorted(listed) == sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
-                                        if p.is_file() and p.name != MANIFEST)
         for path in [folder, *folder.rglob("*")]:
             wanted = 0o777 if path.is_dir() else 0o666
             assert stat.S_IMODE(path.stat().st_mode) & ~0o111 == wanted & ~mask & ~0o111, (path, oct(mask))
+        listed = json.loads((folder / MANIFEST).read_text())["files"]
+        assert sorted(listed) == sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                                        if p.is_file() and p.name != MANIFEST)
 
 
 # ----------------------------------------------------------------------------- 7: one line where a traceback was
