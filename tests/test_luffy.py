@@ -14,7 +14,10 @@ import torch
 from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
 from empo2.algo.losses import get_policy_loss
 from empo2.config_sections import AlgoConfig
-from empo2.train.expert import AUTO_ANSWER, ExpertPlayer, expert_generation, replayable_gold
+from empo2.envs.scienceworld import replayable_gold
+from empo2.train.expert import ExpertPlayer, expert_generation
+
+AUTO_ANSWER = "0"  # how ScienceWorld's gold paths answer an ambiguity prompt
 
 GAMMA = 0.1
 

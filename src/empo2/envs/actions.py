@@ -62,3 +62,10 @@ def correct_action(raw: str, valid_actions: list[str], cutoff: float = DEFAULT_C
     """The valid action closest to ``raw`` (see :func:`closest_actions`); the cleaned ``raw`` when none is close."""
     best = closest_actions(raw, valid_actions, cutoff, limit=1)
     return best[0] if best else clean_action(raw)
+
+
+def replayable_gold(actions: list[str]) -> list[str]:
+    """The gold actions to send to :class:`ScienceWorldEnv`: the simulator's gold paths answer an "Ambiguous request"
+    prompt with a bare ``0``, which ``step`` already answers itself; sent as an action, the ``0`` would reach the
+    action corrector and become some arbitrary valid action."""
+    return [a for a in actions if a.strip() != "0"]

@@ -30,6 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from empo2.envs.actions import replayable_gold
 from empo2.envs.base import EnvError
 
 REACHABLE_SHARE = 0.9
@@ -220,12 +221,8 @@ def _play_gold(env, task: str, variation: int) -> tuple[list[str], int | None]:
     """The simulator's gold path of (task, variation) and the steps our environment takes to succeed along it."""
     env.reset(task, variation)
     gold = env.gold_actions()
-    steps = 0
-    for action in gold:
-        if action.strip() == "0":  # answers an ambiguity prompt, which our env answers itself in the step before
-            continue
+    for steps, action in enumerate(replayable_gold(gold), 1):
         result = env.step(action)
-        steps += 1
         if result.done:
             return gold, steps if result.info["success"] else None
     return gold, None

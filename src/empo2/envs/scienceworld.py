@@ -22,7 +22,7 @@ import os
 import shutil
 from typing import Any
 
-from empo2.envs.actions import clean_action, closest_actions
+from empo2.envs.actions import clean_action, closest_actions, replayable_gold  # noqa: F401 - part of this module's API
 from empo2.envs.base import EnvError, StepResult
 from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.scienceworld_tasks import (  # noqa: F401 - re-exported: the task sets are part of this module's API

@@ -86,6 +86,7 @@ def make_backend(name: str, model, tokenizer, model_path: str | None = None, lor
     if name == "vllm":
         from empo2.policy.vllm_backend import VLLMBackend
 
+        check_lora_rank(lora_rank)  # before the engine starts: vLLM refuses other ranks deep in its start-up
         return VLLMBackend(model_path, tokenizer, lora_rank=lora_rank, memory_fraction=memory_fraction, seed=seed,
                            dtype=dtype)
     raise BackendError(f"unknown policy.backend {name!r}; use {' or '.join(BACKENDS)}")

@@ -92,9 +92,6 @@ class VLLMBackend:
     def __init__(self, model_path: str, tokenizer, lora_rank: int = 0, memory_fraction: float = 0.4, seed: int = 0,
                  dtype: str | None = None):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # see the module docstring
-        from empo2.policy.backend import check_lora_rank
-
-        check_lora_rank(lora_rank)
         vllm = _import_vllm()
         self.tokenizer, self._vllm = tokenizer, vllm
         extra = {"enable_lora": True, "max_lora_rank": lora_rank} if lora_rank else {}

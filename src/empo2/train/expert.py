@@ -17,24 +17,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from empo2.envs.actions import replayable_gold
 from empo2.envs.base import EnvError
 from empo2.policy.generate import Generation
 from empo2.train.episode import Episode
 from empo2.train.rollout import ActionSource, RolloutContext, call_worker, model_actions, run_episodes
 
-AUTO_ANSWER = "0"
-"""ScienceWorld's gold paths answer an "Ambiguous request" prompt with a bare ``0``; ``ScienceWorldEnv.step``
-already answers such a prompt itself, so replayed as an action the ``0`` would reach the action corrector, which maps
-it to some arbitrary valid action."""
-
 REFILL_GROUP_OFFSET = 1_000_003
 """Refill rollouts play under group ids shifted by this (then put back), so seeded sampling gives them their own
 random streams instead of repeating member 0's."""
-
-
-def replayable_gold(actions: list[str]) -> list[str]:
-    """The gold actions our environment should be sent: without the bare ``0`` answers it gives itself."""
-    return [a for a in actions if a.strip() != AUTO_ANSWER]
 
 
 def expert_generation(tokenizer, action: str) -> Generation:
