@@ -114,8 +114,9 @@ def test_overlap_is_on_where_generation_has_its_own_weights(lora_model):
 
 @pytest.mark.slow
 def test_a_run_with_overlap_ends_with_the_blocking_runs_memory(tmp_path, tiny_model):
-    """Same memory, same updates. The weights move (no token mask, a large learning rate, novelty advantages), so a
-    memory written after the update, or a checkpoint saved before the memory, would show up here too."""
+    """Same memory, same updates. The first update moves the weights (no token mask, a large learning rate, a failed
+    episode in the group), so a memory written after the update, or a checkpoint saved before the memory, would show
+    up here too."""
     fast = ["env.tasks=[find-animal]", "env.max_steps=3", "env.eval_variations=1", "algo.num_generations=4",
             "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=12",
             "train.progress=false", "train.iterations=2", "algo.p_memory=1.0", "policy.seeded_sampling=true",
@@ -132,7 +133,9 @@ def test_a_run_with_overlap_ends_with_the_blocking_runs_memory(tmp_path, tiny_mo
             states[overlap] = _memory_state(memory) + [json.dumps(stats, sort_keys=True)]
         losses[overlap] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(states["false"]) > 4  # tips were written in both iterations
-    assert all(r["optimizer_steps"] >= 1 and r["masked_frac"] < 1 for r in losses["false"])
+    assert all(r["optimizer_steps"] >= 1 for r in losses["false"])
+    # the first update moves the weights, so the second iteration's rollouts and tips depend on when it ran
+    assert losses["false"][0]["computed_rows"] > 0 and losses["false"][0]["masked_frac"] < 1
     assert states["true"] == states["false"]
     assert [sorted(r) for r in losses["true"]] == [sorted(r) for r in losses["false"]]
     for ours, theirs in zip(losses["true"], losses["false"]):
