@@ -29,6 +29,7 @@ from empo2.experiments.compare import (
 from empo2.experiments.compare_summary import aggregate, summary_markdown
 from empo2.train import checkpoint as ckpt
 
+WEBSHOP = ["--allow-unreachable", "--config", "configs/webshop_cpu.yaml"]  # 2-step caps: plumbing, not a measurement
 TINY = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "train.iterations=2",
         "train.eval_every=1", "policy.few_shot=0", "policy.max_completion_length=6", "policy.history_window=1",
         "policy.reflection_max_tokens=8", "train.progress=false", "train.tensorboard=false",
@@ -37,7 +38,7 @@ ALGOS = ("grpo", "empo2")
 
 
 def _compare(out: Path, model: str, *extra: str) -> int:
-    return main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", ",".join(ALGOS), "--seeds", "0-1",
+    return main(["compare", *WEBSHOP, "--algos", ",".join(ALGOS), "--seeds", "0-1",
                  "--out", str(out), f"policy.model={model}", *TINY, *extra])
 
 
@@ -132,7 +133,7 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
 
     # a later command that names one arm and seed keeps the earlier runs of the same settings in the summary
     whole = json.loads((out / "summary.json").read_text())
-    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "1", "--out",
+    assert main(["compare", *WEBSHOP, "--algos", "grpo", "--seeds", "1", "--out",
                  str(out), f"policy.model={tiny_model}", *TINY]) == 0
     again = json.loads((out / "summary.json").read_text())
     assert sorted(r["name"] for r in again["runs"]) == sorted(names) and again["algos"] == ["grpo", "empo2"]
@@ -142,7 +143,7 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     original = saved.read_text()
     saved.write_text(re.sub(r"learning_rate: .*", "learning_rate: 0.5", original))
     capfd.readouterr()
-    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "1", "--out",
+    assert main(["compare", *WEBSHOP, "--algos", "grpo", "--seeds", "1", "--out",
                  str(out), f"policy.model={tiny_model}", *TINY]) == 0
     assert "empo2-seed0: left out of the summary (" in capfd.readouterr().out
     assert sorted(r["name"] for r in json.loads((out / "summary.json").read_text())["runs"]) == \
@@ -151,7 +152,7 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     # command stopped before writing it), the left-out run comes back
     saved.write_text(original)
     (out / "summary.json").unlink()
-    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "1", "--out",
+    assert main(["compare", *WEBSHOP, "--algos", "grpo", "--seeds", "1", "--out",
                  str(out), f"policy.model={tiny_model}", *TINY]) == 0
     assert sorted(r["name"] for r in json.loads((out / "summary.json").read_text())["runs"]) == sorted(names)
 
@@ -180,7 +181,7 @@ def test_a_record_without_checkpoints_is_finished_only_after_its_last_iteration(
 
 def test_user_errors_write_nothing(tmp_path, capsys):
     out = tmp_path / "cmp"
-    base = ["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(out)]
+    base = ["compare", *WEBSHOP, "--out", str(out)]
     cases = [(["--algos", "grpo,ppo"], "algo.name"), (["--seeds", "2-1"], "--seeds"), (["--seeds", "x"], "--seeds"),
              (["--seeds", "1,1"], "--seeds"), (["--algos", ","], "--algos"), (["algo.name=grpo"], "set by compare"),
              (["seed=3"], "ambiguous"), (["train.seed=3"], "set by compare"), (["policy.model=nope"], "unknown model"),
@@ -200,7 +201,7 @@ def test_run_folder_with_other_settings_is_refused(tmp_path, capsys):
     run.mkdir(parents=True)
     Config.load("configs/webshop_cpu.yaml", ["algo.name=grpo", "train.seed=0", "train.iterations=9"]).save(
         run / "config.yaml")
-    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--algos", "grpo", "--seeds", "0",
+    assert main(["compare", *WEBSHOP, "--algos", "grpo", "--seeds", "0",
                  "--out", str(out)]) == 2
     assert "train.iterations: 9 → 4" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
@@ -236,7 +237,7 @@ def test_gigpo_variants_are_labelled_by_their_normalisation(tmp_path, capsys):
         assert [method_label(p.cfg) for p in plans] == algos
         assert [method_label(p.cfg.to_dict()) for p in plans] == algos  # as report reads a run's config.yaml
     assert method_label({"algo": {"name": "gigpo"}}) == "gigpo"  # the default is mean-only
-    base = ["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(tmp_path / "cmp")]
+    base = ["compare", *WEBSHOP, "--out", str(tmp_path / "cmp")]
     for extra, message in [(["--algos", "grpo-std"], "'grpo' uses the 'grpo' advantage"),
                            (["--algos", "empo2-std"], "empo2+gigpo-std"),
                            (["--algos", "gigpo", "algo.gigpo_normalization=mean_std_norm"], "set by compare")]:
@@ -256,7 +257,7 @@ def test_bad_seeds_are_one_line_exit_2(tmp_path, capsys):
     for text, message in [("1,", "'' is not a seed"), ("", "is not a seed"), ("a", "'a' is not a seed"),
                           ("-1", "'-1' is not a seed"), ("1.5", "'1.5'"), ("3-1", "runs backwards; write 1-3"),
                           ("0-2,2", "names a seed twice"), ("1-", "'1-'")]:
-        assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(out), f"--seeds={text}"]) == 2
+        assert main(["compare", *WEBSHOP, "--out", str(out), f"--seeds={text}"]) == 2
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, (text, err)
     assert not out.exists()
@@ -416,9 +417,9 @@ def test_runs_at_once_give_the_results_of_runs_one_after_another(tmp_path, tiny_
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = ["--algos", "grpo,empo2", "--seeds", "0", f"policy.model={tiny_model}", *TINY, "train.iterations=3"]
     apart, together = tmp_path / "apart", tmp_path / "together"
-    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(apart), *args]) == 0
+    assert main(["compare", *WEBSHOP, "--out", str(apart), *args]) == 0
     capfd.readouterr()
-    assert main(["compare", "--config", "configs/webshop_cpu.yaml", "--out", str(together), "--jobs", "2", *args]) == 0
+    assert main(["compare", *WEBSHOP, "--out", str(together), "--jobs", "2", *args]) == 0
     printed = capfd.readouterr().out
     assert "2 runs, 2 at a time" in printed
     assert "empo2-seed0: start eval (untrained model, seed 0) reused from grpo-seed0" in printed

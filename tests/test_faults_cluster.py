@@ -274,7 +274,7 @@ def test_compare_passes_sigterm_to_its_run(tmp_path, tiny_model):
     """A scheduler signals ``compare`` only: it passes SIGTERM to its training run, which stops cleanly, then exits
     143 itself; no run is left going on without it."""
     out = tmp_path / "cmp"
-    proc = Run("compare", "--config", CONFIG, "--algos", "grpo", "--seeds", "0", "--out", str(out),
+    proc = Run("compare", "--allow-unreachable", "--config", CONFIG, "--algos", "grpo", "--seeds", "0", "--out", str(out),
                f"policy.model={tiny_model}", *SMALL, "train.iterations=2")
     try:
         deadline = time.time() + 600
@@ -302,7 +302,7 @@ def test_compare_with_two_jobs_passes_sigterm_to_both_runs(tmp_path, tiny_model)
     in its own log, compare waits for both and exits 143, and nothing is left going."""
     out = tmp_path / "cmp"
     names = ("grpo-seed0", "grpo-seed1")
-    proc = Run("compare", "--config", CONFIG, "--algos", "grpo", "--seeds", "0-1", "--out", str(out), "--jobs", "2",
+    proc = Run("compare", "--allow-unreachable", "--config", CONFIG, "--algos", "grpo", "--seeds", "0-1", "--out", str(out), "--jobs", "2",
                f"policy.model={tiny_model}", *SMALL, "train.iterations=2")
     try:
         deadline = time.time() + 600
@@ -331,7 +331,7 @@ def test_ctrl_c_to_compares_group_reaches_its_run_once(tmp_path, tiny_model):
     iteration it is in (a second signal would stop it at once, unsaved), and compare waits for that save."""
     out = tmp_path / "cmp"
     run = out / "runs" / "grpo-seed0"
-    proc = Run("compare", "--config", CONFIG, "--algos", "grpo", "--seeds", "0", "--out", str(out),
+    proc = Run("compare", "--allow-unreachable", "--config", CONFIG, "--algos", "grpo", "--seeds", "0", "--out", str(out),
                f"policy.model={tiny_model}", *SMALL, "train.iterations=2", "train.preempt_save=true", "train.progress=true")
     try:
         # the run's own progress line (compare passes it through): iteration 0 has begun, inside the grace period

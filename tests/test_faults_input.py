@@ -452,7 +452,7 @@ def test_resume_in_a_read_only_run_folder_is_one_line(read_only, fake_model):
 
 def test_second_compare_on_one_folder_is_refused(tmp_path, tiny_model):
     out = tmp_path / "cmp"
-    first = subprocess.Popen([sys.executable, "-m", "empo2.cli", "compare", "--config", CPU, "--algos", "grpo",
+    first = subprocess.Popen([sys.executable, "-m", "empo2.cli", "compare", "--allow-unreachable", "--config", CPU, "--algos", "grpo",
                               "--seeds", "1", "--out", str(out), f"policy.model={tiny_model}", *FAST,
                               "train.iterations=3"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              start_new_session=True)
@@ -462,7 +462,7 @@ def test_second_compare_on_one_folder_is_refused(tmp_path, tiny_model):
         while not (lock.exists() and lock.read_text()):
             assert first.poll() is None and time.time() < deadline, "the first compare never held its folder"
             time.sleep(0.1)
-        res = empo2("compare", "--config", CPU, "--algos", "grpo", "--seeds", "1", "--out", out,
+        res = empo2("compare", "--allow-unreachable", "--config", CPU, "--algos", "grpo", "--seeds", "1", "--out", out,
                     f"policy.model={tiny_model}", *FAST, "train.iterations=3", timeout=120)
         assert res.returncode == 2
         msg = one_line(res)
