@@ -263,12 +263,16 @@ def test_memory_linked_to_dev_null_on_a_fresh_run(tmp_path, tiny_model):
 
 @pytest.fixture()
 def tiny_checkpoint_disk(tmp_path):
-    """A run folder whose ``checkpoints/`` is a 64 KiB tmpfs (root only): smaller than one checkpoint."""
+    """A run folder whose ``checkpoints/`` is a 64 KiB tmpfs (root only): smaller than one checkpoint. The folder is
+    marked as an empo2 run's that owns ``checkpoints/``, as a user who mounts scratch space there would mark it."""
+    from empo2.train.runlock import RUN_LAYOUT, mark_run_folder
+
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(run / "checkpoints")],
                       capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root")
+    mark_run_folder(run, ours=RUN_LAYOUT)
     yield run
     subprocess.run(["umount", "-l", str(run / "checkpoints")], check=False)
 

@@ -315,7 +315,7 @@ def test_every_numeric_field_has_bounds():
 
 
 def test_worker_cap_can_be_raised_for_a_big_node():
-    cfg = Config.load(None, ["train.tasks_per_batch=64", "algo.num_generations=64", "env.max_workers=4096"])
+    cfg = Config.load(None, ["train.tasks_per_batch=16", "algo.num_generations=8", "env.max_workers=128"])
     check_machine_limits(cfg)  # the user said the node takes it
     cfg.set("env.max_workers", 100)
     with pytest.raises(ConfigError, match="environment workers; this machine's cap is 100 "):

@@ -62,9 +62,6 @@ def cmd_train(args) -> int:
     console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
     cfg, run_dir = _train_config(args)
     check_run_inputs(cfg)
-    if main_rank:  # a run's evals may be unwinnable by their step cap: said, not refused (see check_reachable)
-        check_reachable(cfg, cfg.env.eval_split, eval_plan_size(cfg), "training", allow=False, refuse=False,
-                        say=lambda line: console.print(line, markup=False))
     if main_rank:  # the ranks of one data-parallel run are one owner: rank 0 holds the folder's lock
         _own_run_folder(args, run_dir)
         signals.set_run_dir(run_dir)  # a SIGTERM from here on names the run's last checkpoint
@@ -84,6 +81,9 @@ def cmd_train(args) -> int:
         f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} engine={engine} "
         f"old_logprobs={old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend, compute_dtype(cfg.policy))} "
         f"malloc={allocator.active()}{remote_code} → {run_dir}"))
+    if main_rank:  # a run's evals may be unwinnable by their step cap: said, not refused (see check_reachable)
+        check_reachable(cfg, cfg.env.eval_split, eval_plan_size(cfg), "training", allow=False, refuse=False,
+                        say=lambda line: console.print(line, markup=False))
     signals.set_phase("the start of the run (model, environment workers)")
     trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
     if not main_rank:
@@ -269,10 +269,10 @@ def cmd_eval(args) -> int:
     mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
     if args.with_memory and mem_path is None:
         raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
-    check_reachable(policy_config(args), args.split, args.variations, "evaluation",
-                    args.allow_unreachable)  # before the model loads: a refused evaluation costs no load
     out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
     check_writable(out, "--out")  # before the evaluation, whose tables would otherwise be lost
+    check_reachable(policy_config(args), args.split, args.variations, "evaluation",
+                    args.allow_unreachable)  # before the model loads: a refused evaluation costs no load
     cfg, ctx = policy_context(args, mem_path)
     try:
         tasks = resolve_tasks(cfg.env)
