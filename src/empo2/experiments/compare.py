@@ -336,8 +336,8 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
         plan, heads[i] = plans[i], f"[{i + 1}/{len(plans)}] {plans[i].name}"
         status = run_status(plan)
         if status == "finished":
-            where = f"recorded in {plan.record_path}" if plan.recorded is not None else "finished already"
-            say(f"{heads[i]}: {where}, skipped")
+            where = "" if (plan.folder / "config.yaml").is_file() else f" (recorded in {plan.record_path})"
+            say(f"{heads[i]}: finished already{where}, skipped")
             return None
         log = None if logs is None or jobs == 1 else logs / f"{plan.name}.log"
         say(f"{heads[i]}: {'resuming' if status == 'resume' else 'starting'} → {plan.folder}"

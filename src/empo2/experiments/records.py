@@ -114,7 +114,7 @@ def write(path: Path, records: list[dict[str, Any]]) -> None:
     """Write ``records`` (in that order) as ``path``, through a temporary file so a crash leaves the old one."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for r in records for line in to_lines(r)))
+    tmp.write_text("".join(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records for line in to_lines(r)))
     tmp.replace(path)
 
 
