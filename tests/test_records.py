@@ -42,7 +42,7 @@ def test_evidence_cis_are_recomputed_from_its_record(tmp_path):
     assert rebuilt["stats"] == committed["stats"] and rebuilt["algorithms"] == committed["algorithms"]
     assert rebuilt["runs"] == committed["runs"]
     finals = _final_scores(EVIDENCE)
-    assert sorted(len(v) for v in finals.values()) == [40] * 21  # 40 held-out episodes per run, 7 arms-seeds × 3
+    assert sorted(len(v) for v in finals.values()) == [40] * 21  # 40 held-out episodes per run: 3 arms × 5 + 2 × 3
     for algo, arm in committed["stats"]["arms"].items():  # float64 by hand: seed means, their mean and t interval
         per_seed = [statistics.fmean(finals[algo, s]) for s in arm["seeds"]]
         assert arm["score"]["mean"] == pytest.approx(statistics.fmean(per_seed), abs=1e-12)
