@@ -119,6 +119,8 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
         p.unlink() if p.is_file() else p.rmdir()
     (cut / "checkpoints" / "iter_000001").rmdir()
     (cut / "eval" / "final.json").unlink()
+    kept = [x for x in (out / "scores.jsonl").read_text().splitlines() if json.loads(x)["run"] != cut.name]
+    (out / "scores.jsonl").write_text("".join(x + "\n" for x in kept))
     before = {n: (out / "runs" / n / "metrics.jsonl").read_bytes() for n in names if n != cut.name}
     assert _compare(out, tiny_model) == 0
     text = capfd.readouterr().out
@@ -157,26 +159,69 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
     assert sorted(r["name"] for r in json.loads((out / "summary.json").read_text())["runs"]) == sorted(names)
 
 
-def test_a_record_without_checkpoints_is_finished_only_after_its_last_iteration(tmp_path):
-    """A comparison's folders kept without checkpoints (committed to git, copied to another machine) are skipped as
-    finished when their metrics reach the last iteration and the final eval exists; otherwise they are not."""
-    (plan,) = plan_runs("configs/webshop_cpu.yaml", ["grpo"], [0], tmp_path, TINY)  # train.iterations=2
-    assert run_status(plan) == "fresh"
-    plan.folder.mkdir(parents=True)
+def _finished_folder(plan, scores: list[float]) -> None:
+    """A synthetic finished run folder: its config, both evals with per-episode scores, metrics and a last
+    checkpoint (train.iterations=2)."""
+    (plan.folder / "eval").mkdir(parents=True)
     plan.cfg.save(plan.folder / "config.yaml")
-    (plan.folder / "eval").mkdir()
-    (plan.folder / "eval" / "final.json").write_text("{}")
-    (plan.folder / "metrics.jsonl").write_text(json.dumps({"iteration": 0}) + "\n")
-    assert run_status(plan) == "resume"
-    with (plan.folder / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps({"iteration": 1}) + "\n")
-    assert run_status(plan) == "finished"
-    (plan.folder / "eval" / "final.json").unlink()
-    assert run_status(plan) == "resume"  # stopped in its final eval: kept this way, it cannot be resumed
-    with pytest.raises(ConfigError, match="kept without its checkpoints and has not finished"):
-        plan_runs("configs/webshop_cpu.yaml", ["grpo"], [0], tmp_path, TINY)
-    (plan.folder / "metrics.jsonl").write_text(json.dumps({"iteration": 0}) + "\n{half a line")
-    assert plan_runs("configs/webshop_cpu.yaml", ["grpo"], [0], tmp_path, TINY)  # no further than iteration 0: a crash before the first checkpoint
+    for tag, eps in (("start", [-10.0] * len(scores)), ("final", scores)):
+        episodes = [{"task": "webshop", "variation": k, "score": s, "success": s >= 100} for k, s in enumerate(eps)]
+        (plan.folder / "eval" / f"{tag}.json").write_text(json.dumps({
+            "label": "webshop-fixture", "summary": {"score_mean": statistics.fmean(eps), "success_rate": 0.0},
+            "per_task": {}, "episodes": episodes}))
+    rows = [{"iteration": 0, "env_steps": 5, "eval": {"score_mean": 1.0, "success_rate": 0.0}},
+            {"iteration": 1, "env_steps": 11}]
+    (plan.folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (plan.folder / "checkpoints" / "iter_000001").mkdir(parents=True)
+    (plan.folder / "checkpoints" / "iter_000001" / ckpt.STATE).write_bytes(b"")
+
+
+def test_a_comparison_continues_from_its_record_alone(tmp_path, capsys):
+    """``scores.jsonl`` is the comparison: with every run folder deleted, its runs are finished, their settings are
+    checked against the record, a later command keeps them, and the summary rebuilt from it alone is the same."""
+    from empo2.experiments import compare, records
+    from empo2.experiments.compare_summary import rebuild
+
+    out = tmp_path / "cmp"
+    plans = plan_runs("configs/webshop_cpu.yaml", ["grpo", "empo2"], [0, 1], out, TINY)
+    assert [run_status(p) for p in plans] == ["fresh"] * 4
+    for k, plan in enumerate(plans):
+        _finished_folder(plan, [10.0 * k, 5.0 - k * k, 3.0])
+    assert [run_status(p) for p in plans] == ["finished"] * 4
+    meta = {"config": "configs/webshop_cpu.yaml", "overrides": TINY, "algos": list(ALGOS), "seeds": [0, 1],
+            "label": "webshop-fixture"}
+    first = compare.write_summary(plans, out, meta, list(ALGOS))
+    lines = [json.loads(x) for x in (out / "scores.jsonl").read_text().splitlines()]
+    assert sum(x["kind"] == "episode" and x["phase"] == "final" for x in lines) == 12
+    assert {x["env_steps"] for x in lines if x["kind"] == "episode" and x["phase"] == "final"} == {11}
+    for p in plans:  # the record gives back each eval exactly as the run folder stored it
+        record = records.read(out / "scores.jsonl")[p.name]
+        assert record["evals"]["final"] == json.loads((p.folder / "eval" / "final.json").read_text())
+        assert record["command"] == {"config": "configs/webshop_cpu.yaml", "overrides": TINY}
+
+    for p in sorted((out / "runs").rglob("*"), reverse=True):  # another machine: the record only
+        p.unlink() if p.is_file() else p.rmdir()
+    again = plan_runs("configs/webshop_cpu.yaml", ["grpo", "empo2"], [0, 1], out, TINY)
+    assert [run_status(p) for p in again] == ["finished"] * 4
+    (empo2,) = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [1], out, TINY)
+    assert compare.earlier_runs("configs/webshop_cpu.yaml", out, TINY, [empo2]) and \
+        sorted(p.name for p in compare.earlier_runs("configs/webshop_cpu.yaml", out, TINY, [empo2])) == \
+        ["empo2-seed0", "grpo-seed0", "grpo-seed1"]
+    with pytest.raises(ConfigError, match="grpo-seed0 was recorded in .* with other settings .*eval_temperature"):
+        plan_runs("configs/webshop_cpu.yaml", ["grpo"], [0], out, [*TINY, "policy.eval_temperature=0.7"])
+    rebuilt = rebuild(out, tmp_path / "rebuilt")
+    assert rebuilt["stats"] == first["stats"] and rebuilt["algorithms"] == first["algorithms"]
+    assert rebuilt["runs"] == first["runs"] and (tmp_path / "rebuilt" / "curves.png").is_file()
+    grpo = [statistics.fmean([10.0 * k, 5.0 - k * k, 3.0]) for k in (0, 2)]  # seeds 0 and 1 of grpo (plans 0 and 2)
+    assert rebuilt["stats"]["arms"]["grpo"]["score"]["ci"] == pytest.approx(tdist.mean_interval(grpo), abs=1e-9)
+    assert main(["report", str(out), "--out", str(tmp_path / "report")]) == 0  # report reads the record too
+    table = json.loads((tmp_path / "report" / "report.json").read_text())["webshop-fixture"]
+    assert table["stats"]["arms"] == first["stats"]["arms"]  # report pairs methods in name order: grpo − empo2
+    assert table["stats"]["pairs"][0]["diff_mean"] == pytest.approx(-first["stats"]["pairs"][0]["diff_mean"])
+    capsys.readouterr()
+    (out / "scores.jsonl").write_text((out / "scores.jsonl").read_text() + "{half a line\n")
+    assert main(["report", str(out), "--out", str(tmp_path / "report2")]) == 2
+    assert f"scores.jsonl line {len(lines) + 1} is not JSON" in capsys.readouterr().err
 
 
 def test_user_errors_write_nothing(tmp_path, capsys):

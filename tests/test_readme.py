@@ -1,7 +1,8 @@
 """The README cannot drift from the code: every ``empo2`` command in its code blocks parses with the CLI's own parser,
 and a command's ``--config`` file loads with its ``key=value`` overrides through the config loader, so a renamed flag
-or config key fails here. The imports in its Python blocks resolve. It stays a short user's document with no commit
-hash outside its results section. Nothing runs: no model loads, no subprocess starts.
+or config key fails here. The imports in its Python blocks resolve. It stays a short user's document (at most 160
+lines of at most 160 characters) with no commit hash outside its results section. Nothing runs: no model loads, no
+subprocess starts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from empo2.config import Config, ConfigError
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 160
+MAX_WIDTH = 160  # characters per line, code blocks included: the page reads without side-scrolling
 MAIN_JOB = ("bash scripts/setup.sh && .venv/bin/empo2 train --config configs/scienceworld_learn_cpu.yaml "
             "train.iterations=2 --overwrite")
 TESTS_COMMAND = "bash scripts/test.sh"
@@ -152,6 +154,11 @@ def test_python_blocks_import_what_exists(readme):
 
 def test_short(readme):
     assert len(readme.splitlines()) <= MAX_LINES
+
+
+def test_no_line_wider_than_max_width(readme):
+    wide = [f"line {n}: {len(line)} characters" for n, line in enumerate(readme.splitlines(), 1) if len(line) > MAX_WIDTH]
+    assert wide == []
 
 
 def test_no_commit_hash_outside_results(readme):

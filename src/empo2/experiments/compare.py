@@ -12,7 +12,9 @@ run both of ProxMO's parts (``algo.proxmo_psc`` and ``algo.proxmo_psa`` set true
 environment workers (ScienceWorld JVMs) and the CUDA context are freed when the run ends instead of piling up in one
 long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``);
 a command with other arms or seeds into the same ``--out`` adds its runs to the earlier ones in the summary
-(:func:`earlier_runs`).
+(:func:`earlier_runs`). Each finished run is recorded in ``OUT/scores.jsonl`` (:mod:`empo2.experiments.records`);
+a run recorded there with the same settings is finished, with or without its folder, so a comparison continues on
+another machine from that file alone.
 
 The untrained model's start eval is played once per seed: the first arm of a seed runs it, and a later arm with the
 same model, seed and eval settings (:func:`start_eval_key`) gets a copy in its folder instead (``reused_from`` in
@@ -21,8 +23,8 @@ its ``eval/start.json``). Every run evaluates the same task variations: the firs
 
 All algorithms share ``iterations × tasks_per_batch × num_generations`` training episodes, so the budget is equal
 by episodes; the environment steps those episodes took (``env_steps`` in ``metrics.jsonl``) are reported too.
-Outputs (:mod:`empo2.experiments.compare_summary`): ``summary.md``, ``summary.json`` (CIs over seeds, paired
-differences) and ``curves.png`` (eval score vs environment steps, 95% CI band).
+Outputs (:mod:`empo2.experiments.compare_summary`, from ``scores.jsonl``): ``summary.md``, ``summary.json`` (CIs over
+seeds, paired differences) and ``curves.png`` (eval score vs environment steps, 95% CI band).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from empo2.config import Config, ConfigError
+from empo2.experiments import records
 from empo2.experiments.arms import ARMS
 from empo2.policy.precision import settle_autocast
 from empo2.signals import set_phase
@@ -58,10 +61,18 @@ class RunPlan:
     seed: int
     folder: Path
     cfg: Config
+    command: dict[str, Any]
+    """The comparison's ``--config`` file and overrides, as its record states them."""
+    recorded: dict[str, Any] | None = None
+    """This run's record in ``scores.jsonl`` (:mod:`empo2.experiments.records`), when it is there."""
 
     @property
     def name(self) -> str:
         return f"{self.algo}-seed{self.seed}"
+
+    @property
+    def record_path(self) -> Path:
+        return self.folder.parent.parent / records.RECORD_FILE
 
 
 def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overrides: list[str],
@@ -87,7 +98,7 @@ def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overri
             "seeds": sorted({*seeds, *(p.seed for p in earlier)}), "label": env_label(plans[0].cfg.env)}
     write_summary(plans + earlier, out, meta, every)
     say((out / "summary.md").read_text())
-    say(f"comparison folder: {out}  (summary.md, summary.json, curves.png, runs/)")
+    say(f"comparison folder: {out}  (summary.md, summary.json, curves.png, {records.RECORD_FILE}, runs/)")
     if failed:
         say(f"{len(failed)} run(s) did not finish: {', '.join(failed)}; re-run the same command to resume them")
         return 1
@@ -153,7 +164,8 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
         if fixed_by:  # the arm's own value would win silently over the one asked for
             raise ConfigError(f"{key} is fixed by the ablation arm {fixed_by[0]} ({ARMS[fixed_by[0]].what}); "
                               "drop the override or that arm")
-    plans = []
+    plans, recorded = [], records.read(Path(out) / records.RECORD_FILE)
+    command = {"config": config, "overrides": list(overrides)}
     for seed in seeds:  # seed-major: an interrupted comparison has every algorithm on its first seeds
         for algo in algos:
             folder = Path(out) / "runs" / f"{algo}-seed{seed}"
@@ -162,9 +174,8 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
             _check_estimator_used(algo, cfg)
             if check is not None:
                 check(cfg)
-            plan = RunPlan(algo, seed, folder, cfg)
+            plan = RunPlan(algo, seed, folder, cfg, command, recorded.get(f"{algo}-seed{seed}"))
             _check_same_settings(plan)
-            _check_resumable(plan)
             plans.append(plan)
     return plans
 
@@ -206,16 +217,21 @@ def _check_estimator_used(algo: str, cfg: Config) -> None:
 
 
 def _check_same_settings(plan: RunPlan) -> None:
-    """A run folder started with other settings is never resumed under a comparison it does not belong to."""
+    """A run folder started with other settings is never resumed under a comparison it does not belong to, nor is
+    a run recorded with other settings counted as this comparison's."""
     saved = plan.folder / "config.yaml"
-    if not saved.is_file():
+    if saved.is_file():
+        old, where = Config.load(saved), f"{plan.folder} was started"
+    elif plan.recorded is not None:
+        old, where = Config.from_dict(plan.recorded["config"]), f"{plan.name} was recorded in {plan.record_path}"
+    else:
         return
-    old, new = _flat(Config.load(saved).to_dict()), _flat(plan.cfg.to_dict())
-    diff = [k for k in sorted(new) if k not in COSMETIC and old.get(k) != new[k]]
+    flat, new = _flat(old.to_dict()), _flat(plan.cfg.to_dict())
+    diff = [k for k in sorted(new) if k not in COSMETIC and flat.get(k) != new[k]]
     if diff:
-        shown = ", ".join(f"{k}: {old.get(k)!r} → {new[k]!r}" for k in diff[:3])
-        raise ConfigError(f"{plan.folder} was started with other settings ({shown}); use another --out or "
-                          "delete that run folder")
+        shown = ", ".join(f"{k}: {flat.get(k)!r} → {new[k]!r}" for k in diff[:3])
+        remedy = "that run folder" if saved.is_file() else f"its lines from {records.RECORD_FILE}"
+        raise ConfigError(f"{where} with other settings ({shown}); use another --out or delete {remedy}")
 
 
 def _flat(d: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -224,38 +240,17 @@ def _flat(d: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- running
 def run_status(plan: RunPlan) -> str:
-    """``finished`` (final eval written after the last iteration), ``resume`` or ``fresh``."""
+    """``finished`` (recorded in ``scores.jsonl``, or a final eval written after the last checkpoint), ``resume``
+    or ``fresh``."""
+    if plan.recorded is not None:
+        return "finished"
     if not (plan.folder / "config.yaml").is_file():
         return "fresh"
-    if (plan.folder / "eval" / "final.json").is_file() and last_iteration(plan.folder) == plan.cfg.train.iterations - 1:
+    last = ckpt.latest_checkpoint(plan.folder)
+    if (plan.folder / "eval" / "final.json").is_file() and last is not None \
+            and int(last.name[len(ckpt.PREFIX):]) == plan.cfg.train.iterations - 1:
         return "finished"
     return "resume"
-
-
-def last_iteration(folder: Path) -> int:
-    """The last iteration a run folder completed: its newest checkpoint's, or, in a folder kept without checkpoints
-    (a comparison's record, committed or copied elsewhere), the highest in ``metrics.jsonl``; -1 for neither."""
-    last = ckpt.latest_checkpoint(folder)
-    if last is not None:
-        return int(last.name[len(ckpt.PREFIX):])
-    path, done = Path(folder) / "metrics.jsonl", -1
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        try:
-            done = max(done, int(json.loads(line)["iteration"]))
-        except (ValueError, KeyError, TypeError):  # a half-written or hand-damaged line says nothing
-            continue
-    return done
-
-
-def _check_resumable(plan: RunPlan) -> None:
-    """A folder kept without checkpoints that has not finished cannot be resumed: ``train --resume`` would start it
-    again from iteration 0 and drop its metrics. Metrics past the first checkpoint's iteration (``save_every`` − 1)
-    without any checkpoint mean they were removed; up to it, the run stopped before its first save and restarts."""
-    first_save = plan.cfg.train.save_every - 1
-    if ckpt.latest_checkpoint(plan.folder) is None and last_iteration(plan.folder) > first_save \
-            and run_status(plan) != "finished":
-        raise ConfigError(f"{plan.folder} was kept without its checkpoints and has not finished (no final eval "
-                          "after its last iteration): put its checkpoints/ back, or delete the folder to run it again")
 
 
 def start_eval_key(cfg: Config) -> dict[str, Any]:
@@ -341,7 +336,8 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
         plan, heads[i] = plans[i], f"[{i + 1}/{len(plans)}] {plans[i].name}"
         status = run_status(plan)
         if status == "finished":
-            say(f"{heads[i]}: finished already, skipped")
+            where = "" if (plan.folder / "config.yaml").is_file() else f" (recorded in {plan.record_path})"
+            say(f"{heads[i]}: finished already{where}, skipped")
             return None
         log = None if logs is None or jobs == 1 else logs / f"{plan.name}.log"
         say(f"{heads[i]}: {'resuming' if status == 'resume' else 'starting'} → {plan.folder}"
@@ -363,7 +359,11 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
             failed.append(plan.name)
             say(f"{heads[i]}: FAILED (exit {rc}) after {took:.0f}s; re-run the same command to resume it")
             return
-        final = _final(plan)["summary"]
+        from empo2.experiments.compare_summary import record_of
+
+        plan.recorded = record_of(plan)
+        records.merge(plan.record_path, [plan.recorded])  # recorded as soon as it ends: a later crash keeps it
+        final = plan.recorded["evals"]["final"]["summary"]
         say(f"{heads[i]}: done in {took:.0f}s (total {time.perf_counter() - t_all:.0f}s) · final score "
             f"{final['score_mean']:.1f} · success {final['success_rate']:.2f}")
 
@@ -374,21 +374,21 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
 # ---------------------------------------------------------------------------------------------------- summary
 def earlier_runs(config: str, out: Path, overrides: list[str], plans: list[RunPlan],
                  check: Callable[[Config], None] | None = None) -> list[RunPlan]:
-    """The finished runs in ``out/runs/`` that this command did not name, when they ran under the same config and
-    overrides: a comparison built up over several commands (other arms, more seeds) keeps all its runs in one
-    summary, even one whose command stopped before writing it. A run with other settings is left out, with a line;
-    its folder stays, so a later command with its settings finds it again."""
+    """The finished runs in ``out/runs/`` or ``out/scores.jsonl`` that this command did not name, when they ran under
+    the same config and overrides: a comparison built up over several commands (other arms, more seeds) keeps all its
+    runs in one summary, even one whose command stopped before writing it. A run with other settings is left out,
+    with a line; its folder and record stay, so a later command with its settings finds it again."""
     named = {(p.algo, p.seed) for p in plans}
-    found = []
+    found = {(r["algo"], r["seed"]) for r in records.read(Path(out) / records.RECORD_FILE).values()}
     for folder in sorted((Path(out) / "runs").glob("*-seed*")):
         algo, _, seed = folder.name.rpartition("-seed")
-        if folder.is_dir() and seed.isdigit() and (algo, int(seed)) not in named:
-            found.append((algo, int(seed)))
+        if folder.is_dir() and seed.isdigit():
+            found.add((algo, int(seed)))
     kept = []
-    for algo, seed in sorted(found, key=lambda n: (n[1], n[0])):
+    for algo, seed in sorted(found - named, key=lambda n: (n[1], n[0])):
         try:
             (plan,) = plan_runs(config, [algo], [seed], out, overrides, check)
-        except (ConfigError, OSError) as exc:  # another arm's name, other settings, an unreadable config.yaml
+        except (ConfigError, OSError) as exc:  # another arm's name, other settings, an unreadable config
             say(f"{algo}-seed{seed}: left out of the summary ({exc})")
             continue
         if run_status(plan) == "finished":
@@ -396,12 +396,8 @@ def earlier_runs(config: str, out: Path, overrides: list[str], plans: list[RunPl
     return kept
 
 
-def _final(plan: RunPlan) -> dict[str, Any]:
-    return json.loads((plan.folder / "eval" / "final.json").read_text())
-
-
 def write_summary(plans: list[RunPlan], out: Path, meta: dict[str, Any], algos: list[str]) -> dict[str, Any]:
-    """``summary.md``, ``summary.json`` and ``curves.png`` from the finished runs' folders."""
+    """``scores.jsonl``, then ``summary.md``, ``summary.json`` and ``curves.png`` from it, of the finished runs."""
     from empo2.experiments.compare_summary import write_summary as write
 
     return write(plans, [p for p in plans if run_status(p) == "finished"], out, meta, algos)

@@ -1,8 +1,9 @@
-"""``empo2 compare``'s outputs from its finished run folders: ``summary.md``, ``summary.json`` and ``curves.png``.
+"""``empo2 compare``'s outputs from its compact record: ``summary.md``, ``summary.json`` and ``curves.png``.
 
-Every number is read back from the run folders: a run's score and success are the means of the episodes its
-``eval/final.json`` stores, its start score those of ``eval/start.json``; the statistics over seeds are
-:mod:`empo2.experiments.stats`'.
+Every number is read back from the runs' records (:mod:`empo2.experiments.records`, the lines of ``scores.jsonl``): a
+run's score and success are the means of its final eval's episodes, its start score those of its start eval; the
+statistics over seeds are :mod:`empo2.experiments.stats`'. :func:`rebuild` makes the summary from ``scores.jsonl``
+alone.
 """
 
 from __future__ import annotations
@@ -14,42 +15,35 @@ from typing import Any
 import numpy as np
 
 from empo2 import machine
-from empo2.experiments import arms, stats
-from empo2.train.metrics import read_metrics
+from empo2.experiments import arms, records, stats
 
 PROTOCOL_EPISODES = 40
 """Held-out eval episodes per run below which the summary says the evaluation is too small to rank methods."""
 
 
-def _eval(folder: Path, tag: str) -> dict[str, Any] | None:
-    path = Path(folder) / "eval" / f"{tag}.json"
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def run_result(plan) -> dict[str, Any]:
+def run_result(record: dict[str, Any]) -> dict[str, Any]:
     """A finished run's final eval (from its stored episodes), start eval, budget and learning curve
     [(env steps, eval score, success rate)]."""
-    rows = read_metrics(plan.folder)
-    env_steps = int(rows[-1].get("env_steps", 0)) if rows else 0
-    final, start = _eval(plan.folder, "final"), _eval(plan.folder, "start")
-    source = f"{plan.folder}/eval/final.json"
-    score, success = stats.run_score(final, source), stats.run_success(final)
+    rows, name = record["metrics"], record["name"]
+    env_steps = records.env_steps(record)
+    final, start = records.eval_result(record, "final"), records.eval_result(record, "start")
+    score, success = stats.run_score(final, f"{name}'s final eval"), stats.run_success(final)
     curve = []
     if start is not None:
-        curve.append([0, stats.run_score(start, f"{plan.folder}/eval/start.json"), stats.run_success(start)])
+        curve.append([0, stats.run_score(start, f"{name}'s start eval"), stats.run_success(start)])
     curve += [[int(r["env_steps"]), r["eval"]["score_mean"], r["eval"]["success_rate"]] for r in rows
               if r.get("eval") and "env_steps" in r]
     curve.append([env_steps, score, success])
-    t = plan.cfg.train
-    return {"name": plan.name, "algo": plan.algo, "seed": plan.seed, "folder": str(plan.folder),
+    train, algo = record["config"].get("train", {}), record["config"].get("algo", {})
+    return {"name": name, "algo": record["algo"], "seed": record["seed"], "folder": record["folder"],
             "final": final["summary"], "score": score, "success": success,
             "start": curve[0][1] if start is not None else None,
             "start_from": start.get("reused_from") if start is not None else None,
             "episodes": [[e["task"], e["variation"]] for e in final["episodes"]],
             "env_steps": env_steps, "expert_env_steps": int(rows[-1].get("expert_env_steps", 0)) if rows else 0,
-            "iterations": t.iterations,
-            "train_episodes": t.iterations * t.tasks_per_batch * plan.cfg.algo.num_generations, "curve": curve,
-            "machines": machine.read(plan.folder)}
+            "iterations": train.get("iterations"),
+            "train_episodes": train.get("iterations", 0) * train.get("tasks_per_batch", 0) * algo.get(
+                "num_generations", 0), "curve": curve, "machines": record["machines"]}
 
 
 def aggregate(results: list[dict[str, Any]], algos: list[str]) -> dict[str, dict[str, Any]]:
@@ -81,17 +75,18 @@ def aggregate(results: list[dict[str, Any]], algos: list[str]) -> dict[str, dict
     return out
 
 
-def protocol(cfg, results: list[dict[str, Any]]) -> dict[str, Any]:
-    """The evaluation protocol the summary states, with what the run folders show: the episodes per task and
-    whether every run played the same task variations, and where each seed's start eval came from."""
+def protocol(config: dict[str, Any], results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The evaluation protocol the summary states (``config``: a run's config as a mapping), with what the runs
+    show: the episodes per task and whether every run played the same task variations."""
     per_task: dict[str, int] = {}
     for task, _ in (results[0]["episodes"] if results else []):
         per_task[task] = per_task.get(task, 0) + 1
     same = all(r["episodes"] == results[0]["episodes"] for r in results)
-    return {"eval_split": cfg.env.eval_split, "eval_variations": cfg.env.eval_variations,
-            "eval_episodes_per_task": cfg.train.eval_episodes_per_task, "episodes_per_task": per_task,
+    env, train, policy = (config.get(k, {}) for k in ("env", "train", "policy"))
+    return {"eval_split": env.get("eval_split"), "eval_variations": env.get("eval_variations"),
+            "eval_episodes_per_task": train.get("eval_episodes_per_task"), "episodes_per_task": per_task,
             "eval_episodes": len(results[0]["episodes"]) if results else 0, "same_episodes": same,
-            "eval_temperature": cfg.policy.eval_temperature}
+            "eval_temperature": policy.get("eval_temperature")}
 
 
 def _protocol_text(p: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
@@ -177,20 +172,56 @@ def plot_curves(per_algo: dict[str, dict], path: Path) -> Path:
     return path
 
 
+def record_of(plan) -> dict[str, Any]:
+    """A finished run's record: from its run folder when it has one, else the one ``scores.jsonl`` holds."""
+    if getattr(plan, "recorded", None) is not None and not (plan.folder / "config.yaml").is_file():
+        return plan.recorded
+    return records.from_folder(plan.folder, plan.algo, plan.seed, getattr(plan, "command", None) or {})
+
+
 def write_summary(plans: list, done: list, out: Path, meta: dict[str, Any], algos: list[str]) -> dict[str, Any]:
-    """Write ``summary.json``, ``summary.md`` and ``curves.png`` from the finished runs (``done``) of ``plans``."""
-    missing = [p.name for p in plans if p not in done]
-    results = [run_result(p) for p in done]
+    """Record the finished runs (``done``) of ``plans`` in ``scores.jsonl``, then write the summary from them."""
+    found = [record_of(p) for p in done]
+    Path(out).mkdir(parents=True, exist_ok=True)
+    records.merge(Path(out) / records.RECORD_FILE, found)
+    return summarise(found, out, meta, algos, [p.name for p in plans if p not in done])
+
+
+def summarise(found: list[dict[str, Any]], out: Path, meta: dict[str, Any], algos: list[str],
+              missing: list[str] = ()) -> dict[str, Any]:
+    """Write ``summary.json``, ``summary.md`` and ``curves.png`` from run records; returns the summary."""
+    results = [run_result(r) for r in found]
     per_algo = aggregate(results, algos)
-    first = plans[0].cfg
+    first = found[0]["config"] if found else {}
+    train, algo = first.get("train", {}), first.get("algo", {})
     summary_stats = stats.summarise_arms([{**r, "arm": r["algo"]} for r in results], algos)
     meta = {**meta, "protocol": protocol(first, results),
-            "budget_text": f"{first.train.iterations} iterations × {first.train.tasks_per_batch} tasks × "
-                           f"G={first.algo.num_generations} = {results[0]['train_episodes'] if results else '?'}"}
-    summary = {**meta, "algorithms": per_algo, "stats": summary_stats, "runs": results, "missing": missing}
+            "budget_text": f"{train.get('iterations')} iterations × {train.get('tasks_per_batch')} tasks × "
+                           f"G={algo.get('num_generations')} = {results[0]['train_episodes'] if results else '?'}"}
+    summary = {**meta, "algorithms": per_algo, "stats": summary_stats, "runs": results, "missing": list(missing)}
+    out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    (out / "summary.md").write_text(summary_markdown(meta, per_algo, results, missing, summary_stats))
+    (out / "summary.md").write_text(summary_markdown(meta, per_algo, results, list(missing), summary_stats))
     if per_algo:
         plot_curves(per_algo, out / "curves.png")
     return summary
+
+
+def rebuild(folder: Path, out: Path | None = None, algos: list[str] | None = None,
+            seeds: list[int] | None = None) -> dict[str, Any]:
+    """The summary of the comparison ``folder/scores.jsonl`` records, from that file alone, written into ``out``
+    (default ``folder``): its runs of ``algos`` (default: every arm, in the order first recorded) and ``seeds``
+    (default: all). The command shown is the first run's."""
+    found = list(records.read(Path(folder) / records.RECORD_FILE).values())
+    if not found:
+        from empo2.config import ConfigError
+
+        raise ConfigError(f"{folder} has no {records.RECORD_FILE} (a comparison's record)")
+    algos = algos or list(dict.fromkeys(r["algo"] for r in found))
+    found = [r for r in found if r["algo"] in algos and (seeds is None or r["seed"] in seeds)]
+    command = found[0]["command"] if found else {}
+    final = records.eval_result(found[0], "final") if found else None
+    meta = {"config": command.get("config"), "overrides": command.get("overrides", []), "algos": algos,
+            "seeds": sorted({r["seed"] for r in found}), "label": (final or {}).get("label", "?")}
+    return summarise(found, Path(out or folder), meta, algos)

@@ -1,7 +1,8 @@
 """The paper's comparison tables from run folders (``empo2 report``).
 
-Inputs, any mix: a run folder (``config.yaml`` + ``eval/final.json``), a compare folder (a ``runs/`` subfolder of
-run folders; seeds of one method are averaged and their number n is shown), an adaptation folder (``adapt.json``
+Inputs, any mix: a run folder (``config.yaml`` + ``eval/final.json``), a compare folder (its record ``scores.jsonl``
+and any run folders in ``runs/`` it does not hold; seeds of one method are averaged and their number n is shown), an
+adaptation folder (``adapt.json``
 from ``empo2 adapt``), or a folder holding adaptation folders. Outputs ``report.md``, ``report.json`` and one PNG of
 bars per table:
 
@@ -16,7 +17,7 @@ bars per table:
 Under each run table, the methods over seeds (:mod:`empo2.experiments.stats`): mean final score and success with
 95% t intervals, final − start, and the paired difference of every two methods (seeds paired by ``train.seed``)
 with its 95% CI, paired t-test p and one sentence on whether it is distinguishable from zero at this n. A run's score
-there is the mean of the episodes its ``eval/final.json`` stores.
+there is the mean of the episodes its ``eval/final.json`` (or its record) stores.
 
 A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own, or the
 ablation arm it ran (``algo.arm``, :mod:`empo2.experiments.arms`).
@@ -35,7 +36,7 @@ import yaml
 from empo2.algo.registry import ALGORITHMS
 from empo2.config import ConfigError
 from empo2.config_sections import AlgoConfig
-from empo2.experiments import arms, ood_stats, stats
+from empo2.experiments import arms, ood_stats, records, stats
 
 
 def method_label(cfg) -> str:
@@ -64,12 +65,15 @@ def collect(paths: list[str | Path], partial: bool = False) -> dict[str, list]:
     for p in map(Path, paths):
         if not p.is_dir():
             raise ConfigError(f"no such folder: {p}")
-        runs = [p] if (p / "config.yaml").is_file() else sorted(q for q in (p / "runs").glob("*") if q.is_dir())
+        recorded = records.read(p / records.RECORD_FILE)
+        runs = [p] if (p / "config.yaml").is_file() else sorted(q for q in (p / "runs").glob("*") if q.is_dir()
+                                                                    and q.name not in recorded)
         adapts = [p] if (p / "adapt.json").is_file() else sorted(q.parent for q in p.glob("*/adapt.json"))
-        if not runs and not adapts:
-            raise ConfigError(f"{p} is not a run folder (config.yaml), a compare folder (runs/) or an adaptation "
-                              "folder (adapt.json)")
+        if not runs and not adapts and not recorded:
+            raise ConfigError(f"{p} is not a run folder (config.yaml), a compare folder ({records.RECORD_FILE} or "
+                              "runs/) or an adaptation folder (adapt.json)")
         try:
+            found["runs"] += [_read_record(p, r) for r in recorded.values()]
             for r in runs:
                 if partial and not (r / "eval" / "final.json").is_file():
                     found["unfinished"].append(_read_unfinished(r))
@@ -87,14 +91,26 @@ def _read_run(run: Path) -> dict[str, Any]:
         raise ConfigError(f"{run} has no eval/final.json (the run has not finished; --partial reports the finished "
                           "runs and names the others)")
     cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
-    result = json.loads(final.read_text())
-    env = cfg.get("env", {}).get("name", "scienceworld")
     start = run / "eval" / "start.json"
-    return {"path": str(run), "method": method_label(cfg), "env": env, "label": _run_label(run, cfg, result),
-            "seed": int(cfg.get("train", {}).get("seed", 0)), "summary": result["summary"],
-            "per_task": result.get("per_task", {}), "score": stats.run_score(result, str(final)),
-            "success": stats.run_success(result),
-            "start": stats.run_score(json.loads(start.read_text()), str(start)) if start.is_file() else None}
+    return _run_row(str(run), cfg, json.loads(final.read_text()),
+                    json.loads(start.read_text()) if start.is_file() else None)
+
+
+def _read_record(folder: Path, record: dict[str, Any]) -> dict[str, Any]:
+    """A run recorded in a compare folder's ``scores.jsonl``."""
+    final = records.eval_result(record, "final")
+    if final is None:
+        raise ConfigError(f"{folder / records.RECORD_FILE}: run {record['name']} has no final eval")
+    return _run_row(f"{folder / records.RECORD_FILE}:{record['name']}", record["config"], final,
+                    records.eval_result(record, "start"))
+
+
+def _run_row(path: str, cfg: dict[str, Any], final: dict[str, Any], start: dict[str, Any] | None) -> dict[str, Any]:
+    return {"path": path, "method": method_label(cfg), "env": cfg.get("env", {}).get("name", "scienceworld"),
+            "label": _run_label(path, cfg, final), "seed": int(cfg.get("train", {}).get("seed", 0)),
+            "summary": final["summary"], "per_task": final.get("per_task", {}),
+            "score": stats.run_score(final, f"{path} final eval"), "success": stats.run_success(final),
+            "start": stats.run_score(start, f"{path} start eval") if start is not None else None}
 
 
 def _read_unfinished(run: Path) -> dict[str, Any]:
@@ -106,7 +122,7 @@ def _read_unfinished(run: Path) -> dict[str, Any]:
     return {"path": str(run), "method": method_label(cfg), "label": _run_label(run, cfg, {})}
 
 
-def _run_label(run: Path, cfg: dict[str, Any], result: dict[str, Any]) -> str:
+def _run_label(run: Path | str, cfg: dict[str, Any], result: dict[str, Any]) -> str:
     """The label the run's eval recorded; for a result without one, its environment's own rule applied to the saved
     config (WebShop without its data is ``webshop-fixture``), so a fixture run is never shown as WebShop."""
     if result.get("label"):
