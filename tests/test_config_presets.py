@@ -124,6 +124,7 @@ def test_a_saved_run_config_with_the_old_names_loads_to_the_same_values(tmp_path
     cfg, renamed = load(tmp_path / "config.yaml", ["train.num_iterations=3"])
     want = forward(BEFORE["scienceworld_evidence_cpu.yaml"]) | {"train.ppo_epochs": 3}
     assert flat(cfg.to_dict()) == want and len(renamed) == 2
+    assert load(tmp_path / "config.yaml")[1] == []  # read again (a resume reads it twice): warned once per process
     cfg.save(tmp_path / "again.yaml")  # saved again: the current names only
     again, renamed = load(tmp_path / "again.yaml")
     assert again.to_dict() == cfg.to_dict() and renamed == []

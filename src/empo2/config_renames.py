@@ -35,9 +35,17 @@ def forward_flat(settings: dict) -> dict:
     return {RENAMED.get(key, key): value for key, value in settings.items()}
 
 
+_WARNED: set[tuple[str, str]] = set()
+"""(old name, source) pairs warned about in this process: a file read again (a resume reads its run's config twice,
+a comparison reads its preset once per run) does not repeat its warnings."""
+
+
 def warn_renamed(used: dict[str, str]) -> None:
     """One warning per old name, each saying where it was read: ``used`` maps an old dotted name to its source."""
     for old, where in used.items():
+        if (old, where) in _WARNED:
+            continue
+        _WARNED.add((old, where))
         warnings.warn(f"{old} is now called {RENAMED[old]}: {where} uses the old name, read as {RENAMED[old]} "
                       "(rename it there)", ConfigRenameWarning, stacklevel=3)
     used.clear()
