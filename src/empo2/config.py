@@ -117,7 +117,8 @@ class Config:
 
     def _knows(self, key: str) -> bool:
         """``key`` names a current field, dotted or bare (so an old name is never taken for a current one)."""
-        return key in self.valid_keys() or any(key == k.split(".", 1)[1] for k in self.valid_keys())
+        keys = self.valid_keys()
+        return key in keys or any(k.endswith(f".{key}") for k in keys)
 
     def to_dict(self) -> dict[str, Any]:
         return {s: dataclasses.asdict(getattr(self, s)) for s in self.SECTIONS}

@@ -35,6 +35,7 @@ WORKERS_PER_CORE = 8
 WORKER_MEMORY = 512 << 20
 """Available memory reserved per environment worker by default (a ScienceWorld JVM holds about this much)."""
 
+
 @dataclass(frozen=True)
 class Bounds:
     """The numbers a field may hold: ``low``..``high``, each end inclusive unless marked open, and optionally one
