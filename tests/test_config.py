@@ -31,9 +31,9 @@ def test_registry_names_are_checked_at_load(override, message):
 def test_yaml_and_overrides(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("env: {tasks: [find-animal]}\nalgo: {beta: 0.05}\n")
-    cfg = Config.load(path, ["tasks=[use-thermometer,find-plant]", "train.iterations=7", "delta=0.05"])
+    cfg = Config.load(path, ["tasks=[use-thermometer,find-plant]", "train.iterations=7", "low_prob_threshold=0.05"])
     assert cfg.env.tasks == ["use-thermometer", "find-plant"]
-    assert cfg.train.iterations == 7 and cfg.algo.delta == 0.05 and cfg.algo.beta == 0.05
+    assert cfg.train.iterations == 7 and cfg.algo.low_prob_threshold == 0.05 and cfg.algo.beta == 0.05
     cfg.save(tmp_path / "saved.yaml")
     assert Config.load(tmp_path / "saved.yaml").to_dict() == cfg.to_dict()
 
@@ -44,7 +44,7 @@ def test_yaml_and_overrides(tmp_path):
     ("algo: [1, 2]\n", [], "must be a mapping"),
     ("algo: {beta: [oops\n", [], "malformed YAML"),
     ("", ["train.iterations=many"], "must be an integer"),
-    ("", ["algo.delta=1.5"], "algo.delta must be in [0, 1)"),
+    ("", ["algo.low_prob_threshold=1.5"], "algo.low_prob_threshold must be in [0, 1), got 1.5"),
     ("", ["algo.p_off_policy=0.9"], "p_off_policy <= algo.p_memory"),
     ("", ["seed=3"], "ambiguous"),
     ("", ["justakey"], "not key=value"),

@@ -68,7 +68,7 @@ def test_kl_reference_under_gradient_checkpointing_uses_the_trained_forward_opti
     from empo2.policy.loader import load_model, make_trainable
     from empo2.train.update import PolicyUpdate
 
-    cfg = Config.load("configs/scienceworld_cpu.yaml", ["algo.name=grpo", "algo.beta=0.05", "algo.delta=0",
+    cfg = Config.load("configs/scienceworld_cpu.yaml", ["algo.name=grpo", "algo.beta=0.05", "algo.low_prob_threshold=0",
                                                         "train.gradient_checkpointing=true", "policy.autocast=none"])
     model, tok = load_model(tiny_model, device="cpu", dtype="float32")
     model = make_trainable(model, cfg.policy, True)

@@ -172,7 +172,7 @@ def _train(adv_masked_row, delta, steps=3):
     for _ in range(steps):
         logp, _ = response_logprobs(model, prompts, responses, PAD)
         logp.retain_grad()
-        loss, metrics = policy_loss(logp, logp_old, adv, mask, AlgoConfig(delta=delta))
+        loss, metrics = policy_loss(logp, logp_old, adv, mask, AlgoConfig(low_prob_threshold=delta))
         opt.zero_grad()
         loss.backward()
         grads_on_unlikely.append(logp.grad[1].clone())
@@ -277,7 +277,7 @@ def test_on_policy_update_ratio_is_one_at_the_sampling_temperature():
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     cfg = Config.load("configs/scienceworld_cpu.yaml", [
         "algo.name=empo2", "policy.temperature=0.7", "algo.beta=0.04", "algo.off_policy_ratio=tip_free",
-        "train.mini_batch_size=0", "train.num_iterations=1", "train.micro_batch_tokens=100000"])
+        "train.mini_batch_size=0", "train.ppo_epochs=1", "train.micro_batch_tokens=100000"])
     rows = [UpdateRow(p, g.ids, list(g.logprobs), (-1.0) ** i, "on") for i, (p, g) in enumerate(zip(prompts, gens))]
     rows.append(UpdateRow(prompts[0], off.ids, list(off.logprobs), 1.0, "off_tips"))
     want = {id(r): reference_logp(base, r.train_prompt, r.response, temperature=0.7) for r in rows}  # before the step

@@ -92,9 +92,9 @@ def run(new, old, adv, mask, ref=None, **kw):
 
 CASES = [
     dict(),  # defaults: token mask δ=0.01, dual clip 10, token-mean
-    dict(delta=0.0),
-    dict(delta=0.05, dual_clip=0.0),
-    dict(delta=0.01, mask_granularity="sequence"),
+    dict(low_prob_threshold=0.0),
+    dict(low_prob_threshold=0.05, dual_clip=0.0),
+    dict(low_prob_threshold=0.01, mask_granularity="sequence"),
     dict(loss_type="sequence_mean"),
     dict(beta=0.1),
     dict(beta=0.04, loss_type="sequence_mean", epsilon=0.1, epsilon_high=0.5, dual_clip=3.0),
@@ -109,8 +109,8 @@ def test_loss_and_grad_match_float64_reference(seed, case, adv_2d):
     new, old, adv, mask, ref = random_batch(seed, adv_2d=adv_2d)
     loss, grad, metrics = run(new, old, adv, mask, ref, **kw)
     rkw = dict(lo=kw.get("epsilon", 0.2), hi=kw.get("epsilon_high", 0.3), c=kw.get("dual_clip", 10.0),
-               delta=kw.get("delta", 0.01), gran=kw.get("mask_granularity", "token"), beta=kw.get("beta", 0.0),
-               agg=kw.get("loss_type", "token_mean"))
+               delta=kw.get("low_prob_threshold", 0.01), gran=kw.get("mask_granularity", "token"),
+               beta=kw.get("beta", 0.0), agg=kw.get("loss_type", "token_mean"))
     ref_loss, ref_grad, keep = reference(new, old, adv, mask, ref, **rkw)
     assert loss == pytest.approx(ref_loss, rel=1e-10, abs=1e-12)
     np.testing.assert_allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
@@ -148,7 +148,7 @@ def test_metrics_cover_a_real_mix_of_cases():
     _, _, m = run(new, old, adv, mask, ref)
     assert 0.1 < m["masked_frac"] < 0.9 and m["clip_frac"] > 0.1 and m["ratio_max"] > 1.3
     assert (adv < 0).any() and (adv > 0).any()
-    _, _, m = run(new, old, adv, mask, ref, dual_clip=1.5, delta=0.0)
+    _, _, m = run(new, old, adv, mask, ref, dual_clip=1.5, low_prob_threshold=0.0)
     assert m["dual_clip_frac"] > 0
 
 
@@ -168,11 +168,12 @@ def test_dual_clip_worked_example():
     # A = -1, ρ = e^3 ≈ 20: unclipped objective -20, dual-clip floor c·A = -10 -> loss 10 with zero gradient
     new = torch.tensor([[0.0]], dtype=torch.float64, requires_grad=True)
     loss, m = loss_of(new, torch.tensor([[-3.0]], dtype=torch.float64), torch.tensor([-1.0], dtype=torch.float64),
-                          torch.tensor([[True]]), delta=0.0)
+                          torch.tensor([[True]]), low_prob_threshold=0.0)
     loss.backward()
     assert loss.item() == pytest.approx(10.0) and new.grad.item() == 0.0 and m["dual_clip_frac"] == 1.0
     loss, _ = loss_of(new.detach(), torch.tensor([[-3.0]], dtype=torch.float64),
-                          torch.tensor([-1.0], dtype=torch.float64), torch.tensor([[True]]), delta=0.0, dual_clip=0.0)
+                          torch.tensor([-1.0], dtype=torch.float64), torch.tensor([[True]]),
+                          low_prob_threshold=0.0, dual_clip=0.0)
     assert loss.item() == pytest.approx(math.exp(3.0))
 
 
@@ -206,7 +207,7 @@ def _tensors(b, t, seed):
 def test_ratio_one_gives_minus_mean_advantage(bt):
     b, t, seed = bt
     _, logp, adv, mask = _tensors(b, t, seed)
-    loss, m = loss_of(logp, logp.clone(), adv, mask, delta=0.0)
+    loss, m = loss_of(logp, logp.clone(), adv, mask, low_prob_threshold=0.0)
     expected = -(adv[:, None] * mask).sum() / mask.sum()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-12)
     assert m["clip_frac"] == 0.0 and m["ratio_mean"] == 1.0 and m["approx_kl"] == 0.0
@@ -218,7 +219,7 @@ def test_ratio_one_gives_minus_mean_advantage(bt):
 def test_clip_frac_zero_when_ratio_is_one(bt, gran, agg, delta):
     b, t, seed = bt
     _, logp, adv, mask = _tensors(b, t, seed)
-    _, m = loss_of(logp, logp.clone(), adv, mask, delta=delta, mask_granularity=gran, loss_type=agg)
+    _, m = loss_of(logp, logp.clone(), adv, mask, low_prob_threshold=delta, mask_granularity=gran, loss_type=agg)
     assert m["clip_frac"] == 0.0 and m["dual_clip_frac"] == 0.0
 
 
@@ -232,14 +233,14 @@ def test_masked_tokens_get_exactly_zero_gradient(bt, gran, agg, junk):
     new = torch.where(mask, logp, junk).requires_grad_(True)  # padding holds junk: it must never leak
     old = torch.where(mask, old, junk)
     ref = torch.where(mask, logp + 0.3, junk)
-    loss, m = loss_of(new, old, adv, mask, logp_ref=ref, beta=0.1, delta=0.05, mask_granularity=gran,
+    loss, m = loss_of(new, old, adv, mask, logp_ref=ref, beta=0.1, low_prob_threshold=0.05, mask_granularity=gran,
                           loss_type=agg)
     loss.backward()
     assert torch.isfinite(loss) and m["skipped"] == 0.0
     assert torch.all(new.grad[~mask] == 0)
     # low-probability-masked tokens: zero gradient from the surrogate (β = 0 so nothing else touches them)
     new2 = torch.where(mask, logp, junk).requires_grad_(True)
-    loss2, m2 = loss_of(new2, old, adv, mask, delta=0.05, mask_granularity=gran, loss_type=agg)
+    loss2, m2 = loss_of(new2, old, adv, mask, low_prob_threshold=0.05, mask_granularity=gran, loss_type=agg)
     loss2.backward()
     lowp = mask & (logp < math.log(0.05)) if gran == "token" else mask & (
         (mask & (old < math.log(0.05))).any(1, keepdim=True))
@@ -258,7 +259,7 @@ def test_off_policy_ratio_numerator_tip_free_denominator_tips(new_tip_free, old_
     for variant, denom in (("paper", old_tips), ("tip_free", old_tip_free)):
         new.grad = None
         old = behaviour_logp_for_ratio("off_tips", with_tips, tip_free, variant)
-        loss, m = loss_of(new, old, adv, torch.tensor([[True]]), modes=["off_tips"], delta=0.0,
+        loss, m = loss_of(new, old, adv, torch.tensor([[True]]), modes=["off_tips"], low_prob_threshold=0.0,
                               epsilon=0.999, epsilon_high=1e9)  # effectively unclipped
         loss.backward()
         rho = math.exp(new_tip_free - denom)
@@ -285,7 +286,7 @@ def test_non_finite_valid_value_skips_with_zero_gradient():
     new, old, adv, mask, _ = random_batch(3)
     new[1, 2] = np.nan  # row 1 is fully valid
     t_new = torch.tensor(new, requires_grad=True)
-    loss, m = loss_of(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), delta=0.0)
+    loss, m = loss_of(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), low_prob_threshold=0.0)
     loss.backward()
     assert m["skipped"] == 1.0 and loss.item() == 0.0 and loss.requires_grad
     assert torch.all(t_new.grad == 0)
@@ -297,7 +298,7 @@ def test_non_finite_valid_value_skips_with_zero_gradient():
 def test_extreme_ratio_stays_finite():
     new = torch.tensor([[0.0, -1.0]], dtype=torch.float32, requires_grad=True)
     loss, m = loss_of(new, torch.tensor([[-200.0, -1.0]]), torch.tensor([-1.0]), torch.ones(1, 2, dtype=torch.bool),
-                          delta=0.0, dual_clip=0.0)
+                          low_prob_threshold=0.0, dual_clip=0.0)
     loss.backward()
     assert torch.isfinite(loss) and m["skipped"] == 0.0 and torch.isfinite(new.grad).all()
 
@@ -307,9 +308,9 @@ def test_registry():
     assert get_policy_loss("empo2") is policy_loss
     new, old, adv, mask, _ = random_batch(4)
     args = (torch.tensor(new), torch.tensor(old), torch.tensor(adv), torch.tensor(mask))
-    grpo, mg = loss_of(*args, loss=get_policy_loss("grpo"), delta=0.3)
-    plain, _ = loss_of(*args, delta=0.0)
-    masked, _ = loss_of(*args, delta=0.3)
+    grpo, mg = loss_of(*args, loss=get_policy_loss("grpo"), low_prob_threshold=0.3)
+    plain, _ = loss_of(*args, low_prob_threshold=0.0)
+    masked, _ = loss_of(*args, low_prob_threshold=0.3)
     assert grpo.item() == plain.item() != masked.item() and mg["masked_frac"] == 0.0
     with pytest.raises(ValueError):
         get_policy_loss("ppo")
@@ -327,7 +328,7 @@ def test_argument_checks():
     with pytest.raises(ValueError):
         loss_of(x, x, torch.zeros(2), m, modes=["on", "bogus"])
     # the knobs are checked once, when the config loads
-    with pytest.raises(ConfigError, match=r"algo.dual_clip must be > 1 \(or 0 to disable\), got 0.5"):
+    with pytest.raises(ConfigError, match=r"algo.dual_clip must be in \(1, 1000000\] \(or 0 to disable\), got 0.5"):
         Config.load(None, ["algo.dual_clip=0.5"])
     with pytest.raises(ConfigError, match="algo.loss_type must be one of token_mean, sequence_mean, dr_grpo, got 'sum'"):
         Config.load(None, ["algo.loss_type=sum"])
@@ -337,8 +338,8 @@ def test_each_loss_reads_its_knobs_from_the_algo_section():
     """A registered loss takes the ``algo`` section and reads every knob there; ``grpo`` takes δ as 0 without
     touching the run's section."""
     new, old, adv, mask, ref = random_batch(6)
-    section = AlgoConfig(epsilon=0.1, epsilon_high=0.5, dual_clip=3.0, delta=0.05, mask_granularity="sequence",
-                         beta=0.04, loss_type="sequence_mean")
+    section = AlgoConfig(epsilon=0.1, epsilon_high=0.5, dual_clip=3.0, low_prob_threshold=0.05,
+                         mask_granularity="sequence", beta=0.04, loss_type="sequence_mean")
     t_new = torch.tensor(new, requires_grad=True)
     loss, _ = policy_loss(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), section,
                           logp_ref=torch.tensor(ref))
@@ -348,4 +349,4 @@ def test_each_loss_reads_its_knobs_from_the_algo_section():
     grpo, _ = get_policy_loss("grpo")(t_new, torch.tensor(old), torch.tensor(adv), torch.tensor(mask), section,
                                       logp_ref=torch.tensor(ref))
     want, _, _ = reference(new, old, adv, mask, ref, lo=0.1, hi=0.5, c=3.0, delta=0.0, beta=0.04, agg="sequence_mean")
-    assert grpo.item() == pytest.approx(want, rel=1e-10) and section.delta == 0.05
+    assert grpo.item() == pytest.approx(want, rel=1e-10) and section.low_prob_threshold == 0.05

@@ -131,7 +131,7 @@ def test_luffy_drops_the_low_probability_mask_and_empo2_luffy_keeps_it():
     for name, masked in (("luffy", False), ("empo2_luffy", True)):
         new.grad = None
         luffy(new, old, torch.ones(1, dtype=torch.float64), torch.ones(1, 1), [False], name=name,
-              delta=0.01)[0].backward()
+              low_prob_threshold=0.01)[0].backward()
         assert (float(new.grad) == 0.0) == masked
 
 
@@ -152,7 +152,7 @@ def test_expert_rows_ignore_pi_old_the_mask_and_the_clip():
             new = torch.tensor(np.stack([lp_expert, lp_on]), dtype=torch.float64, requires_grad=True)
             old = torch.tensor(np.stack([old_expert, lp_old_on]), dtype=torch.float64)
             loss, metrics = luffy(new, old, adv, mask, [True, False], loss_type=agg, dr_grpo_length=8,
-                                  delta=0.01, tis_cap=2.0)
+                                  low_prob_threshold=0.01, tis_cap=2.0)
             loss.backward()
             assert metrics["skipped"] == 0.0
             grads.setdefault(agg, []).append((float(loss.detach()), new.grad.numpy().copy()))

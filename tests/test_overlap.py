@@ -120,8 +120,8 @@ def test_a_run_with_overlap_ends_with_the_blocking_runs_memory(tmp_path, tiny_mo
     fast = ["env.tasks=[find-animal]", "env.max_steps=3", "env.eval_variations=1", "algo.num_generations=4",
             "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=12",
             "train.progress=false", "train.iterations=2", "algo.p_memory=1.0", "policy.seeded_sampling=true",
-            "train.learning_rate=0.05", "algo.delta=0", "algo.intrinsic_weight=1.0", "memory.dedup_threshold=1.01",
-            "train.eval_at_start=false", f"policy.model={tiny_model}"]
+            "train.learning_rate=0.05", "algo.low_prob_threshold=0", "algo.intrinsic_weight=1.0",
+            "memory.dedup_threshold=1.01", "train.eval_at_start=false", f"policy.model={tiny_model}"]
     states, losses = {}, {}
     for overlap in ("false", "true"):
         run = tmp_path / overlap

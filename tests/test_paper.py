@@ -62,7 +62,8 @@ def test_gigpo_trains_alone_and_under_empo2(tmp_path, tiny_model, webshop_compar
                          "algo.num_generations=4", "env.eval_variations=1", "policy.few_shot=0",
                          "policy.max_completion_length=6", "policy.reflection_max_tokens=8", "train.progress=false",
                          "train.iterations=1", "train.report_to=none", "train.learning_rate=0.01",
-                         "algo.delta=0", *extra]) == 0  # δ = 0: a random model's tokens would all be masked
+                         "algo.low_prob_threshold=0", *extra]) == 0  # δ = 0: else a random model's tokens
+        # would all be masked
         row = _metrics(run)[0]
         assert row["advantage"]["step_groups"] >= 1  # the GiGPO estimator ran (it reports anchor-state groups)
         assert row["advantage"]["zero_adv_groups"] == 0 and row["advantage"]["adv_abs_mean"] > 0

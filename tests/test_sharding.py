@@ -28,7 +28,8 @@ TRAIN_ARGS = ["--config", "configs/scienceworld_cpu.yaml", "env.tasks=[find-anim
               "env.eval_variations=1", "algo.num_generations=2", "train.tasks_per_batch=2", "policy.few_shot=0",
               "policy.max_completion_length=8", "policy.reflection_max_tokens=16", "train.progress=false",
               "train.tensorboard=false", "algo.intrinsic_weight=1.0", "algo.p_memory=1.0", "algo.p_off_policy=0.5",
-              "policy.seeded_sampling=true", "train.keep_checkpoints=5", "algo.delta=0.0", "train.sharding=fsdp"]
+              "policy.seeded_sampling=true", "train.keep_checkpoints=5", "algo.low_prob_threshold=0.0",
+              "train.sharding=fsdp"]
 
 
 def _env() -> dict[str, str]:
@@ -60,7 +61,8 @@ def test_two_fsdp_ranks_update_as_one_process(tmp_path, tiny_model, lora):
     accumulated in one process (relative error ~1e-7; the worker's AdamW eps keeps near-zero gradients from
     magnifying it). A weight moves by up to lr = 1e-3 a step; a difference of 1e-6 (0.1 % of a step) would be a
     wrong gradient, not rounding (FSDP's default mean over ranks instead of the sum fails it)."""
-    common = ["policy.autocast=none", "train.learning_rate=1e-3", "train.micro_batch_tokens=12", "algo.delta=0.0"]
+    common = ["policy.autocast=none", "train.learning_rate=1e-3", "train.micro_batch_tokens=12",
+              "algo.low_prob_threshold=0.0"]
     if lora:  # the KL term's reference forwards run on both ranks too (the adapter disabled)
         common += ["algo.beta=0.05"]
     plain, m_plain = _update(tmp_path, tiny_model, 1, "none", lora, *common)

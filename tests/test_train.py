@@ -109,7 +109,7 @@ def test_empo2_with_a_learning_signal_moves_every_lora_matrix(tmp_path, tiny_mod
                    "train.iterations=2", "train.mini_batch_size=2", "train.learning_rate=0.01",
                    "env.eval_variations=1", "policy.few_shot=0", "policy.max_completion_length=6",
                    "policy.reflection_max_tokens=8", "train.progress=false", "train.report_to=none",
-                   "algo.delta=0"])  # a random model gives each token p ≈ 1/vocab, which the default δ masks
+                   "algo.low_prob_threshold=0"])  # a random model gives each token p ≈ 1/vocab, which δ masks
     assert rc == 0
     rows = _metrics(run)
     assert [r["iteration"] for r in rows] == [0, 1]

@@ -23,7 +23,7 @@ from test_prefix_sharing import SHARED, Tok, shared_rows, tiny_lm
 
 def _config(*overrides: str) -> Config:
     # δ = 0: a random 256-token model gives every token p ≈ 1/256, which the default mask would drop
-    return Config.load("configs/scienceworld_cpu.yaml", ["algo.name=grpo", "algo.delta=0", "algo.beta=0",
+    return Config.load("configs/scienceworld_cpu.yaml", ["algo.name=grpo", "algo.low_prob_threshold=0", "algo.beta=0",
                                                          "train.max_grad_norm=1000000000.0",
                                                          "train.micro_batch_tokens=120", *overrides])
 
@@ -244,5 +244,5 @@ def test_auto_old_logprobs_follow_the_backend_and_the_compute_dtype():
     assert compute_dtype(PolicyConfig(device="cpu", autocast="bfloat16")) == "bfloat16"
     assert compute_dtype(PolicyConfig(device="cpu", autocast="none")) == "float32"
     assert compute_dtype(PolicyConfig(device="cpu", autocast="none", dtype="bfloat16")) == "bfloat16"
-    with pytest.raises(Exception, match="algo.tis_cap must be >= 1"):
+    with pytest.raises(Exception, match=r"algo.tis_cap must be in \[1, 1000000\] \(or 0 to disable\), got 0.5"):
         _config("algo.tis_cap=0.5")

@@ -392,12 +392,34 @@ def main(argv: list[str] | None = None) -> int:
     return signals.run_command(_main, argv)  # SIGTERM / Ctrl-C: one line and 128 + signal
 
 
+def _warn_renamed_keys_plainly() -> None:
+    """A config key's old name is the user's to fix, not the code's: its warning prints as one ``warning:`` line
+    instead of a source location; other warnings print as Python prints them."""
+    import warnings
+
+    from empo2.config_renames import ConfigRenameWarning
+
+    show = warnings.showwarning
+    if getattr(show, "plain_renames", False):
+        return
+
+    def plain(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConfigRenameWarning):
+            print(f"warning: {message}", file=sys.stderr)
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    plain.plain_renames = True
+    warnings.showwarning = plain
+
+
 def _main(argv: list[str] | None) -> int:
     from empo2 import signals
 
     args = parse_cli(argv)
     signals.set_phase(f"empo2 {args.command}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    _warn_renamed_keys_plainly()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if not args.verbose and args.command != "memory":  # library chatter (weight-loading bars, deprecation notices) hides the run's own output
         import warnings

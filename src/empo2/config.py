@@ -1,9 +1,10 @@
 """Run configuration: one dataclass per concern, loaded from YAML with ``key=value`` overrides.
 
 Names follow TRL where TRL has the knob (``num_generations``, ``beta``, ``epsilon``, ``epsilon_high``,
-``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, ``learning_rate``, ``num_iterations``,
-``loss_type``); EMPO²'s own
-knobs keep the paper's names (``delta``, ``p_memory``, ``p_off_policy``, ``top_k_tips``).
+``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, ``learning_rate``, ``loss_type``) and its name
+does not mislead (PPO's passes are ``ppo_epochs``, not TRL's ``num_iterations``, beside ``train.iterations``);
+EMPO²'s own knobs say what they are (``low_prob_threshold``, the paper's δ; ``p_memory``, ``p_off_policy``,
+``top_k_tips``). Renamed keys still load, with a warning (:mod:`empo2.config_renames`).
 
 A YAML file has one mapping per section::
 
@@ -15,8 +16,9 @@ A value is read by its field's declared type, never as YAML: a string or path is
 exp #2`` keeps `` #2``, ``dtype=on`` stays ``"on"``); an integer is decimal digits (``0755`` is 755); a bool is
 ``true``/``false`` (also ``yes``/``no``/``on``/``off``, as YAML files spell them); a list is ``[a, b]`` or ``a,b``; an
 optional field is unset by an empty value or ``null``. A YAML file is read the same way: its plain scalars are typed by
-the field, not by YAML's guesses, and aliases (``*name``) are refused. Bounds are in :mod:`empo2.config_bounds`.
-The sections' fields are defined and documented in :mod:`empo2.config_sections`.
+the field, not by YAML's guesses, and aliases (``*name``) are refused. A preset may inherit from another (``base:``,
+:mod:`empo2.config_presets`). The sections' fields, with their bounds, are defined and documented in
+:mod:`empo2.config_sections`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from typing import Any
 import yaml
 
 from empo2.config_bounds import MAX_CONFIG_BYTES, ConfigError, check_bounds, check_choices, check_size, shown
+from empo2.config_presets import preset_layers
+from empo2.config_renames import RENAMED, old_name, warn_renamed
 from empo2.config_sections import AlgoConfig, EnvConfig, MemoryConfig, PolicyConfig, TrainConfig  # noqa: F401
 
 
@@ -47,40 +51,25 @@ class Config:
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> Config:
-        cfg = cls()
-        for section, values in (data or {}).items():
-            if section not in cls.SECTIONS:
-                raise ConfigError(f"unknown config section {section!r}; valid sections: {', '.join(cls.SECTIONS)}")
-            if values is None:
-                continue
-            if not isinstance(values, dict):
-                raise ConfigError(f"config section {section!r} must be a mapping, got {type(values).__name__}")
-            for key, value in values.items():
-                cfg.set(f"{section}.{key}", value)
+        cfg, used = cls(), {}
+        try:
+            cfg._set_all(_section_pairs(data or {}), used, "the config")
+        finally:
+            warn_renamed(used)
         cfg.validate()
         return cfg
 
     @classmethod
     def load(cls, path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-        data: dict[str, Any] = {}
-        if path is not None:
-            p = Path(path)
-            if not p.is_file():
-                raise ConfigError(f"config file not found: {p}")
-            if p.stat().st_size > MAX_CONFIG_BYTES:
-                raise ConfigError(f"{p} is {p.stat().st_size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,}")
-            try:
-                data = yaml.load(p.read_text(), Loader=_ConfigLoader) or {}
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"malformed YAML in {p}: {_yaml_problem(exc)}") from None
-            if not isinstance(data, dict):
-                raise ConfigError(f"{p} must hold a mapping of sections, got {type(data).__name__}")
-        cfg = cls.from_dict(data)
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not key=value")
-            key, raw = item.split("=", 1)
-            cfg.set(key.strip(), raw)
+        """The defaults, then the preset at ``path`` (its ``base:`` chain first), then ``key=value`` overrides."""
+        cfg, used = cls(), {}
+        try:
+            for source, data in preset_layers(Path(path), _read_yaml) if path is not None else ():
+                cfg._set_all(_section_pairs(data), used, str(source))
+            cfg.validate()
+            cfg._set_all([_override(item) for item in overrides], used, "an override")
+        finally:
+            warn_renamed(used)
         cfg.validate()
         return cfg
 
@@ -102,9 +91,34 @@ class Config:
         raise ConfigError(f"unknown config key {shown(key)}; valid keys: {', '.join(self.valid_keys())}")
 
     def set(self, key: str, value: Any) -> None:
-        section, name = self.resolve_key(key)
-        obj = getattr(self, section)
-        setattr(obj, name, _coerce(f"{section}.{name}", value, obj, name))
+        used: dict[str, str] = {}
+        try:
+            self._set_all([(key, value)], used, "Config.set")
+        finally:
+            warn_renamed(used)
+
+    def _set_all(self, pairs: list[tuple[str, Any]], used: dict[str, str], where: str) -> None:
+        """Set each ``(key, value)`` of one source (a file, the overrides), typed by its field. A key's old name
+        (:data:`~empo2.config_renames.RENAMED`) sets the new one and is noted in ``used``; a source that gives both
+        names different values is refused."""
+        written: dict[str, tuple[str | None, Any]] = {}  # section.name -> (old name it was given by, value)
+        for key, value in pairs:
+            old = None if self._knows(key) else old_name(key)
+            if old is not None:
+                used.setdefault(old, where)
+            section, name = self.resolve_key(RENAMED[old] if old else key)
+            obj, dotted = getattr(self, section), f"{section}.{name}"
+            setattr(obj, name, _coerce(dotted, value, obj, name))
+            earlier, now = written.get(dotted), getattr(obj, name)
+            if earlier is not None and (earlier[0] is None) != (old is None) and earlier[1] != now:
+                raise ConfigError(f"{where} gives both {old or earlier[0]} and its new name {dotted}, with different "
+                                  f"values ({shown(earlier[1])} and {shown(now)}); keep only {dotted}")
+            written[dotted] = (old, now)
+
+    def _knows(self, key: str) -> bool:
+        """``key`` names a current field, dotted or bare (so an old name is never taken for a current one)."""
+        keys = self.valid_keys()
+        return key in keys or any(k.endswith(f".{key}") for k in keys)
 
     def to_dict(self) -> dict[str, Any]:
         return {s: dataclasses.asdict(getattr(self, s)) for s in self.SECTIONS}
@@ -114,43 +128,23 @@ class Config:
 
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
-        a, e, m, p, t = self.algo, self.env, self.memory, self.policy, self.train
-        checks = [
-            (0 <= e.action_cutoff <= 100, "env.action_cutoff must be in [0, 100]"),
-            (0 < p.vllm_memory < 1, "policy.vllm_memory must be in (0, 1)"),
-            (a.num_generations >= 1, "algo.num_generations must be >= 1"),
-            (0 <= a.epsilon < 1 and a.epsilon_high >= 0, "algo.epsilon must be in [0,1) and epsilon_high >= 0"),
-            (0 <= a.delta < 1, "algo.delta must be in [0, 1)"),
-            (a.beta >= 0, "algo.beta must be >= 0"),
-            (p.lora_dropout == 0, f"policy.lora_dropout must be 0, got {p.lora_dropout:g}: π_old has no dropout (the "
-             "engine's log-probs or an eval-mode recompute), so dropout in π_θ would move the ratio and the δ mask "
-             "by noise"),
-            (a.tis_cap == 0 or a.tis_cap >= 1, f"algo.tis_cap must be >= 1 (or 0 to disable), got {a.tis_cap:g}"),
-            (not 0 < a.dual_clip <= 1, f"algo.dual_clip must be > 1 (or 0 to disable), got {a.dual_clip:g}"),
-            (0 <= a.p_off_policy <= a.p_memory <= 1, "algo.p_off_policy <= algo.p_memory, both in [0, 1]"),
-            (0 <= a.gamma <= 1, "algo.gamma must be in [0, 1]"),
-            (a.step_similarity is None or 0 < a.step_similarity <= 1, "algo.step_similarity must be in (0, 1] or null"),
-            (m.top_k_tips >= 0 and m.capacity >= 1, "memory.top_k_tips >= 0 and memory.capacity >= 1"),
-            (p.temperature >= 0 and p.reflection_temperature >= 0 and p.top_k >= 0 and 0 < p.top_p <= 1,
-             "policy temperatures >= 0, policy.top_k >= 0 and policy.top_p in (0, 1]"),
-            (t.iterations >= 0 and t.tasks_per_batch >= 1, "train.iterations >= 0 and train.tasks_per_batch >= 1"),
-            (t.learning_rate > 0, "train.learning_rate must be > 0"),
-            (t.max_consecutive_env_failures >= 1, "train.max_consecutive_env_failures must be >= 1"),
-            (t.num_iterations >= 1, "train.num_iterations must be >= 1"),
-            (t.micro_batch_tokens >= 1 and t.mini_batch_size >= 0, "train.micro_batch_tokens >= 1 and "
-             "train.mini_batch_size >= 0"),
-            (t.logprob_chunk_tokens >= 1, "train.logprob_chunk_tokens must be >= 1"),
+        """Each enumerated field holds one of its values and each number lies within the bounds stated next to its
+        field (:mod:`empo2.config_sections`); then the rules between fields, and the registry names."""
+        check_choices(self)
+        check_bounds(self)
+        a, m, t = self.algo, self.memory, self.train
+        rules = [
+            (a.p_off_policy <= a.p_memory, f"algo.p_off_policy <= algo.p_memory is required (off_tips rollouts are a "
+             f"share of the memory rollouts), got {a.p_off_policy:g} > {a.p_memory:g}"),
             (t.sharding == "none" or m.overlap_reflection is not True, "train.sharding=fsdp cannot overlap the "
              "reflection with the update (it would generate while the update holds the sharded weights); set "
              "memory.overlap_reflection=false"),
             (bool(t.report_to) and set(t.report_to) <= {"tensorboard", "wandb", "mlflow"} or t.report_to == ["none"],
              "train.report_to must name tensorboard, wandb or mlflow (one or a list), or be none"),
         ]
-        for ok, message in checks:
+        for ok, message in rules:
             if not ok:
                 raise ConfigError(message)
-        check_choices(self)
-        check_bounds(self)
         self._check_registry_names()
 
     def check_training(self) -> None:
@@ -207,6 +201,42 @@ class Config:
         return get_algorithm(self.algo.name)
 
 
+def _section_pairs(data: dict[str, Any]) -> list[tuple[str, Any]]:
+    """``(section.key, value)`` of a mapping of sections, each section checked to be one and a mapping."""
+    pairs = []
+    for section, values in data.items():
+        if section not in Config.SECTIONS:
+            raise ConfigError(f"unknown config section {section!r}; valid sections: {', '.join(Config.SECTIONS)}")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a mapping, got {type(values).__name__}")
+        pairs += [(f"{section}.{key}", value) for key, value in values.items()]
+    return pairs
+
+
+def _override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not key=value")
+    key, raw = item.split("=", 1)
+    return key.strip(), raw
+
+
+def _read_yaml(p: Path) -> dict[str, Any]:
+    """One config file's mapping (its plain scalars kept as text), or one line saying why it is not one."""
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    if p.stat().st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{p} is {p.stat().st_size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,}")
+    try:
+        data = yaml.load(p.read_text(), Loader=_ConfigLoader) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"malformed YAML in {p}: {_yaml_problem(exc)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
 def _yaml_problem(exc: Exception) -> str:
     """A YAML parser error as one line: what went wrong, and where (the parser's own text spans several lines)."""
     mark = getattr(exc, "problem_mark", None)
@@ -254,42 +284,54 @@ def _coerce(key: str, value: Any, obj: Any, name: str) -> Any:
         if "None" in hint:
             return None
         raise ConfigError(f"{key} may not be empty")
-    if hint.startswith("list"):
-        if isinstance(value, str):
-            text = value.strip()
-            text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-            value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{key} must be a list of names, got {shown(value)}")
-        return value
-    if hint.startswith("dict"):
-        return _mapping_of_ints(key, value)
-    if hint.startswith("bool"):
-        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-            return value.strip().lower() in _TRUE
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be true or false, got {shown(value)}")
-    if hint.startswith("int"):
-        if isinstance(value, str) and _INT.match(value.strip()):
-            return int(value.strip())
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key} must be an integer, got {shown(value)}")
-        return value
-    if hint.startswith("float"):
-        if isinstance(value, str):
-            try:
-                value = float(value.strip())
-            except ValueError:
-                raise ConfigError(f"{key} must be a number, got {shown(value)}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key} must be a number, got {shown(value)}")
-        return float(value)
-    if hint.startswith(("str", "Literal")):
-        if isinstance(value, (dict, list)):
-            raise ConfigError(f"{key} must be a string, got {shown(value)}")
-        return str(value)
+    for prefix, parse in _PARSERS:
+        if hint.startswith(prefix):
+            return parse(key, value)
     return value
+
+
+def _names(key: str, value: Any) -> list[str]:
+    """A list of names from a list, or from override text ``[a, b]`` / ``a,b``."""
+    if isinstance(value, str):
+        text = value.strip()
+        text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+        value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"{key} must be a list of names, got {shown(value)}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{key} must be true or false, got {shown(value)}")
+
+
+def _int(key: str, value: Any) -> int:
+    if isinstance(value, str) and _INT.match(value.strip()):
+        return int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{key} must be an integer, got {shown(value)}")
+    return value
+
+
+def _float(key: str, value: Any) -> float:
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {shown(value)}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{key} must be a number, got {shown(value)}")
+    return float(value)
+
+
+def _text(key: str, value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"{key} must be a string, got {shown(value)}")
+    return str(value)
 
 
 def _mapping_of_ints(key: str, value: Any) -> dict[str, int]:
@@ -309,3 +351,8 @@ def _mapping_of_ints(key: str, value: Any) -> dict[str, int]:
             raise ConfigError(f"{key} must map task names to integers, got {shown(k)}: {shown(v)}")
         out[k] = v
     return out
+
+
+_PARSERS = (("list", _names), ("dict", _mapping_of_ints), ("bool", _bool), ("int", _int), ("float", _float),
+            ("str", _text), ("Literal", _text))
+"""How a field's value is read, by the start of its annotation."""

@@ -1,5 +1,6 @@
-"""Bounds of every numeric config field, the values of every enumerated one, the size of every string, and the
-machine's cap on environment workers.
+"""How bounds of numeric config fields are declared and checked (each field states its own, next to it, in
+:mod:`empo2.config_sections`), the values of every enumerated field, the size of every string, and the machine's cap
+on environment workers.
 
 Checked at load (:meth:`empo2.config.Config.validate`), so a nonsense value (``env.max_steps=-1``,
 ``algo.num_generations=100000``, a 10 MB path) exits with one line before anything starts. The bounds are wide:
@@ -14,7 +15,7 @@ import math
 import os
 import types
 import typing
-from dataclasses import fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 
@@ -34,43 +35,50 @@ WORKERS_PER_CORE = 8
 WORKER_MEMORY = 512 << 20
 """Available memory reserved per environment worker by default (a ScienceWorld JVM holds about this much)."""
 
-_BIG = 10 ** 9
-_SEED = 2 ** 32 - 1  # numpy's seeds are 32-bit
 
-INT_BOUNDS: dict[str, tuple[int, int]] = {
-    "env.train_variations": (1, 1_000_000), "env.eval_variations": (1, 1_000_000), "env.max_steps": (1, 100_000),
-    "env.webshop_num_products": (1, _BIG), "env.seed": (0, _SEED), "env.max_workers": (1, 1_000_000),
-    "policy.lora_r": (1, 65_536), "policy.lora_alpha": (1, 1_000_000), "policy.top_k": (0, 10_000_000),
-    "policy.max_completion_length": (1, 1_000_000), "policy.max_prompt_length": (1, 10_000_000),
-    "policy.reflection_max_tokens": (1, 1_000_000), "policy.history_window": (0, 100_000),
-    "policy.few_shot": (0, 1000),
-    "memory.top_k_tips": (0, 100_000), "memory.capacity": (1, _BIG), "memory.max_tip_words": (1, 1_000_000),
-    "algo.num_generations": (1, 4096), "algo.dr_grpo_length": (0, 1_000_000), "algo.intrinsic_schedule_iterations": (0, _BIG),
-    "algo.proxmo_max_features": (0, _BIG), "algo.elpo_b_max": (1, 4096),
-    "train.iterations": (0, _BIG), "train.tasks_per_batch": (1, 1_000_000), "train.num_iterations": (1, 10_000),
-    "train.mini_batch_size": (0, _BIG), "train.micro_batch_tokens": (1, _BIG),
-    "train.logprob_chunk_tokens": (1, _BIG), "train.eval_every": (0, _BIG),
-    "train.eval_episodes_per_task": (1, 1_000_000), "train.save_every": (1, _BIG),
-    "train.keep_checkpoints": (1, 100_000), "train.seed": (0, _SEED), "train.zero_adv_warn_iters": (1, _BIG),
-    "train.sample_trajectories": (0, 1_000_000), "train.max_consecutive_env_failures": (1, _BIG),
-}
-"""Inclusive [low, high] of every integer field; a field missing here is a programming error (a test checks)."""
+@dataclass(frozen=True)
+class Bounds:
+    """The numbers a field may hold: ``low``..``high``, each end inclusive unless marked open, and optionally one
+    value outside that range that switches the feature off (``off``). ``why`` says what the bound protects."""
 
-FLOAT_BOUNDS: dict[str, tuple[float, float]] = {
-    "policy.lora_dropout": (0.0, 0.0), "policy.temperature": (0.0, 100.0), "policy.eval_temperature": (0.0, 100.0),
-    "policy.reflection_temperature": (0.0, 100.0),
-    "memory.similarity_threshold": (-1.0, 1.0), "memory.dedup_threshold": (-1.0, 2.0),
-    "memory.rerank_score_weight": (0.0, 1e6), "memory.rerank_utility_weight": (0.0, 1e6),
-    "algo.step_advantage_weight": (0.0, 1e6), "algo.adv_eps": (1e-12, 1.0), "algo.epsilon_high": (0.0, 100.0),
-    "algo.dual_clip": (0.0, 1e6), "algo.beta": (0.0, 1e6), "algo.intrinsic_weight": (0.0, 1e6), "algo.tis_cap": (0.0, 1e6),
-    "algo.intrinsic_weight_start": (0.0, 1e6), "algo.intrinsic_weight_end": (0.0, 1e6),
-    "algo.novelty_threshold": (-1.0, 1.0), "algo.luffy_gamma": (1e-6, 1.0),
-    "algo.proxmo_alpha": (0.0, 100.0), "algo.proxmo_range": (0.0, 0.99), "algo.proxmo_tau": (1e-6, 1e6),
-    "algo.elpo_lambda": (0.0, 1.0), "algo.elpo_eps_elc": (0.0, 1.0),
-    "algo.elpo_x_min": (1.0, 4096.0), "algo.elpo_x_max": (1.0, 4096.0), "algo.elpo_beta": (0.0, 1e6),
-    "train.learning_rate": (1e-12, 10.0), "train.weight_decay": (0.0, 100.0), "train.max_grad_norm": (1e-12, 1e9),
-}
-"""Inclusive bounds of the float fields that :meth:`Config.validate` does not bound itself."""
+    low: float
+    high: float
+    open_low: bool = False
+    open_high: bool = False
+    off: float | None = None
+    why: str = ""
+
+    def holds(self, value: float) -> bool:
+        if self.off is not None and value == self.off:
+            return True
+        above = self.low < value if self.open_low else self.low <= value
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below
+
+    def refusal(self, key: str, value: Any) -> str:
+        """One line saying what ``key`` must be and what it got."""
+        if self.low == self.high:
+            wanted = _number(self.low)
+        else:
+            wanted = (f"in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
+                      f"{')' if self.open_high else ']'}")
+        off = f" (or {_number(self.off)} to disable)" if self.off is not None else ""
+        return f"{key} must be {wanted}{off}, got {shown(value)}" + (f": {self.why}" if self.why else "")
+
+
+def bounded(default: Any, low: float, high: float, *, open_low: bool = False, open_high: bool = False,
+            off: float | None = None, why: str = ""):
+    """A config field with its default and its :class:`Bounds`, read by :func:`check_bounds`."""
+    return field(default=default, metadata={"bounds": Bounds(low, high, open_low, open_high, off, why)})
+
+
+def bounds_of(obj) -> dict[str, Bounds]:
+    """``{field: Bounds}`` of a config section (class or instance)."""
+    return {f.name: f.metadata["bounds"] for f in fields(obj) if "bounds" in f.metadata}
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e18 else f"{x:g}"
 
 
 def shown(value: Any, limit: int = 60) -> str:
@@ -116,7 +124,8 @@ def check_choices(cfg) -> None:
 
 
 def check_bounds(cfg) -> None:
-    """Every int and float field within its bounds (``None`` passes where the field allows it)."""
+    """Every int and float field within the bounds declared next to it in :mod:`empo2.config_sections` (``None``
+    passes where the field allows it)."""
     for section in cfg.SECTIONS:
         obj = getattr(cfg, section)
         for f in fields(obj):
@@ -125,13 +134,13 @@ def check_bounds(cfg) -> None:
                 continue
             if isinstance(value, float) and not math.isfinite(value):
                 raise _error(f"{key} must be a finite number, got {value}")
-            bounds = INT_BOUNDS.get(key) if isinstance(value, int) else FLOAT_BOUNDS.get(key)
-            if bounds is not None and not bounds[0] <= value <= bounds[1]:
-                raise _error(f"{key} must be in [{bounds[0]}, {bounds[1]}], got {shown(value)}")
+            bounds = f.metadata.get("bounds")
+            if bounds is not None and not bounds.holds(value):
+                raise _error(bounds.refusal(key, value))
+    steps = bounds_of(cfg.env)["max_steps"]
     for task, cap in (cfg.env.step_caps or {}).items():
-        low, high = INT_BOUNDS["env.max_steps"]
-        if not low <= cap <= high:
-            raise _error(f"env.step_caps: {shown(task)} must be in [{low}, {high}], got {cap}")
+        if not steps.holds(cap):
+            raise _error(steps.refusal(f"env.step_caps: {shown(task)}", cap))
 
 
 def worker_cap() -> tuple[int, str]:

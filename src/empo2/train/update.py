@@ -47,7 +47,7 @@ class PolicyUpdate:
         """The ``algo`` section the loss reads, with Dr.GRPO's constant length resolved."""
 
     def __call__(self, rows: list[UpdateRow], progress=None) -> dict[str, float]:
-        """``num_iterations`` passes over the rows; each pass is shuffled and cut into mini-batches of
+        """``ppo_epochs`` passes over the rows; each pass is shuffled and cut into mini-batches of
         ``mini_batch_size`` rows (0 = all), one optimizer step per mini-batch, each normalised by all of its response
         tokens (the paper's 1/(N·T)), zero-advantage rows included. A zero-advantage row's loss and gradient are exactly
         0 when β = 0, so its forward and backward are skipped; it still counts in the cut and the denominator, and a
@@ -73,7 +73,7 @@ class PolicyUpdate:
         sums: Counter = Counter()
         n_mb = steps = skipped = 0
         size = dp.local_mini_size(self.dist, cfg.train.mini_batch_size, len(rows))
-        for _ in range(cfg.train.num_iterations):
+        for _ in range(cfg.train.ppo_epochs):
             order = list(range(len(rows)))
             random.shuffle(order)
             minis = [[rows[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
@@ -89,7 +89,7 @@ class PolicyUpdate:
         model.eval()
         out = {k: v / max(n_mb, 1) for k, v in sums.items()}
         computed = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
-        processed = sum(len(r.train_prompt) + len(r.response) for r in computed) * cfg.train.num_iterations
+        processed = sum(len(r.train_prompt) + len(r.response) for r in computed) * cfg.train.ppo_epochs
         out.update(rows=len(rows), computed_rows=len(computed), expert_rows=sum(r.off_policy for r in rows),
                    response_tokens=sum(len(r.response) for r in rows),
                    tokens=processed, optimizer_steps=steps, skipped_steps=skipped, **gap)

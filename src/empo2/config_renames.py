@@ -1,0 +1,51 @@
+"""Config keys that were renamed, and the path that keeps configs written with the old names loading.
+
+A YAML file, a saved run's ``config.yaml`` or an override may still use an old name: it is read as the new one, with
+one :class:`ConfigRenameWarning` per old name and load, and refused (exit 2) when the old and the new name are both
+given with different values. A run saved with old names resumes: its checkpoints' stored settings are read through
+:data:`RENAMED` too. A saved ``config.yaml`` is always written with the current names.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+RENAMED: dict[str, str] = {
+    "train.num_iterations": "train.ppo_epochs",
+    "algo.delta": "algo.low_prob_threshold",
+}
+"""Old dotted name → current dotted name."""
+
+
+class ConfigRenameWarning(UserWarning):
+    """A config used a key's old name; it was read as the new one (the CLI prints it as one ``warning:`` line)."""
+
+
+def old_name(key: str) -> str | None:
+    """The old dotted name ``key`` stands for, written dotted (``algo.delta``) or bare (``delta``) when only one old
+    name ends so; ``None`` for any other key."""
+    if key in RENAMED:
+        return key
+    matches = [old for old in RENAMED if old.split(".", 1)[1] == key]
+    return matches[0] if len(matches) == 1 else None
+
+
+def forward_flat(settings: dict) -> dict:
+    """``{section.name: value}`` with old names replaced by the current ones (a checkpoint's stored settings)."""
+    return {RENAMED.get(key, key): value for key, value in settings.items()}
+
+
+_WARNED: set[tuple[str, str]] = set()
+"""(old name, source) pairs warned about in this process: a file read again (a resume reads its run's config twice,
+a comparison reads its preset once per run) does not repeat its warnings."""
+
+
+def warn_renamed(used: dict[str, str]) -> None:
+    """One warning per old name, each saying where it was read: ``used`` maps an old dotted name to its source."""
+    for old, where in used.items():
+        if (old, where) in _WARNED:
+            continue
+        _WARNED.add((old, where))
+        warnings.warn(f"{old} is now called {RENAMED[old]}: {where} uses the old name, read as {RENAMED[old]} "
+                      "(rename it there)", ConfigRenameWarning, stacklevel=3)
+    used.clear()

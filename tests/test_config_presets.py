@@ -1,0 +1,188 @@
+"""Presets that inherit (``base:``), and renamed keys that still load: the shipped presets resolve to exactly the
+configs they gave as full copies, a chain's errors are one line, and a config written with the old names (a preset,
+a saved run, a checkpoint) loads with one warning per old name and the same values."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from empo2.cli import main
+from empo2.config import Config, ConfigError
+from empo2.config_renames import RENAMED, ConfigRenameWarning
+
+BEFORE = json.loads((Path(__file__).parent / "data" / "presets_before_inheritance.json").read_text())
+"""Every shipped preset's resolved config as the loader gave it when each preset was a full copy (and before the
+renames: old key names)."""
+OLD_TEXT = {"low_prob_threshold:": "delta:", "ppo_epochs:": "num_iterations:"}
+"""How a preset spelled the renamed keys before the renames."""
+
+
+def flat(sections: dict) -> dict:
+    return {f"{s}.{k}": v for s, values in sections.items() for k, v in values.items()}
+
+
+def forward(sections: dict) -> dict:
+    """A resolved config from before the renames, under the current names."""
+    return {RENAMED.get(k, k): v for k, v in flat(sections).items()}
+
+
+def load(*args) -> tuple[Config, list[str]]:
+    """``Config.load(*args)`` and the rename warnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = Config.load(*args)
+    return cfg, [str(w.message) for w in caught if issubclass(w.category, ConfigRenameWarning)]
+
+
+# ----------------------------------------------------------------------------------------------------- inheritance
+@pytest.mark.parametrize("name", sorted(BEFORE))
+def test_each_shipped_preset_resolves_to_the_config_it_had_as_a_full_copy(name):
+    cfg, renamed = load(f"configs/{name}")
+    assert flat(cfg.to_dict()) == forward(BEFORE[name])
+    assert renamed == []  # the shipped presets use the current names
+
+
+def test_each_variant_names_its_base_and_repeats_none_of_its_values():
+    for variant, base in (("scienceworld_learn_cpu", "scienceworld_cpu"), ("webshop_paper", "scienceworld_paper"),
+                          ("scienceworld_evidence_cpu", "scienceworld_learn_cpu"), ("webshop_signal_cpu", "webshop_cpu")):
+        data = yaml.safe_load(Path(f"configs/{variant}.yaml").read_text())
+        assert data.pop("base") == f"{base}.yaml"
+        mine, its = (flat(Config.load(f"configs/{name}.yaml").to_dict()) for name in (variant, base))
+        assert [key for key in flat(data) if mine[key] == its[key]] == [], variant
+
+
+def test_a_base_is_found_beside_its_preset_and_merges_key_by_key(tmp_path, monkeypatch):
+    (tmp_path / "common").mkdir()
+    (tmp_path / "common" / "root.yaml").write_text(
+        "env: {tasks: [find-animal, find-plant], step_caps: {find-animal: 9, find-plant: 7}, max_steps: 5}\n"
+        "algo: {num_generations: 6, beta: 0.1}\n")
+    (tmp_path / "mid.yaml").write_text("base: common/root.yaml\nalgo: {beta: 0.2}\ntrain: {iterations: 3}\n")
+    (tmp_path / "leaf.yaml").write_text("base: mid.yaml\nenv: {tasks: [use-thermometer], step_caps: {x: 4}}\n")
+    monkeypatch.chdir(tmp_path / "common")  # paths are relative to the preset's file, not the working directory
+    cfg = Config.load(tmp_path / "leaf.yaml", ["train.iterations=9"])
+    assert cfg.env.tasks == ["use-thermometer"] and cfg.env.step_caps == {"x": 4}  # a value replaces its base's whole
+    assert cfg.env.max_steps == 5 and cfg.algo.num_generations == 6  # the rest of a section is inherited
+    assert cfg.algo.beta == 0.2 and cfg.train.iterations == 9  # nearer wins; an override wins over every file
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"a.yaml": "base: a.yaml\n"}, "a.yaml: presets inherit in a circle (a.yaml -> a.yaml)"),
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: ./a.yaml\nalgo: {beta: 0.1}\n"},
+     "b.yaml: presets inherit in a circle (a.yaml -> b.yaml -> a.yaml)"),
+    ({"a.yaml": "base: missing.yaml\n"}, "a.yaml: its base preset 'missing.yaml' is not a file ("),
+    ({"a.yaml": "base: [b.yaml]\n"}, "a.yaml: base must be the path of a preset file, got ['b.yaml']"),
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "algo: {betta: 1}\n"}, "unknown config key 'algo.betta'"),
+])
+def test_a_broken_chain_exits_2_with_one_line(tmp_path, capsys, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError) as info:
+        Config.load(tmp_path / "a.yaml")
+    assert message in str(info.value)
+    run = tmp_path / "run"
+    assert main(["train", "--config", str(tmp_path / "a.yaml"), f"train.output_dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not run.exists()
+
+
+def test_a_saved_config_is_resolved_and_needs_no_preset(tmp_path):
+    """A run's config.yaml holds every value and no ``base:``: it loads the same with the preset files gone."""
+    (tmp_path / "base.yaml").write_text("algo: {num_generations: 6}\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\ntrain: {iterations: 2}\n")
+    cfg = Config.load(tmp_path / "child.yaml")
+    cfg.save(tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert "base" not in saved and saved["algo"]["num_generations"] == 6
+    (tmp_path / "base.yaml").unlink()
+    (tmp_path / "child.yaml").unlink()
+    assert Config.load(tmp_path / "config.yaml").to_dict() == cfg.to_dict()
+
+
+# ----------------------------------------------------------------------------------------------------- renames
+def test_a_preset_from_before_the_renames_loads_with_one_warning_per_old_name(tmp_path):
+    text = Path("configs/scienceworld_paper.yaml").read_text()
+    for new, old in OLD_TEXT.items():
+        assert text.count(f"  {new}") == 1
+        text = text.replace(f"  {new}", f"  {old}")
+    (tmp_path / "old.yaml").write_text(text)
+    cfg, renamed = load(tmp_path / "old.yaml", ["delta=0.01"])  # the old name again, bare, in an override
+    assert flat(cfg.to_dict()) == forward(BEFORE["scienceworld_paper.yaml"])
+    assert sorted(renamed) == [
+        f"algo.delta is now called algo.low_prob_threshold: {tmp_path / 'old.yaml'} uses the old name, read as "
+        "algo.low_prob_threshold (rename it there)",
+        f"train.num_iterations is now called train.ppo_epochs: {tmp_path / 'old.yaml'} uses the old name, read as "
+        "train.ppo_epochs (rename it there)"]
+
+
+def test_a_saved_run_config_with_the_old_names_loads_to_the_same_values(tmp_path):
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(BEFORE["scienceworld_evidence_cpu.yaml"], sort_keys=False))
+    cfg, renamed = load(tmp_path / "config.yaml", ["train.num_iterations=3"])
+    want = forward(BEFORE["scienceworld_evidence_cpu.yaml"]) | {"train.ppo_epochs": 3}
+    assert flat(cfg.to_dict()) == want and len(renamed) == 2
+    assert load(tmp_path / "config.yaml")[1] == []  # read again (a resume reads it twice): warned once per process
+    cfg.save(tmp_path / "again.yaml")  # saved again: the current names only
+    again, renamed = load(tmp_path / "again.yaml")
+    assert again.to_dict() == cfg.to_dict() and renamed == []
+    assert "num_iterations" not in (tmp_path / "again.yaml").read_text()
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("algo: {delta: 0.02, low_prob_threshold: 0.03}\n", [],
+     "gives both algo.delta and its new name algo.low_prob_threshold, with different values (0.02 and 0.03)"),
+    ("", ["train.ppo_epochs=2", "num_iterations=3"],
+     "an override gives both train.num_iterations and its new name train.ppo_epochs, with different values (2 and 3)"),
+])
+def test_an_old_and_a_new_name_with_different_values_are_refused(tmp_path, text, overrides, message):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path / "c.yaml", overrides)
+    assert message in str(info.value)
+
+
+def test_old_and_new_names_that_agree_or_sit_in_different_files_load(tmp_path):
+    (tmp_path / "c.yaml").write_text("algo: {delta: 0.02, low_prob_threshold: 2.0e-2}\n")
+    cfg, renamed = load(tmp_path / "c.yaml")
+    assert cfg.algo.low_prob_threshold == 0.02 and len(renamed) == 1
+    (tmp_path / "base.yaml").write_text("algo: {delta: 0.05}\ntrain: {num_iterations: 2}\n")
+    (tmp_path / "child.yaml").write_text("base: base.yaml\nalgo: {low_prob_threshold: 0.0}\n")
+    cfg, renamed = load(tmp_path / "child.yaml", ["algo.delta=0.0"])  # the preset states the new name: it wins
+    assert cfg.algo.low_prob_threshold == 0.0 and cfg.train.ppo_epochs == 2 and len(renamed) == 2
+
+
+def test_the_cli_prints_one_warning_line_per_old_name(tmp_path, capsys):
+    (tmp_path / "old.yaml").write_text("algo: {delta: 0.02}\ntrain: {num_iterations: 2}\n")
+    # policy.top_p=0.9 stops the command before a model loads, after the config (and its warnings) is read
+    assert main(["train", "--config", str(tmp_path / "old.yaml"), "policy.top_p=0.9", "delta=0.02",
+                 f"train.output_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert [line.split(" is now called ")[0] for line in err[:-1]] == ["warning: algo.delta",
+                                                                      "warning: train.num_iterations"]
+    assert err[-1].startswith("error: policy.top_p=0.9")
+
+
+def test_a_run_saved_before_the_renames_resumes_and_its_checkpoint_is_still_compared(tmp_path):
+    """The checkpoint's stored settings (old names, a digest of them) are read under the current names: equal values
+    let the resume through, and a value edited since is still named."""
+    import hashlib
+
+    from empo2.train.resume import RESUME_SAFE, check_checkpoint_settings, check_same_run
+
+    old = BEFORE["scienceworld_cpu.yaml"]
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_000000").mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
+    settings = {k: v for k, v in flat(old).items() if k not in RESUME_SAFE}  # as the checkpoint's version digested
+    state = {"config": old, "settings_digest": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()}
+    (run / "checkpoints" / "iter_000000" / "state.json").write_text(json.dumps(state))
+    cfg, _ = load(run / "config.yaml", ["train.iterations=6"])
+    check_same_run(load(run / "config.yaml")[0], cfg, run)
+    check_checkpoint_settings(cfg, run)
+    state["config"]["train"]["num_iterations"] = 2  # trained with 2 passes, config.yaml says 1
+    (run / "checkpoints" / "iter_000000" / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ConfigError, match=r"\(train.ppo_epochs: 2 -> 1\)"):
+        check_checkpoint_settings(cfg, run)
