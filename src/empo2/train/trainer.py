@@ -39,7 +39,13 @@ import numpy as np
 import torch
 
 from empo2 import signals
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages, intrinsic_weight
+from empo2.algo.advantages import (
+    AdvantageInput,
+    AdvantageOptions,
+    compute_advantages,
+    intrinsic_weight,
+    step_rewards,
+)
 from empo2.algo.losses import get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config, ConfigError
@@ -393,9 +399,9 @@ class Trainer:
             self._say(f"[warning] {sum(ep.failed for ep in episodes)} episode(s) lost to a crashed environment "
                       "worker (restarted); they are left out of this update")
         algo = self.cfg.algo
-        inputs = AdvantageInput.from_episodes(batch.ran, batch.returns(algo.intrinsic_aggregation),
-                                              batch.intrinsic_weight, AdvantageOptions.from_config(algo),
-                                              algo.intrinsic_aggregation, gather=self.dist.all_gather)
+        batch.rewards = step_rewards(batch.ran, batch.intrinsic_weight, algo.intrinsic_aggregation)
+        inputs = AdvantageInput.from_rewards(batch.ran, batch.rewards, AdvantageOptions.from_config(algo),
+                                             gather=self.dist.all_gather)  # returns: the sums of the step rewards
         batch.advantages, batch.advantage_metrics = compute_advantages(self.algorithm.estimator(algo), inputs)
 
     def _update(self, batch: Batch, progress) -> None:
