@@ -27,57 +27,60 @@ SIGNAL = ["env.name=checksum-room", "algo.name=empo2", "algo.p_memory=1.0", "alg
 
 def trainer_for(tiny_model, embedder, *overrides, **parts):
     cfg = empo2.Config.load(None, [f"policy.model={tiny_model}", *SIGNAL, *overrides])
-    return empo2.Trainer(cfg, env=ChecksumRoom, embedder=embedder, **parts)
+    return empo2.Trainer(cfg, **{"env": ChecksumRoom, "embedder": embedder, **parts})
 
 
+def _lora(trainer) -> dict[str, torch.Tensor]:
+    """A copy of the trainer's LoRA matrices now."""
+    return {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.slow  # end-to-end training, as test_train.py's runs
 def test_one_iteration_in_process_moves_every_lora_matrix(tiny_model, embedder):
     """LoRA's B matrices start at zero, and its A matrices get a gradient once B is non-zero: over one iteration of
-    4 optimizer steps every A and every B must move. Fails when the update is skipped (e.g. ``updates_weights``
-    false, or the optimizer built over no parameter)."""
-    model, tokenizer = load_model(tiny_model, device="cpu")
+    4 optimizer steps every A and every B must move, and over the next one every matrix moves again. Fails when the
+    update is skipped, or takes a single optimizer step (A unmoved: checked with ``train.mini_batch_size=8``)."""
+    model, tokenizer = load_model(tiny_model, device="cpu")  # a model given to the trainer: LoRA put on it
     with checksum_room(), trainer_for(tiny_model, embedder, model=model, tokenizer=tokenizer) as trainer:
         run_dir = trainer.run_dir
-        lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
-        assert {n.split("lora_")[1][0] for n in lora} == {"A", "B"}
-        record = trainer.iteration()
-        assert trainer.next_iteration == 1
-        assert record["iteration"] == 0 and set(record["modes"]) <= {"on_tips", "off_tips"}
-        assert record["advantage"]["zero_adv_groups"] == 0  # ChecksumRoom: a signal in every group
-        assert record["loss"]["rows"] == 8 and record["loss"]["optimizer_steps"] == 4
-        after = dict(trainer.model.named_parameters())
-        assert [n for n, before in lora.items() if torch.equal(before, after[n].detach())] == []
-        assert trainer.memory is not None and trainer.memory.stats()["tips"] >= 1  # the reflection wrote tips
+        snapshots, records = [_lora(trainer)], []
+        for _ in range(2):
+            records.append(trainer.iteration())
+            snapshots.append(_lora(trainer))
+        assert trainer.next_iteration == 2 and trainer.memory.stats()["tips"] >= 1  # the reflection wrote tips
+    assert {n.split("lora_")[1][0] for n in snapshots[0]} == {"A", "B"}
+    assert [r["iteration"] for r in records] == [0, 1]
+    for r in records:
+        assert set(r["modes"]) <= {"on_tips", "off_tips"} and all(f"loss_{m}" in r["loss"] for m in r["modes"])
+        assert r["advantage"]["zero_adv_groups"] == 0 and r["advantage"]["adv_abs_mean"] > 0  # a signal everywhere
+        assert r["loss"]["rows"] == 8 and r["loss"]["optimizer_steps"] == 4 and r["loss"]["skipped_steps"] == 0
+    for before, after in zip(snapshots, snapshots[1:]):
+        assert [n for n in before if torch.equal(before[n], after[n])] == []
     assert not run_dir.exists()  # no output_dir: a temporary run folder, gone at close
 
 
-def test_the_whole_loop_writes_the_run_folder_it_is_given(tmp_path, tiny_model, embedder):
-    """``train()`` with an output folder: every iteration's metrics line, its checkpoints and the final evaluation;
-    the folder outlives the trainer."""
-    run = tmp_path / "run"
-    with checksum_room(), trainer_for(tiny_model, embedder, "train.save_every=1", output_dir=run) as trainer:
-        final = trainer.train()
-    assert final["summary"]["episodes"] >= 1
-    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
-    assert sorted(p.name for p in (run / "checkpoints").glob("iter_*")) == ["iter_000000", "iter_000001"]
-    assert (run / "eval" / "final.json").is_file() and (run / "memory.sqlite").is_file()
-
-
-def test_parts_given_stay_the_callers(tiny_model, embedder, tmp_path):
-    """A memory passed in is used and left open at close; a bad ``env`` or a model without its tokenizer is refused."""
+@pytest.mark.slow
+def test_train_writes_the_run_folder_it_is_given_and_leaves_the_callers_parts_open(tmp_path, tiny_model, embedder):
+    """``train()`` with an output folder and a memory of the caller's: the metrics line, the checkpoint and the final
+    evaluation are in the folder, the tips in the caller's memory, which stays open after ``close``."""
     from empo2.config import ConfigError
     from empo2.memory.store import TipMemory
 
+    run = tmp_path / "run"
     memory = TipMemory(tmp_path / "mine.sqlite", dim=embedder.dim)
-    with checksum_room(), trainer_for(tiny_model, embedder, memory=memory) as trainer:
-        trainer.iteration()
-        assert trainer.memory is memory
-    assert memory.stats()["tips"] >= 1  # still open: the trainer closed only what it made
-    memory.close()
     with checksum_room():
+        with trainer_for(tiny_model, embedder, "train.iterations=1", "train.eval_at_start=false", memory=memory, output_dir=run) as trainer:
+            final = trainer.train()
+            assert trainer.memory is memory
         with pytest.raises(ConfigError, match="model together with its tokenizer"):
             trainer_for(tiny_model, embedder, model=object())
         with pytest.raises(ConfigError, match="environment factory or a pool"):
-            empo2.Trainer(empo2.Config.load(None, [f"policy.model={tiny_model}", *SIGNAL]), env=42, embedder=embedder)
+            trainer_for(tiny_model, embedder, env=42)
+    assert final["summary"]["episodes"] >= 1 and (run / "eval" / "final.json").is_file()
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    assert [p.name for p in (run / "checkpoints").glob("iter_*")] == ["iter_000000"]
+    assert memory.stats()["tips"] >= 1 and not (run / "memory.sqlite").exists()  # the caller's memory, still open
+    memory.close()
 
 
 def test_the_package_exports_the_api_without_loading_torch():
