@@ -3,7 +3,8 @@
 The Python API: ``from empo2 import Config, Trainer`` (see :class:`empo2.train.trainer.Trainer`). Both are imported on
 first use, so ``import empo2`` (and the command line's start) does not load torch.
 """
-__version__ = "0.1.0"
+from empo2.version import __version__
+
 __all__ = ["Config", "Trainer", "__version__"]
 
 
