@@ -112,15 +112,17 @@ class Trainer:
     returns its metrics record. The command ``empo2 train`` builds this class and calls :meth:`train`; the run
     folder's lock and its ``config.yaml`` are the command's.
 
-    Example (ChecksumRoom-like toy environments work the same way; this one plays ScienceWorld)::
+    Example (ScienceWorld's workers are spawned processes, which import the script again: keep the work under
+    ``if __name__ == "__main__":``; an environment factory plays in this process and needs no guard)::
 
         from empo2 import Config, Trainer
 
-        cfg = Config.load("configs/scienceworld_cpu.yaml", ["train.iterations=1", "algo.num_generations=2"])
-        with Trainer(cfg, output_dir="runs/demo") as trainer:
-            record = trainer.iteration()  # one iteration: rollouts, reflection, advantages, update
-            print(record["train"]["score_mean"], record["loss"]["optimizer_steps"])
-            final = trainer.train()  # the remaining iterations, checkpoints and the final evaluation
+        if __name__ == "__main__":
+            cfg = Config.load("configs/scienceworld_cpu.yaml", ["train.iterations=2", "algo.num_generations=2"])
+            with Trainer(cfg, output_dir="runs/demo") as trainer:
+                record = trainer.iteration()  # iteration 0: rollouts, reflection, advantages, update
+                print(record["train"]["score_mean"], record["loss"].get("optimizer_steps"))
+                final = trainer.train()  # iteration 1 (logged, checkpointed) and the final evaluation
     """
 
     def __init__(self, config: Config, model=None, tokenizer=None, env=None, memory: TipMemory | None = None, *,
