@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import empo2
+from empo2.envs.local_pool import LocalEnvPool
 from empo2.policy.loader import load_model
 from signal_env import ChecksumRoom, checksum_room
 
@@ -76,6 +77,8 @@ def test_train_writes_the_run_folder_it_is_given_and_leaves_the_callers_parts_op
             trainer_for(tiny_model, embedder, model=object())
         with pytest.raises(ConfigError, match="environment factory or a pool"):
             trainer_for(tiny_model, embedder, env=42)
+        with pytest.raises(ConfigError, match="the pool given has 1 workers; .* needs 8"):  # 2 groups of 4
+            trainer_for(tiny_model, embedder, env=LocalEnvPool(ChecksumRoom, 1))
     assert final["summary"]["episodes"] >= 1 and (run / "eval" / "final.json").is_file()
     assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
     assert [p.name for p in (run / "checkpoints").glob("iter_*")] == ["iter_000000"]

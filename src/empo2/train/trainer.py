@@ -149,6 +149,12 @@ class Trainer:
             raise ConfigError(f"train.tasks_per_batch ({cfg.train.tasks_per_batch}) must be at least the number of "
                               f"ranks ({self.dist.world_size}): each rank plays whole groups")
 
+        self.pool_size = self.dist.max_local(cfg.train.tasks_per_batch) * cfg.algo.num_generations
+        if env is not None and not hasattr(env, "call") and not callable(env):
+            raise ConfigError(f"Trainer: env must be an environment factory or a pool of workers, not {type(env)}")
+        if hasattr(env, "call") and getattr(env, "size", self.pool_size) < self.pool_size:
+            raise ConfigError(f"Trainer: the pool given has {env.size} workers; train.tasks_per_batch × "
+                              f"algo.num_generations needs {self.pool_size}")
         if model is None:
             model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                           cfg.policy.trust_remote_code)
@@ -170,16 +176,13 @@ class Trainer:
         self.loss_fn = get_policy_loss(self.algorithm.loss)
 
         names = resolve_tasks(cfg.env)
-        self.pool_size = self.dist.max_local(cfg.train.tasks_per_batch) * cfg.algo.num_generations
         self._owns_pool = env is None or not hasattr(env, "call")
         if env is None:
             self.pool = make_pool(cfg.env.pool, cfg.env.name, make_env_kwargs(cfg.env), self.pool_size)
         elif hasattr(env, "call"):  # a pool of workers, one episode per worker
             self.pool = env
-        elif callable(env):
-            self.pool = LocalEnvPool(env, self.pool_size)
         else:
-            raise ConfigError(f"Trainer: env must be an environment factory or a pool of workers, not {type(env)}")
+            self.pool = LocalEnvPool(env, self.pool_size)
         self._owns_memory = memory is None
         try:
             if self._temporary:  # made only now: a bad config, model or environment leaves nothing behind
