@@ -166,7 +166,7 @@ class Trainer:
                         overlap_snapshot=cfg.policy.backend == "hf" and not cfg.policy.lora and bool(
                             overlap_wanted(cfg.memory.overlap_reflection, self.model, None)))
         if sharding.wanted(cfg):  # before the optimizer: it holds the sharded parameters
-            self.model = sharding.wrap(self.model, cfg, self.dist)
+            self.model, self.dist = sharding.wrap(self.model, cfg, self.dist)
         self.compute = compute_options(cfg.policy, cfg.train)  # prefix sharing, compute dtype, log-prob chunks
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
