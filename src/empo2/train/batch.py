@@ -26,6 +26,9 @@ class Batch:
     """The mode of each group of the global batch (the same on every rank)."""
     specs: list[tuple[str, int, int, str]]
     """This rank's rollouts, G per group: (task, variation, group, mode)."""
+    sampling_seed: int | None = None
+    """The iteration's sampling seed (``policy.seeded_sampling``): each row of its rollouts and reflections samples
+    from its own stream seeded by (this, group, member, turn); ``None``: unseeded."""
     episodes: list[Episode] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
     """The rollout's times and token counts (:func:`~empo2.train.rollout.run_episodes`); the memory time includes

@@ -360,22 +360,23 @@ class Trainer:
         modes = self.mode_sampler.sample(len(picks))
         specs = [(task, var, g, modes[g]) for g, (task, var) in enumerate(picks) if self.dist.owns(g)
                  for _ in range(cfg.algo.num_generations)]
-        return Batch(it, modes, specs)
+        seed = row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
+        return Batch(it, modes, specs, sampling_seed=seed)
 
     def _roll_out(self, batch: Batch, progress) -> None:
         """Play every rollout to the end (with tips retrieved in the memory modes)."""
         cfg, it = self.cfg, batch.iteration
-        self.ctx.sampling_seed = row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
+        seed = batch.sampling_seed
         reset_peak_rss()
         signals.set_phase("the rollout", where=f"iteration {it}")
         with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
             progress_fn = partial(_rollout_progress, progress, it)
             if self.expert is not None:  # LUFFY: gold-path members
-                batch.episodes, batch.stats = self.expert.play(self.ctx, batch.specs,
-                                                               temperature=cfg.policy.temperature, progress=progress_fn)
+                batch.episodes, batch.stats = self.expert.play(self.ctx, batch.specs, temperature=cfg.policy.temperature,
+                                                               progress=progress_fn, seed=seed)
             else:  # G independent episodes, or ELPO's tree
                 drive = rollout_driver(self.algorithm.rollout)
-                batch.episodes, batch.stats = drive(self.ctx, batch.specs, cfg, progress_fn)
+                batch.episodes, batch.stats = drive(self.ctx, batch.specs, cfg, progress_fn, seed)
 
     def _reflect(self, batch: Batch) -> None:
         """Each finished episode writes its tip into memory (memory algorithms only); with ``overlap_reflection``
@@ -385,11 +386,11 @@ class Trainer:
         writers = tip_writers(batch.episodes, self.cfg.memory)
         with timed(batch.seconds, "rollout"):
             if self.reflection is not None:
-                batch.pending = self.reflection.start(self.ctx, batch.episodes, writers)
+                batch.pending = self.reflection.start(self.ctx, batch.episodes, writers, batch.sampling_seed)
                 return
             with timed(batch.stats, "memory_time"), sharding.generating(self.model, self.cfg.policy.autocast,
                                                                         self.ctx.backend):
-                reflect(self.ctx, batch.episodes, writers)
+                reflect(self.ctx, batch.episodes, writers, batch.sampling_seed)
 
     def _novelty(self, batch: Batch) -> None:
         """The intrinsic weight of this iteration and, where it is on, every step's novelty reward."""
@@ -443,11 +444,11 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False, progress=None) -> dict[str, Any]:
         cfg = self.cfg
-        self.ctx.sampling_seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling \
-            else None
+        seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling else None
         with sharding.generating(self.model, self.cfg.policy.autocast, self.ctx.backend):
             result = evaluate(self.ctx, self.task_names, EvalPlan.from_config(cfg, self.pool_size, with_memory),
-                              dist=self.dist, progress=None if progress is None else partial(progress, f"eval {tag}"))
+                              dist=self.dist, progress=None if progress is None else partial(progress, f"eval {tag}"),
+                              seed=seed)
         if self.dist.is_main:
             write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg.env))
         return result
