@@ -103,9 +103,10 @@ class Trainer:
       (:class:`~empo2.envs.pool.EnvPool`). ``env.name`` must still be registered: it names the tasks and the prompt's
       guide.
     - ``memory``: a :class:`~empo2.memory.store.TipMemory` to retrieve tips from and write them to.
+    - ``embedder``: the sentence embedder of retrieval and novelty (default: ``memory.embedder``, loaded).
     - ``output_dir``: the run folder (metrics, checkpoints, evaluations, ``memory.sqlite``). Without one the trainer
       writes to a temporary folder that :meth:`close` deletes, so nothing is kept but what :meth:`train` and
-      :meth:`iteration` return.
+      :meth:`iteration` return. ``resume=True`` continues the run in ``output_dir`` from its last checkpoint.
 
     Parts given to the trainer stay the caller's: :meth:`close` closes only what the trainer made. :meth:`train` runs
     the whole loop (iterations, evaluations, checkpoints, a final evaluation); :meth:`iteration` runs one iteration and
