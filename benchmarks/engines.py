@@ -69,7 +69,7 @@ def run_arm(name: str, args) -> dict:
                  "train.eval_every=0", "train.iterations=100", "train.sample_trajectories=0", *ARMS[name]]
     t = time.perf_counter()
     trainer = Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides),
-                      Path(tempfile.mkdtemp(prefix=f"engines_{name}_")))
+                      output_dir=Path(tempfile.mkdtemp(prefix=f"engines_{name}_")))
     out = {"arm": name, "startup_s": time.perf_counter() - t, "autocast": trainer.cfg.policy.autocast,
            "rollouts": [], "iterations": []}
     try:

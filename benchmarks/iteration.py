@@ -47,22 +47,45 @@ def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def set_arm(trainer, share: bool, dtype: str = "float32", reuse: bool = True) -> None:
-    """Put an arm on a loaded trainer (the model, optimizer and environments are shared by all arms): its own config
-    (prefix sharing, head reuse, autocast), the compute options built from it, and the parts that take them: the
-    rollout context's options and a new ``PolicyUpdate``."""
-    import copy
+class Arms:
+    """The benchmark's arms as trainers built from one set of parts: the model with its LoRA, the tokenizer, the
+    environment workers, the embedder and the memory are made once (by the first trainer) and shared; each arm is a
+    ``Trainer`` configured with its own switches, built on first use and kept. The arms also share one cache of
+    fetched demonstrations, so no arm pays for a fetch another arm made."""
 
-    from empo2.policy.prefix import compute_options
-    from empo2.train.update import PolicyUpdate
+    def __init__(self, tmp: Path, name: str, args, extra: list[str]):
+        self.tmp, self.name = tmp, name
+        self.base = make_trainer(tmp, name, args, extra)
+        self.built = {}
 
-    cfg = copy.deepcopy(trainer.cfg)
-    cfg.policy.prefix_sharing, cfg.policy.reuse_heads = share, reuse
-    cfg.policy.autocast = "none" if dtype == "float32" else dtype
-    trainer.cfg, trainer.compute = cfg, compute_options(cfg.policy, cfg.train)
-    trainer.ctx.policy_cfg, trainer.ctx.compute = cfg.policy, trainer.compute
-    trainer.update = PolicyUpdate(cfg, trainer.model, trainer.tokenizer, trainer.optimizer, trainer.loss_fn,
-                                  trainer.dist, trainer.compute)
+    def get(self, share: bool = True, dtype: str = "float32", reuse: bool = True, micro_batch_tokens: int = 0,
+            overlap: bool = False, generations: int = 0):
+        """The trainer with ``policy.prefix_sharing=share``, ``policy.reuse_heads=reuse``, ``policy.autocast``
+        (``dtype``), and where given ``train.micro_batch_tokens``, ``memory.overlap_reflection`` and
+        ``algo.num_generations``."""
+        import copy
+
+        from empo2.train.trainer import Trainer
+
+        key = (share, dtype, reuse, micro_batch_tokens, overlap, generations)
+        if key not in self.built:
+            base = self.base
+            cfg = copy.deepcopy(base.cfg)
+            cfg.policy.prefix_sharing, cfg.policy.reuse_heads = share, reuse
+            cfg.policy.autocast = "none" if dtype == "float32" else dtype
+            cfg.memory.overlap_reflection = True if overlap else cfg.memory.overlap_reflection
+            cfg.train.micro_batch_tokens = micro_batch_tokens or cfg.train.micro_batch_tokens
+            cfg.algo.num_generations = generations or cfg.algo.num_generations
+            arm = Trainer(cfg, model=base.model, tokenizer=base.tokenizer, env=base.pool, memory=base.memory,
+                          embedder=base.embedder, output_dir=self.tmp / f"{self.name}_{len(self.built)}")
+            arm.ctx.demonstrations = base.ctx.demonstrations
+            self.built[key] = arm
+        return self.built[key]
+
+    def close(self) -> None:
+        for arm in self.built.values():
+            arm.close()
+        self.base.close()
 
 
 def make_trainer(tmp: Path, name: str, args, extra: list[str]):
@@ -72,20 +95,20 @@ def make_trainer(tmp: Path, name: str, args, extra: list[str]):
     overrides = [f"train.seed={args.seed}", "env.tasks=[find-animal]", f"env.max_steps={args.max_steps}",
                  "train.progress=false", "train.tensorboard=false", "train.eval_every=0", "train.iterations=100",
                  "train.sample_trajectories=0", f"train.micro_batch_tokens={args.micro_batch_tokens}"] + extra
-    return Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides), tmp / name)
+    return Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides), output_dir=tmp / name)
 
 
-def bench_rollout(trainer, args, log) -> tuple[dict, list]:
+def bench_rollout(arms: Arms, args, log) -> tuple[dict, list]:
     from empo2.train.rollout import run_episodes
 
     out, last = {}, None
-    set_arm(trainer, True)  # untimed: fetches the demonstration and warms the allocator, for every arm alike
-    run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * max(args.rollout_generations), temperature=1.0)
+    # untimed: fetches the demonstration (into the cache every arm shares) and warms the allocator
+    run_episodes(arms.get().ctx, [("find-animal", 0, 0, "on")] * max(args.rollout_generations), temperature=1.0)
     for g in args.rollout_generations:
         runs = {"today": [], "no_reuse": [], "shared": []}
         for rnd in range(args.rounds):
             for arm in (list(runs) if rnd % 2 == 0 else list(runs)[::-1]):
-                set_arm(trainer, arm != "today", reuse=arm == "shared")
+                trainer = arms.get(arm != "today", reuse=arm == "shared")
                 import torch
 
                 torch.manual_seed(args.seed + rnd)
@@ -111,11 +134,11 @@ def signed_rows(episodes):
     return update_rows(episodes, [[1.0 if i % 2 == 0 else -1.0] * len(e.steps) for i, e in enumerate(episodes)])
 
 
-def bench_update(trainer, episodes, args, log) -> dict:
+def bench_update(arms: Arms, episodes, args, log) -> dict:
     runs = {"today": [], "shared": []}
     for rnd in range(args.rounds):
         for arm in (("today", "shared") if rnd % 2 == 0 else ("shared", "today")):
-            set_arm(trainer, arm == "shared")
+            trainer = arms.get(arm == "shared")
             from empo2.train.metrics import peak_rss_gb, reset_peak_rss
 
             reset_peak_rss()
@@ -130,15 +153,14 @@ def bench_update(trainer, episodes, args, log) -> dict:
     return {"today_tokens_per_s": a, "shared_tokens_per_s": b, "speedup": b / a, "runs": runs}
 
 
-def bench_budgets(trainer, episodes, budgets: list[int], log) -> dict:
+def bench_budgets(arms: Arms, episodes, budgets: list[int], log) -> dict:
     """Update peak RSS and tokens/s per ``train.micro_batch_tokens`` (shared path, float32). Smallest budget first:
     memory the allocator keeps after a bigger budget would otherwise count towards the next one's peak."""
     from empo2.train.metrics import peak_rss_gb, reset_peak_rss
 
-    set_arm(trainer, True)
-    saved, out = trainer.cfg.train.micro_batch_tokens, {}
+    out = {}
     for budget in sorted(budgets):
-        trainer.cfg.train.micro_batch_tokens = budget
+        trainer = arms.get(micro_batch_tokens=budget)
         reset_peak_rss()
         t = time.perf_counter()
         m = trainer.update(signed_rows(episodes))
@@ -147,21 +169,19 @@ def bench_budgets(trainer, episodes, budgets: list[int], log) -> dict:
                             "peak_rss_gb": peak_rss_gb()}
         log(f"[budget] micro_batch_tokens {budget:5d}: {m['tokens']} tokens in {dt:6.1f}s "
             f"({m['tokens'] / dt:.1f}/s), peak RSS {out[str(budget)]['peak_rss_gb']:.2f} GB")
-    trainer.cfg.train.micro_batch_tokens = saved
     return out
 
 
-def bench_bf16_update(trainer, episodes, log) -> dict:
+def bench_bf16_update(arms: Arms, episodes, log) -> dict:
     """Update tokens/s, float32 vs bfloat16 autocast, on the first episode's rows only: without native bf16 matmul
     (no AVX512-BF16/AMX) autocast on this CPU is ~18x slower: the whole G = 8 set took ~14 min."""
     out = {}
     for dtype in ("float32", "bfloat16"):
-        set_arm(trainer, True, dtype)
+        trainer = arms.get(dtype=dtype)
         t = time.perf_counter()
         m = trainer.update(signed_rows(episodes[:1]))
         out[f"{dtype}_tokens_per_s"] = m["tokens"] / (time.perf_counter() - t)
         log(f"[update] shared+{dtype} on {m['rows']} rows: {out[f'{dtype}_tokens_per_s']:.1f} tokens/s")
-    set_arm(trainer, True, "float32")
     return {**out, "bf16_rows": len(episodes[0].steps)}
 
 
@@ -197,7 +217,7 @@ def run_iteration(trainer, it: int, timer: ReflectTimer, label: str, log) -> dic
     return row
 
 
-def bench_ratio(trainer, episodes, args, log) -> dict:
+def bench_ratio(arms: Arms, episodes, args, log) -> dict:
     """First-mini-batch |ratio − 1| per compute dtype: behaviour log-probs vs training log-probs, same rows."""
     import numpy as np
     import torch
@@ -209,7 +229,7 @@ def bench_ratio(trainer, episodes, args, log) -> dict:
     first = shared_micro_batches(prompts, [[0] * 16] * len(prompts), args.micro_batch_tokens)[0]
     out = {}
     for dtype in ("float32", "bfloat16"):
-        set_arm(trainer, True, dtype)
+        trainer = arms.get(dtype=dtype)
         torch.manual_seed(args.seed)
         t = time.perf_counter()
         gens = generate_batch(trainer.model, trainer.tokenizer, [prompts[i] for i in first], 16, temperature=1.0)
@@ -229,39 +249,20 @@ def bench_ratio(trainer, episodes, args, log) -> dict:
                       "tokens": int(mask.sum()), "rows": len(first), "generate_s": gen_s, "logprob_s": lp_s}
         log(f"[ratio] {dtype:8s} |ratio-1| median {out[dtype]['median']:.2e} p99 {out[dtype]['p99']:.2e} over "
             f"{out[dtype]['tokens']} tokens; generate {gen_s:.1f}s, log-probs {lp_s:.1f}s")
-    set_arm(trainer, True, "float32")
     return out
 
 
-def set_overlap(trainer, on: bool) -> None:
-    """``memory.overlap_reflection`` on or off for a built trainer (what its constructor would have made)."""
-    from functools import partial
-
-    from empo2.policy.loader import autocast_context
-    from empo2.train.overlap import BackgroundReflection
-
-    if on and trainer.reflection is None:
-        trainer.reflection = BackgroundReflection(trainer.model, trainer.ctx.backend,
-                                                  partial(autocast_context, trainer.model, "none"))
-    elif not on and trainer.reflection is not None:
-        trainer.reflection.close()
-        trainer.reflection = None
-
-
-def bench_iterations(empo2, grpo, args, log) -> dict:
+def bench_iterations(empo2: Arms, grpo: Arms, args, log) -> dict:
     timer = ReflectTimer()
-    empo2.cfg.algo.num_generations = args.generations
+    g = args.generations
     rows = {"empo2_today": [], "empo2_shared": [], "empo2_overlap": [], "grpo_shared": []}
-    set_arm(empo2, True)
-    run_iteration(empo2, 0, timer, "warm-up empo2", log)  # writes the tips later iterations retrieve
+    trainers = {"empo2_today": empo2.get(False, generations=g), "empo2_shared": empo2.get(generations=g),
+                "empo2_overlap": empo2.get(overlap=True, generations=g), "grpo_shared": grpo.get(generations=g)}
+    run_iteration(trainers["empo2_shared"], 0, timer, "warm-up empo2", log)  # writes the tips later ones retrieve
     arms = list(rows)
     for i in range(args.iterations):
         for arm in (arms if i % 2 == 0 else arms[::-1]):
-            trainer = grpo if arm.startswith("grpo") else empo2
-            set_arm(trainer, not arm.endswith("today"))
-            set_overlap(empo2, arm == "empo2_overlap")
-            rows[arm].append(run_iteration(trainer, 1 + len(arms) * i + arms.index(arm), timer, arm, log))
-    set_overlap(empo2, False)
+            rows[arm].append(run_iteration(trainers[arm], 1 + len(arms) * i + arms.index(arm), timer, arm, log))
     med = {arm: {k: median([r[k] for r in rs]) for k in ("whole", "rollout", "update", "reflection", "peak_rss_gb")}
            for arm, rs in rows.items()}
     e, t, g, o = med["empo2_shared"], med["empo2_today"], med["grpo_shared"], med["empo2_overlap"]
@@ -359,7 +360,7 @@ def main() -> None:
            "uptime_start": uptime(), "loadavg_start": loadavg(), "malloc": active()}
     tmp = Path(tempfile.mkdtemp(prefix="iteration_bench_"))
     g_max = max(args.rollout_generations + [args.generations])
-    empo2 = make_trainer(tmp, "empo2", args, [f"algo.num_generations={g_max}", "algo.p_memory=1.0",
+    empo2 = Arms(tmp, "empo2", args, [f"algo.num_generations={g_max}", "algo.p_memory=1.0",
                                               "algo.p_off_policy=0.0"])
     grpo = None
     save = lambda: args.out.write_text(json.dumps(res, indent=2))  # noqa: E731  (partial results survive)
@@ -379,8 +380,8 @@ def main() -> None:
             res["ratio"] = bench_ratio(empo2, episodes, args, log)
             save()
         if not args.skip_iterations:
-            grpo = make_trainer(tmp, "grpo", args, [f"algo.num_generations={args.generations}", "algo.name=grpo"])
-            grpo.ctx.demonstrations = empo2.ctx.demonstrations  # fetched by the warm-up: no arm pays for it
+            grpo = Arms(tmp, "grpo", args, [f"algo.num_generations={args.generations}", "algo.name=grpo"])
+            grpo.base.ctx.demonstrations = empo2.base.ctx.demonstrations  # fetched by the warm-up: no arm pays for it
             res["iterations"] = bench_iterations(empo2, grpo, args, log)
     finally:
         empo2.close()

@@ -55,7 +55,7 @@ def worker(args) -> None:
     params = sum(p.numel() for p in model.parameters())
     if args.sharding == "fsdp":
         cfg = Config.load(None, ["train.sharding=fsdp", "policy.autocast=none"])
-        model = sharding.wrap(model, cfg, dist)
+        model, dist = sharding.wrap(model, cfg, dist)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     built_rss = psutil.Process().memory_info().rss / 1e9  # the runtime, the built (and sharded) model
     ids = torch.randint(0, shape.vocab_size, (args.batch, args.tokens))

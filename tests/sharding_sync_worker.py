@@ -90,7 +90,7 @@ def main(model_name: str, out: str, lora: str) -> None:
     model = changed_model(model_name, lora == "1", cfg)
     if dist.is_main:
         model.save_pretrained(str(Path(out) / "plain"))
-    model = sharding.wrap(model, cfg, dist)
+    model, dist = sharding.wrap(model, cfg, dist)
     gathered = GatheredBytes()
     fsdp_save.save_pretrained(model, Path(out) / f"rank{dist.rank}")
     counts = {"peak": gathered.peak, "total": gathered.total, "alive": gathered.alive,

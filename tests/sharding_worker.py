@@ -54,7 +54,7 @@ def main(model_name: str, out: str, mode: str, lora: str, *overrides: str) -> No
     for p in model.parameters() if not cfg.policy.lora else ():  # full fine-tuning, as the trainer sets it
         p.requires_grad_(True)
     if sharding.wanted(cfg):
-        model = sharding.wrap(model, cfg, dist)
+        model, dist = sharding.wrap(model, cfg, dist)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], eps=ADAM_EPS,
                                   lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
     update = PolicyUpdate(cfg, model, tokenizer, optimizer, get_policy_loss(cfg.algorithm.loss), dist)

@@ -178,9 +178,9 @@ def test_rollout_and_reflection_call_a_backend_through_the_protocol(tmp_path, ti
     memory = TipMemory(tmp_path / "memory.sqlite", dim=embedder.dim)
     with EnvPool("scienceworld", make_env_kwargs(EnvConfig(max_steps=2)), size=2) as pool:
         ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", policy, MemoryConfig(),
-                             sampling_seed=3, backend=backend)
-        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, temperature=0.7)
-        reflect(ctx, episodes, tip_writers(episodes, ctx.memory_cfg))
+                             backend=backend)
+        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, temperature=0.7, seed=3)
+        reflect(ctx, episodes, tip_writers(episodes, ctx.memory_cfg), seed=3)
     assert all(not ep.failed and ep.steps for ep in episodes), [ep.error for ep in episodes]
     assert all(len(s.logp_old) == len(s.response_ids) for ep in episodes for s in ep.steps)
     actions = [c for c in backend.calls if c["max_new_tokens"] == 6]

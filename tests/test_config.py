@@ -201,5 +201,5 @@ def test_the_trainer_refuses_sampling_the_update_cannot_score(tmp_path):
 
     cfg = Config.load(None, ["policy.top_p=0.9", "policy.model=no-such-model"])
     with pytest.raises(ConfigError, match="policy.top_p=0.9 / policy.top_k=0 cannot train"):
-        Trainer(cfg, tmp_path / "run")
+        Trainer(cfg, output_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()

@@ -4,7 +4,6 @@ the WebShop fixture that logs its expert rows."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
@@ -251,15 +250,17 @@ def test_bare_zero_in_a_real_gold_path_is_answered_by_the_env_not_replayed():
 
 
 @pytest.mark.slow
-def test_one_luffy_iteration_on_the_webshop_fixture_logs_its_expert_rows(tmp_path, tiny_model):
-    from empo2.cli import main
+def test_one_luffy_iteration_on_the_webshop_fixture_logs_its_expert_rows(tiny_model):
+    """One iteration through the Python API in this process (the fixture's WebShop workers are real processes)."""
+    from empo2 import Config, Trainer
 
-    run = tmp_path / "luffy"
-    assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "luffy", f"train.output_dir={run}",
-                 "train.iterations=1", f"policy.model={tiny_model}", "env.max_steps=5", "env.eval_variations=1",
-                 "algo.num_generations=2", "policy.max_completion_length=8", "train.progress=false",
-                 "algo.loss_type=dr_grpo"]) == 0
-    rec = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    cfg = Config.load("configs/webshop_cpu.yaml", ["algo.name=luffy", "train.iterations=1",
+                                                   f"policy.model={tiny_model}", "env.max_steps=5",
+                                                   "env.eval_variations=1", "algo.num_generations=2",
+                                                   "policy.max_completion_length=8", "train.progress=false",
+                                                   "algo.loss_type=dr_grpo"])
+    with Trainer(cfg) as trainer:
+        rec = trainer.iteration()
     assert rec["expert"]["slots"] == 1 and rec["expert"]["kept"] == 1 and rec["expert"]["fallback"] == 0
     gold = rec["expert_env_steps"]  # search → item → options → buy: 4 or 5 steps on the fixture
     assert 4 <= gold <= 5 and rec["expert"]["rows"] == rec["expert"]["env_steps"] == rec["loss"]["expert_rows"] == gold

@@ -116,10 +116,10 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
     memory = TipMemory(tmp_path / "memory.sqlite", dim=embedder.dim)
     mcfg = MemoryConfig(entry_format="released", dedup_threshold=1.01, similarity_threshold=0.0)
     with EnvPool("scienceworld", {"max_steps": 2}, size=2) as pool:
-        ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", pcfg, mcfg, sampling_seed=0)
+        ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", pcfg, mcfg)
         torch.manual_seed(0)
-        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, temperature=1.0)
-        reflect(ctx, episodes, episodes)
+        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, temperature=1.0, seed=0)
+        reflect(ctx, episodes, episodes, seed=0)
         written = [ep for ep in episodes if ep.tip_written]
         assert written, [ep.tip_rejected for ep in episodes]
         stored = {t.text: t for t in memory.all_tips()}
@@ -131,7 +131,7 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
             entry = stored[ep.tip_written]
             assert entry.key_text == last.state_text and entry.score == ep.score
 
-        again, _ = run_episodes(ctx, [("find-animal", 0, 1, "on_tips")], temperature=1.0)
+        again, _ = run_episodes(ctx, [("find-animal", 0, 1, "on_tips")], temperature=1.0, seed=0)
         first = again[0].steps[0]
         assert first.tips and set(first.tips) <= set(stored)
         assert all(text in tok.decode(first.prompt_ids) for text in first.tips)

@@ -68,14 +68,14 @@ def test_background_reflection_writes_the_tips_of_the_weights_that_played(tmp_pa
 
     def context(name: str) -> RolloutContext:
         memory = TipMemory(tmp_path / f"{name}.sqlite", dim=embedder.dim)
-        ctx = RolloutContext(model, tok, None, embedder, memory, "scienceworld",
-                             PolicyConfig(reflection_max_tokens=24), MemoryConfig(dedup_threshold=1.01))
-        ctx.sampling_seed = 11  # per-row streams: a row's tip does not depend on the thread or batch it runs in
-        return ctx
+        return RolloutContext(model, tok, None, embedder, memory, "scienceworld",
+                              PolicyConfig(reflection_max_tokens=24), MemoryConfig(dedup_threshold=1.01))
+
+    seed = 11  # per-row streams: a row's tip does not depend on the thread or batch it runs in
 
     blocking = context("blocking")
     episodes = _episodes()
-    reflect(blocking, episodes, episodes)
+    reflect(blocking, episodes, episodes, seed)
 
     overlap = context("overlap")
     base = dict(model.named_parameters())
@@ -86,7 +86,7 @@ def test_background_reflection_writes_the_tips_of_the_weights_that_played(tmp_pa
     assert all(snap[n].data_ptr() == base[n].data_ptr() for n in frozen)  # frozen weights shared …
     assert all(snap[n].data_ptr() != base[n].data_ptr() for n in lora)  # … trainable ones owned
     episodes = _episodes()
-    pending = reflection.start(overlap, episodes, episodes)
+    pending = reflection.start(overlap, episodes, episodes, seed)
     _perturb(model, 0.5)  # the update runs while the tips are written
     reflection.finish(overlap, episodes, pending)
     reflection.close()
@@ -99,7 +99,7 @@ def test_background_reflection_writes_the_tips_of_the_weights_that_played(tmp_pa
     # the check can fail: reflecting with the weights after the update writes other tips
     after = context("after")
     episodes = _episodes()
-    reflect(after, episodes, episodes)
+    reflect(after, episodes, episodes, seed)
     assert [t.text for t in after.memory.all_tips()] != [t.text for t in blocking.memory.all_tips()]
     for ctx in (blocking, overlap, after):
         ctx.memory.close()

@@ -133,7 +133,7 @@ def engine():
     ours = not torch.distributed.is_initialized()
     wrap = partial(sharding.wrap, cfg=Config.load(None, ["train.sharding=fsdp", "policy.autocast=none"]),
                    dist=dp.init_from_env())
-    sharded = wrap(copy.deepcopy(changed))
+    sharded, _ = wrap(copy.deepcopy(changed))
     try:
         backend = VLLMBackend(resolve_model_path("smollm2-135m"), tok, lora_rank=LORA_RANK, seed=0)
     except (BackendError, RuntimeError, OSError) as exc:  # e.g. a CPU without AVX2: vLLM cannot serve it
@@ -200,7 +200,7 @@ def test_engine_samples_from_synced_sharded_lora_adapter(engine):
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     reference = copy.deepcopy(peft)
-    backend.sync_weights(wrap(peft))
+    backend.sync_weights(wrap(peft)[0])
     gens = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
     assert gens == _hf_greedy(reference, tok, prompts, 12)
     assert gens != _hf_greedy(model, tok, prompts, 12)

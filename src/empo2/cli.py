@@ -85,7 +85,7 @@ def cmd_train(args) -> int:
         check_reachable(cfg, cfg.env.eval_split, eval_plan_size(cfg), "training", allow=False, refuse=False,
                         say=lambda line: console.print(line, markup=False))
     signals.set_phase("the start of the run (model, environment workers)")
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), console=console)
+    trainer = Trainer(cfg, output_dir=run_dir, resume=bool(args.resume), console=console)
     if not main_rank:
         try:
             trainer.train()

@@ -26,7 +26,7 @@ def describe() -> dict[str, Any]:
     any) and the code version."""
     import torch
 
-    from empo2 import __version__
+    from empo2.version import __version__
 
     flags = cpu_flags() or set()
     return {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -26,6 +26,7 @@ are registered by :mod:`empo2.algo.registry`, which importing any module of ``em
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,22 +110,26 @@ class AdvantageInput:
     """Per episode (member, parent): ELPO's tree links, parent = (member it branched from, m) or ``None``."""
 
     @classmethod
-    def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
-                      intrinsic_aggregation: str = "mean",
-                      gather: Callable[[Any], list[Any]] | None = None) -> AdvantageInput:
-        """From rollout episodes (plain data: ``task``, ``variation``, ``group``, ``steps`` with ``reward``,
-        ``intrinsic`` and ``state_text``, ``success``). Step reward = r_t + w·r_int_t (``mean`` aggregation, as the
-        config's default: w·r_int_t / T_i, so the step rewards add up to the episode's return); state key = the state
-        the step answered (:func:`empo2.envs.base.state_of`)."""
-        rewards = []
-        for ep in episodes:
-            w = intrinsic_weight / max(len(ep.steps), 1) if intrinsic_aggregation == "mean" else intrinsic_weight
-            rewards.append(np.array([s.reward + w * s.intrinsic for s in ep.steps], dtype=np.float64))
+    def from_rewards(cls, episodes, rewards: list[np.ndarray], options: AdvantageOptions,
+                     gather: Callable[[Any], list[Any]] | None = None, returns=None) -> AdvantageInput:
+        """From rollout episodes (plain data: ``group``, ``member``, ``steps`` with ``state_text``, ``success``) and
+        their step rewards (:func:`step_rewards`, computed once per batch): the return is their sum
+        (:func:`returns_of`) unless ``returns`` is given; state key = the state the step answered
+        (:func:`empo2.envs.base.state_of`)."""
         keys = [[s.state_text for s in ep.steps] for ep in episodes]
         groups = np.array([ep.group for ep in episodes], dtype=np.int64)
         success = np.array([bool(ep.success) for ep in episodes], dtype=bool)
         tree = [(ep.member, getattr(ep, "parent", None)) for ep in episodes]
-        return cls(_as_numpy(returns, np.float64), groups, rewards, keys, options, success, gather or _one_rank, tree)
+        returns = returns_of(rewards) if returns is None else _as_numpy(returns, np.float64)
+        return cls(returns, groups, list(rewards), keys, options, success, gather or _one_rank, tree)
+
+    @classmethod
+    def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
+                      intrinsic_aggregation: str = "mean",
+                      gather: Callable[[Any], list[Any]] | None = None) -> AdvantageInput:
+        """:meth:`from_rewards` with the step rewards of :func:`step_rewards` and the ``returns`` given."""
+        rewards = step_rewards(episodes, intrinsic_weight, intrinsic_aggregation)
+        return cls.from_rewards(episodes, rewards, options, gather, returns)
 
     @classmethod
     def from_returns(cls, returns, group_ids, lengths: Sequence[int] | None = None,
@@ -242,6 +247,26 @@ def _checked(inp: AdvantageInput) -> AdvantageInput:
         raise ValueError(f"returns {r.shape} and success {success.shape} must have the same length")
     return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options, success, inp.gather,
                           inp.tree)
+
+
+def step_rewards(episodes, intrinsic_weight: float, aggregation: str = "mean") -> list[np.ndarray]:
+    """Each step's reward r_t + w·r_int_t, the one source of every estimator's input and of the return.
+
+    episodes: plain data, ``steps`` with ``reward`` (extrinsic) and ``intrinsic`` (novelty); with ``mean``
+    aggregation (the config's default) the weight is w / T_i, so an episode's intrinsic part is w · mean_t r_int_t
+    (:func:`combine_returns`) and a long episode is not paid for its length -> N arrays [T_i] float64.
+    """
+    rewards = []
+    for ep in episodes:
+        w = intrinsic_weight / max(len(ep.steps), 1) if aggregation == "mean" else intrinsic_weight
+        rewards.append(np.array([s.reward + w * s.intrinsic for s in ep.steps], dtype=np.float64))
+    return rewards
+
+
+def returns_of(rewards: Sequence[np.ndarray]) -> np.ndarray:
+    """R_i = Σ_t r_t of each episode's step rewards [N] float64. ``math.fsum`` rounds once, so two episodes whose
+    steps earn the same rewards in another order get the same return (and a group of them no advantage)."""
+    return np.array([math.fsum(r) for r in rewards], dtype=np.float64)
 
 
 def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:

@@ -103,12 +103,12 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
     out = []
     plan = EvalPlan(split, variations, None, temperature, batch, with_memory=baseline != "none")
     for trial in range(trials):
-        ctx.sampling_seed = row_seed(seed, trial)
-        episodes = play_split(ctx, tasks, plan, update_memory=False)
+        trial_seed = row_seed(seed, trial)
+        episodes = play_split(ctx, tasks, plan, update_memory=False, seed=trial_seed)
         if baseline == "reflexion":
             _remember_failures(ctx, episodes)
         elif baseline == "memory":
-            reflect(ctx, episodes, episodes)  # one tip per episode, and the uses of the tips it retrieved
+            reflect(ctx, episodes, episodes, trial_seed)  # one tip per episode, and the uses of the tips it retrieved
         result = summarise(episodes, tasks, plan)
         remembered = ctx.memory.stats()["tips"] if ctx.memory is not None else 0
         out.append({"trial": trial, **result["summary"], "per_task": result["per_task"],

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from empo2.algo.advantages import combine_returns
+from empo2.algo.advantages import returns_of, step_rewards
 from empo2.train.episode import Episode, episode_record
 from empo2.train.metrics import peak_rss_gb
 from empo2.train.overlap import PendingReflection
@@ -26,6 +26,9 @@ class Batch:
     """The mode of each group of the global batch (the same on every rank)."""
     specs: list[tuple[str, int, int, str]]
     """This rank's rollouts, G per group: (task, variation, group, mode)."""
+    sampling_seed: int | None = None
+    """The iteration's sampling seed (``policy.seeded_sampling``): each row of its rollouts and reflections samples
+    from its own stream seeded by (this, group, member, turn); ``None``: unseeded."""
     episodes: list[Episode] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
     """The rollout's times and token counts (:func:`~empo2.train.rollout.run_episodes`); the memory time includes
@@ -33,6 +36,9 @@ class Batch:
     pending: PendingReflection | None = None
     """Tips being generated beside the update (``memory.overlap_reflection``); written by the sync step."""
     intrinsic_weight: float = 0.0
+    rewards: list[np.ndarray] = field(default_factory=list)
+    """One array per episode of :attr:`ran`: each step's reward r_t + w·r_int_t (:func:`~empo2.algo.advantages.
+    step_rewards`), computed once; the estimators and the return read them."""
     advantages: list[np.ndarray] = field(default_factory=list)
     """One array per episode of :attr:`ran`: each step's advantage."""
     advantage_metrics: dict[str, float] = field(default_factory=dict)
@@ -51,9 +57,9 @@ class Batch:
         return [ep.intrinsic_return(aggregation) for ep in self.ran]
 
     def returns(self, aggregation: str) -> np.ndarray:
-        """Each episode of :attr:`ran`'s return R = R_ext + w · R_int [N] float64."""
-        return combine_returns([ep.extrinsic_return for ep in self.ran], self.intrinsic_returns(aggregation),
-                               self.intrinsic_weight)
+        """Each episode of :attr:`ran`'s return R = Σ_t (r_t + w·r_int_t) = R_ext + w · R_int [N] float64, the sum of
+        :attr:`rewards` (made from the episodes where the batch has none yet, e.g. every rank's episodes)."""
+        return returns_of(self.rewards or step_rewards(self.ran, self.intrinsic_weight, aggregation))
 
 
 def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps: int,

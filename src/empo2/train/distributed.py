@@ -146,7 +146,8 @@ class Dist:
             return batch
         episodes = gather_episodes(self, batch.episodes)
         stats, adv, losses = merge_stats(self, batch.stats, batch.advantage_metrics, batch.losses)
-        return dataclasses.replace(batch, episodes=episodes, stats=stats, advantage_metrics=adv, losses=losses)
+        return dataclasses.replace(batch, episodes=episodes, stats=stats, advantage_metrics=adv, losses=losses,
+                                   rewards=[])  # this rank's step rewards only: the returns are taken from episodes
 
     def seed_iteration(self, seed: int, iteration: int) -> None:
         """Per-rank, per-iteration seeds for python/numpy/torch: ranks draw different streams, and a resumed run

@@ -1,7 +1,8 @@
 """Rollout drivers by name (``AlgorithmSpec.rollout``): how an iteration's groups are played. ``episodes`` plays G
 independent episodes per group (:func:`empo2.train.rollout.run_episodes`); ``elpo`` grows each group's tree by
 Algorithm 1 of ELPO (:func:`empo2.train.elpo_rollout.run_elpo`). Each is called as
-``driver(ctx, specs, cfg, progress) -> (episodes, stats)``."""
+``driver(ctx, specs, cfg, progress, seed) -> (episodes, stats)`` (``seed``: the iteration's sampling seed or
+``None``)."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from empo2.train.elpo_rollout import ElpoOptions, run_elpo
 from empo2.train.rollout import run_episodes
 
 
-def _episodes(ctx, specs, cfg, progress):
-    return run_episodes(ctx, specs, temperature=cfg.policy.temperature, progress=progress)
+def _episodes(ctx, specs, cfg, progress, seed=None):
+    return run_episodes(ctx, specs, temperature=cfg.policy.temperature, progress=progress, seed=seed)
 
 
-def _elpo(ctx, specs, cfg, progress):
+def _elpo(ctx, specs, cfg, progress, seed=None):
     a = cfg.algo
     return run_elpo(ctx, specs, temperature=cfg.policy.temperature, progress=progress,
-                    options=ElpoOptions(a.elpo_b_max, a.elpo_x_min, a.elpo_x_max, a.elpo_beta))
+                    options=ElpoOptions(a.elpo_b_max, a.elpo_x_min, a.elpo_x_max, a.elpo_beta), seed=seed)
 
 
 ROLLOUT_DRIVERS: dict[str, Callable] = {"episodes": _episodes, "elpo": _elpo}

@@ -58,7 +58,8 @@ class ElpoOptions:
 
 def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], temperature: float, greedy: bool = False,
              progress=None, actions: ActionSource | None = None, options: ElpoOptions | None = None,
-             on_step: Callable[[Episode], None] | None = None) -> tuple[list[Episode], dict[str, float]]:
+             on_step: Callable[[Episode], None] | None = None,
+             seed: int | None = None) -> tuple[list[Episode], dict[str, float]]:
     """Algorithm 1 for every group of ``specs`` ([(task, variation, group, mode)], N entries per group = its budget).
 
     Returns the episodes (full trajectories, then branches, in the order they were played; a branch has
@@ -67,7 +68,7 @@ def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], temper
     ``elpo_waves`` and the replay metrics of :func:`restore_branches`.
     """
     o = options or ElpoOptions()
-    actions = actions or model_actions(temperature, greedy)
+    actions = actions or model_actions(temperature, greedy, seed)
     groups: dict[int, _Group] = {}
     for task, variation, g, mode in specs:
         groups.setdefault(g, _Group(task, variation, g, mode, 0)).budget += 1

@@ -45,18 +45,20 @@ class EvalPlan:
 
 
 def evaluate(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
-             dist: Dist | None = None, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+             dist: Dist | None = None, progress: Callable[[int, int], None] | None = None,
+             seed: int | None = None) -> dict[str, Any]:
     """Play ``plan`` for every task, ``plan.batch_size`` at a time, and summarise the scores.
 
     With a data-parallel ``dist`` each rank plays its share of every chunk of ``batch_size × ranks`` episodes and the
-    result covers all of them. ``progress(done, total)`` hears of finished episodes.
+    result covers all of them. ``progress(done, total)`` hears of finished episodes; ``seed`` (where set) gives each
+    row its own sampling stream.
     """
-    return summarise(play_split(ctx, tasks, plan, reflect, dist, progress), tasks, plan)
+    return summarise(play_split(ctx, tasks, plan, reflect, dist, progress, seed=seed), tasks, plan)
 
 
 def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
                dist: Dist | None = None, progress: Callable[[int, int], None] | None = None,
-               update_memory: bool = True) -> list[Episode]:
+               update_memory: bool = True, seed: int | None = None) -> list[Episode]:
     """The episodes of :func:`evaluate` (one per task variation, in task order). Where ``ctx`` has a memory and
     ``update_memory`` is on, each chunk's tip uses are recorded and, with ``reflect``, every episode writes a tip;
     off, the memory is read only, and the caller updates it."""
@@ -73,9 +75,9 @@ def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: b
         chunk = specs[start:start + step]
         overall = None if progress is None else partial(_overall_progress, progress, start, ranks, len(specs))
         eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=plan.temperature,
-                              progress=overall)
+                              progress=overall, seed=seed)
         if ctx.memory is not None and update_memory:
-            reflect_into_memory(ctx, eps, eps if reflect else [])
+            reflect_into_memory(ctx, eps, eps if reflect else [], seed)
         episodes += eps
     if ranks > 1:
         episodes = gather_episodes(dist, episodes)

@@ -54,11 +54,12 @@ class BackgroundReflection:
         self.snapshot, self._pairs = (None, []) if backend is not None else _snapshot(model)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="empo2-reflect")
 
-    def start(self, ctx: RolloutContext, episodes: list[Episode], writers: list[Episode]) -> PendingReflection:
+    def start(self, ctx: RolloutContext, episodes: list[Episode], writers: list[Episode],
+              seed: int | None = None) -> PendingReflection:
         """Call before the update: takes the weights that played ``episodes`` and starts generating the tips of
         ``writers`` (as :func:`~empo2.train.reflection.reflect`)."""
         uses, writers = memory_plan(episodes, writers)
-        job = reflection_job(ctx, writers)  # prompts and seeds are read here, on the caller's thread
+        job = reflection_job(ctx, writers, seed)  # prompts and seeds are read here, on the caller's thread
         with torch.no_grad():
             for mine, theirs in self._pairs:
                 mine.copy_(theirs)

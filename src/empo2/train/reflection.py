@@ -19,12 +19,12 @@ def tip_writers(episodes: list[Episode], memory_cfg: MemoryConfig) -> list[Episo
     return [ep for ep in episodes if ep.mode in MEMORY_MODES or memory_cfg.reflect_in_on_mode]
 
 
-def reflect(ctx: RolloutContext, episodes: list[Episode], writers: list[Episode]) -> None:
+def reflect(ctx: RolloutContext, episodes: list[Episode], writers: list[Episode], seed: int | None = None) -> None:
     """The memory step after ``episodes`` end: each of ``writers`` (a subset of ``episodes``; failed or empty ones
-    are skipped) writes one tip (one batched generation), and every episode updates the count, recency and utility
-    of the tips it used."""
+    are skipped) writes one tip (one batched generation; per-row streams from ``seed`` where set), and every episode
+    updates the count, recency and utility of the tips it used."""
     uses, writers = memory_plan(episodes, writers)
-    write_memory_ops(ctx, episodes, memory_ops(ctx, uses, writers, write_tips(ctx, writers)))
+    write_memory_ops(ctx, episodes, memory_ops(ctx, uses, writers, write_tips(ctx, writers, seed)))
 
 
 def memory_plan(episodes: list[Episode], writers: list[Episode]) -> tuple[list, list[Episode]]:
@@ -92,12 +92,12 @@ def reflection_prompts(ctx: RolloutContext, episodes: list[Episode]) -> list[lis
     return prompts
 
 
-def reflection_job(ctx: RolloutContext, episodes: list[Episode]) -> Callable[..., list[str]]:
+def reflection_job(ctx: RolloutContext, episodes: list[Episode], seed: int | None = None) -> Callable[..., list[str]]:
     """Everything a reflection needs from ``ctx`` now (prompts, per-row seeds), as a call that generates the tips
     with the given ``generate`` (:func:`~empo2.train.rollout.generate`'s signature, minus ``ctx``)."""
     if not episodes:
         return lambda generate: []
-    pcfg, prompts, seeds = ctx.policy_cfg, reflection_prompts(ctx, episodes), row_seeds(ctx, episodes, turn=-1)
+    pcfg, prompts, seeds = ctx.policy_cfg, reflection_prompts(ctx, episodes), row_seeds(seed, episodes, turn=-1)
 
     def run(generate) -> list[str]:
         gens = generate(prompts, pcfg.reflection_max_tokens, temperature=pcfg.reflection_temperature,
@@ -107,6 +107,6 @@ def reflection_job(ctx: RolloutContext, episodes: list[Episode]) -> Callable[...
     return run
 
 
-def write_tips(ctx: RolloutContext, episodes: list[Episode]) -> list[str]:
+def write_tips(ctx: RolloutContext, episodes: list[Episode], seed: int | None = None) -> list[str]:
     """One reflection per episode, in one batched generation (``policy.reflection_temperature``)."""
-    return reflection_job(ctx, episodes)(lambda *args, **kwargs: generate(ctx, *args, **kwargs))
+    return reflection_job(ctx, episodes, seed)(lambda *args, **kwargs: generate(ctx, *args, **kwargs))

@@ -41,8 +41,6 @@ class RolloutContext:
     memory_cfg: MemoryConfig
     step_counter: int = 0
     """Environment steps taken so far (all episodes); tips record it as their creation/use time. Checkpointed."""
-    sampling_seed: int | None = None
-    """When set, each rollout samples from its own stream seeded by (this, group, member, turn)."""
     backend: RolloutBackend | None = None
     """A rollout backend (e.g. vLLM), called with the protocol's keywords; ``None`` = generate with ``model`` (HF)."""
     memory_sync: MemorySync | None = None
@@ -61,14 +59,15 @@ ActionSource = Callable[[RolloutContext, list[int], list[Episode], list[list[int
 """``(ctx, worker index per active row, episode per active row, prompt ids per row) -> one Generation per row``."""
 
 
-def model_actions(temperature: float, greedy: bool = False) -> ActionSource:
-    """The policy as the action source: one batched generation for all active rows."""
+def model_actions(temperature: float, greedy: bool = False, seed: int | None = None) -> ActionSource:
+    """The policy as the action source: one batched generation for all active rows (each row from its own stream
+    seeded by (``seed``, group, member, turn) where ``seed`` is set)."""
 
     def act(ctx: RolloutContext, active: list[int], episodes: list[Episode],
             prompts: list[list[int]]) -> list[Generation]:
         pcfg = ctx.policy_cfg
         return generate(ctx, prompts, pcfg.max_completion_length, temperature=temperature, top_p=pcfg.top_p,
-                        top_k=pcfg.top_k, greedy=greedy, row_seeds=row_seeds(ctx, episodes))
+                        top_k=pcfg.top_k, greedy=greedy, row_seeds=row_seeds(seed, episodes))
 
     return act
 
@@ -81,6 +80,7 @@ def run_episodes(
     progress=None,
     actions: ActionSource | None = None,
     on_step: Callable[[Episode], None] | None = None,
+    seed: int | None = None,
 ) -> tuple[list[Episode], dict[str, float]]:
     """Play ``specs`` = [(task, variation, group, mode)] to the end in parallel; pool size must be ≥ len(specs).
 
@@ -88,7 +88,7 @@ def run_episodes(
     ``on_step(episode)`` is called after each step (``empo2 play`` prints with it). The end-of-episode reflection is
     the caller's next step (:func:`empo2.train.reflection.reflect`). Returns the episodes and timing/token stats.
     """
-    actions = actions or model_actions(temperature, greedy)
+    actions = actions or model_actions(temperature, greedy, seed)
     stats = {"gen_time": 0.0, "env_time": 0.0, "memory_time": 0.0, "gen_tokens": 0, "prompt_tokens": 0,
              "long_prompts": 0}
     members: dict[int, int] = {}
@@ -250,7 +250,7 @@ def generate(ctx: RolloutContext, prompts: list[list[int]], max_new_tokens: int,
                           **kwargs)
 
 
-def row_seeds(ctx: RolloutContext, episodes: list[Episode], turn: int | None = None) -> list[int] | None:
-    """Each row's sampling seed from (``ctx.sampling_seed``, group, member, turn); ``None`` when unseeded."""
-    return None if ctx.sampling_seed is None else [
-        row_seed(ctx.sampling_seed, ep.group, ep.member, len(ep.steps) if turn is None else turn) for ep in episodes]
+def row_seeds(seed: int | None, episodes: list[Episode], turn: int | None = None) -> list[int] | None:
+    """Each row's sampling seed from (``seed``, group, member, turn); ``None`` when unseeded (``seed`` ``None``)."""
+    return None if seed is None else [
+        row_seed(seed, ep.group, ep.member, len(ep.steps) if turn is None else turn) for ep in episodes]

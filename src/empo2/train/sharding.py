@@ -42,8 +42,9 @@ def wanted(cfg) -> bool:
     return cfg.train.sharding == "fsdp"
 
 
-def wrap(model: torch.nn.Module, cfg, dist) -> torch.nn.Module:
-    """``model`` sharded over ``dist``'s ranks (one rank: a group of one, the same code path); ``dist.sharded`` set."""
+def wrap(model: torch.nn.Module, cfg, dist):
+    """``model`` sharded over ``dist``'s ranks (one rank: a group of one, the same code path), and the ``Dist`` that
+    says so (a new one, ``sharded`` true: what reads it, the update's reductions and the checkpoint, takes that)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -58,8 +59,7 @@ def wrap(model: torch.nn.Module, cfg, dist) -> torch.nn.Module:
     for unit in _units(model):  # a sum, not FSDP's mean: each micro-batch's loss already has its global share
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no pre-multiplied sum)
-    dist.sharded = True
-    return model
+    return model, dataclasses.replace(dist, sharded=True)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

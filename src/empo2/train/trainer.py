@@ -28,6 +28,7 @@ import json
 import logging
 import random
 import shutil
+import tempfile
 import time
 import zlib
 from functools import partial
@@ -38,11 +39,18 @@ import numpy as np
 import torch
 
 from empo2 import signals
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages, intrinsic_weight
+from empo2.algo.advantages import (
+    AdvantageInput,
+    AdvantageOptions,
+    compute_advantages,
+    intrinsic_weight,
+    step_rewards,
+)
 from empo2.algo.losses import get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config, ConfigError
 from empo2.envs.factory import env_label, make_env_kwargs, resolve_tasks
+from empo2.envs.local_pool import LocalEnvPool
 from empo2.envs.pool import FailureStreak, make_pool
 from empo2.memory import open_tip_memory
 from empo2.memory.embedder import get_embedder
@@ -83,8 +91,49 @@ log = logging.getLogger("empo2.train")
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, resume: bool = False, console=None):
-        self.cfg, self.run_dir, self.console = cfg, Path(run_dir), console
+    """Train an LLM agent with the config's algorithm (EMPO², GRPO, GiGPO, LUFFY, ProxMO, ELPO …).
+
+    Built from a :class:`~empo2.config.Config` and, where given, its parts; whatever is not given is made from the
+    config (``policy.model`` loaded, ``env.name``'s worker processes started, the run folder's memory opened):
+
+    - ``model`` / ``tokenizer``: a Hugging Face causal LM and its tokenizer. LoRA is put on it per ``policy.lora``
+      unless it already carries adapters (a PEFT model is trained as it is).
+    - ``env``: an environment factory (``factory()`` returns one environment on the TextEnv protocol; the trainer
+      builds as many as it plays episodes at once, in this process), or a ready pool of environment workers
+      (:class:`~empo2.envs.pool.EnvPool`). ``env.name`` must still be registered: it names the tasks and the prompt's
+      guide.
+    - ``memory``: a :class:`~empo2.memory.store.TipMemory` to retrieve tips from and write them to.
+    - ``embedder``: the sentence embedder of retrieval and novelty (default: ``memory.embedder``, loaded).
+    - ``output_dir``: the run folder (metrics, checkpoints, evaluations, ``memory.sqlite``). Without one the trainer
+      writes to a temporary folder that :meth:`close` deletes, so nothing is kept but what :meth:`train` and
+      :meth:`iteration` return. ``resume=True`` continues the run in ``output_dir`` from its last checkpoint.
+
+    Parts given to the trainer stay the caller's: :meth:`close` closes only what the trainer made. :meth:`train` runs
+    the whole loop (iterations, evaluations, checkpoints, a final evaluation); :meth:`iteration` runs one iteration and
+    returns its metrics record. The command ``empo2 train`` builds this class and calls :meth:`train`; the run
+    folder's lock and its ``config.yaml`` are the command's.
+
+    Example (ScienceWorld's workers are spawned processes, which import the script again: keep the work under
+    ``if __name__ == "__main__":``; an environment factory plays in this process and needs no guard)::
+
+        from empo2 import Config, Trainer
+
+        if __name__ == "__main__":
+            cfg = Config.load("configs/scienceworld_cpu.yaml", ["train.iterations=2", "algo.num_generations=2"])
+            with Trainer(cfg, output_dir="runs/demo") as trainer:
+                record = trainer.iteration()  # iteration 0: rollouts, reflection, advantages, update
+                print(record["train"]["score_mean"], record["loss"].get("optimizer_steps"))
+                final = trainer.train()  # iteration 1 (logged, checkpointed) and the final evaluation
+    """
+
+    def __init__(self, config: Config, model=None, tokenizer=None, env=None, memory: TipMemory | None = None, *,
+                 output_dir: str | Path | None = None, resume: bool = False, embedder=None, console=None):
+        cfg = config
+        if (model is None) != (tokenizer is None):
+            raise ConfigError("Trainer: give the model together with its tokenizer, or neither")
+        self._temporary = output_dir is None
+        self.cfg, self.console = cfg, console
+        self.run_dir = None if output_dir is None else Path(output_dir)  # a temporary one is made below
         cfg.check_training()  # sampling the update's log-probs can score (the CLI also checks it before any file)
         self.algorithm = cfg.algorithm  # the registry entry: memory use, modes, loss, estimator
         self.use_memory = self.algorithm.uses_memory
@@ -101,34 +150,53 @@ class Trainer:
             raise ConfigError(f"train.tasks_per_batch ({cfg.train.tasks_per_batch}) must be at least the number of "
                               f"ranks ({self.dist.world_size}): each rank plays whole groups")
 
-        self.model, self.tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
-                                               cfg.policy.trust_remote_code)
-        self.model = loader.make_trainable(self.model, cfg.policy, cfg.train.gradient_checkpointing)
+        self.pool_size = self.dist.max_local(cfg.train.tasks_per_batch) * cfg.algo.num_generations
+        if env is not None and not hasattr(env, "call") and not callable(env):
+            raise ConfigError(f"Trainer: env must be an environment factory or a pool of workers, not {type(env)}")
+        if hasattr(env, "call") and getattr(env, "size", self.pool_size) < self.pool_size:
+            raise ConfigError(f"Trainer: the pool given has {env.size} workers; train.tasks_per_batch × "
+                              f"algo.num_generations needs {self.pool_size}")
+        if model is None:
+            model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
+                                          cfg.policy.trust_remote_code)
+        self.tokenizer = tokenizer
+        self.model = model if hasattr(model, "peft_config") else \
+            loader.make_trainable(model, cfg.policy, cfg.train.gradient_checkpointing)
         # before the first rollout: a run that does not fit its GPU would die at its first optimizer step
         preflight.check(self.model, cfg, self.dist.world_size,
                         overlap_snapshot=cfg.policy.backend == "hf" and not cfg.policy.lora and bool(
                             overlap_wanted(cfg.memory.overlap_reflection, self.model, None)))
         if sharding.wanted(cfg):  # before the optimizer: it holds the sharded parameters
-            self.model = sharding.wrap(self.model, cfg, self.dist)
+            self.model, self.dist = sharding.wrap(self.model, cfg, self.dist)
         self.compute = compute_options(cfg.policy, cfg.train)  # prefix sharing, compute dtype, log-prob chunks
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay,
         )
-        self.embedder = get_embedder(cfg.memory.embedder)
+        self.embedder = get_embedder(cfg.memory.embedder) if embedder is None else embedder
         self.loss_fn = get_policy_loss(self.algorithm.loss)
 
         names = resolve_tasks(cfg.env)
-        env_kwargs = make_env_kwargs(cfg.env)
-        self.pool_size = self.dist.max_local(cfg.train.tasks_per_batch) * cfg.algo.num_generations
-        self.pool = make_pool(cfg.env.pool, cfg.env.name, env_kwargs, self.pool_size)
+        self._owns_pool = env is None or not hasattr(env, "call")
+        if env is None:
+            self.pool = make_pool(cfg.env.pool, cfg.env.name, make_env_kwargs(cfg.env), self.pool_size)
+        elif hasattr(env, "call"):  # a pool of workers, one episode per worker
+            self.pool = env
+        else:
+            self.pool = LocalEnvPool(env, self.pool_size)
+        self._owns_memory = memory is None
         try:
-            self._setup(cfg, names, seed, resume)
+            if self._temporary:  # made only now: a bad config, model or environment leaves nothing behind
+                self.run_dir = Path(tempfile.mkdtemp(prefix="empo2-run-"))
+            self._setup(cfg, names, seed, resume, memory)
         except BaseException:  # a bad checkpoint or a SIGTERM here: no JVM outlives the trainer
-            self.pool.close()
+            if self._owns_pool:
+                self.pool.close()
+            if self._temporary and self.run_dir is not None:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
 
-    def _setup(self, cfg: Config, names: list[str], seed: int, resume: bool) -> None:
+    def _setup(self, cfg: Config, names: list[str], seed: int, resume: bool, memory: TipMemory | None) -> None:
         train_vars = {}
         for name in names:
             variations = self.pool.call(0, "variations", name, "train", retries=1)
@@ -141,7 +209,7 @@ class Trainer:
         if self.dist.is_main:  # rank 0 owns the run folder
             self.run_dir.mkdir(parents=True, exist_ok=True)  # only now: a bad task/model/Java error writes nothing
         self.resume_from = pick_checkpoint(self.run_dir, cfg.policy.lora, self._say, self.dist) if resume else None
-        self.memory = self._open_memory(resume) if self.use_memory else None
+        self.memory = (self._open_memory(resume) if memory is None else memory) if self.use_memory else None
         # a resume plays the iterations after its checkpoint again: their logged lines go before a tracker opens
         kept_through = (self.resume_from[1]["iteration"] if self.resume_from else -1) if resume else None
         self.metrics = MetricsLog(self.run_dir, trackers(cfg.train), cfg.to_dict(),
@@ -156,6 +224,7 @@ class Trainer:
         self.env_failures = FailureStreak(cfg.train.max_consecutive_env_failures)
         if resume:
             self._restore()
+        self.next_iteration = self.start_iteration  # what :meth:`iteration` plays when not told
         self.dist.broadcast_params([p for p in self.model.parameters() if p.requires_grad])
         self.update = PolicyUpdate(cfg, self.model, self.tokenizer, self.optimizer, self.loss_fn, self.dist,
                                    self.compute)
@@ -224,7 +293,7 @@ class Trainer:
         cfg = self.cfg
         last_eval = None
         start_done = self.dist.broadcast_object((self.run_dir / "eval" / "start.json").is_file())  # rank 0's view
-        if cfg.train.eval_at_start and self.start_iteration == 0 and not start_done:
+        if cfg.train.eval_at_start and self.next_iteration == 0 and not start_done:
             rng, counter = ckpt.rng_state(), self.ctx.step_counter  # training then runs as without this evaluation
             signals.set_phase("the start evaluation")
             # the untrained policy: a learning curve's point at 0 env steps
@@ -233,10 +302,10 @@ class Trainer:
             self.ctx.step_counter = counter
             self._say(f"start eval (no memory, {cfg.env.eval_split}): score {start['summary']['score_mean']:.1f}")
             signals.set_phase("the step from the start evaluation to iteration 0")
-        if self.dist.is_main and self.start_iteration < cfg.train.iterations:  # training is left to do, so
+        if self.dist.is_main and self.next_iteration < cfg.train.iterations:  # training is left to do, so
             for stale in ("final.json", "final.md"):  # a final eval already here (a resume that added iterations) is old
                 (self.run_dir / "eval" / stale).unlink(missing_ok=True)
-        for it in range(self.start_iteration, cfg.train.iterations):
+        for it in range(self.next_iteration, cfg.train.iterations):
             t_iter = time.perf_counter()
             with signals.grace(cfg.train.preempt_save):  # a SIGTERM waits for this iteration's checkpoint
                 record = self.iteration(it, progress)
@@ -268,8 +337,13 @@ class Trainer:
             plot_run(self.run_dir)
         return final
 
-    def iteration(self, it: int, progress=None) -> dict[str, Any]:
-        """One iteration of the paper's loop, one call per step (the module docstring maps them to the paper)."""
+    def iteration(self, it: int | None = None, progress=None) -> dict[str, Any]:
+        """One iteration of the paper's loop, one call per step (the module docstring maps them to the paper).
+
+        ``it`` (default: the one after the last played) seeds the iteration and sets the intrinsic schedule; the
+        returned record is what :meth:`train` logs to ``metrics.jsonl`` (this call logs and saves nothing)."""
+        it = self.next_iteration if it is None else it
+        self.next_iteration = it + 1
         batch = self._sample(it)
         self._roll_out(batch, progress)
         self._reflect(batch)
@@ -287,22 +361,23 @@ class Trainer:
         modes = self.mode_sampler.sample(len(picks))
         specs = [(task, var, g, modes[g]) for g, (task, var) in enumerate(picks) if self.dist.owns(g)
                  for _ in range(cfg.algo.num_generations)]
-        return Batch(it, modes, specs)
+        seed = row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
+        return Batch(it, modes, specs, sampling_seed=seed)
 
     def _roll_out(self, batch: Batch, progress) -> None:
         """Play every rollout to the end (with tips retrieved in the memory modes)."""
         cfg, it = self.cfg, batch.iteration
-        self.ctx.sampling_seed = row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
+        seed = batch.sampling_seed
         reset_peak_rss()
         signals.set_phase("the rollout", where=f"iteration {it}")
         with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
             progress_fn = partial(_rollout_progress, progress, it)
             if self.expert is not None:  # LUFFY: gold-path members
-                batch.episodes, batch.stats = self.expert.play(self.ctx, batch.specs,
-                                                               temperature=cfg.policy.temperature, progress=progress_fn)
+                batch.episodes, batch.stats = self.expert.play(self.ctx, batch.specs, temperature=cfg.policy.temperature,
+                                                               progress=progress_fn, seed=seed)
             else:  # G independent episodes, or ELPO's tree
                 drive = rollout_driver(self.algorithm.rollout)
-                batch.episodes, batch.stats = drive(self.ctx, batch.specs, cfg, progress_fn)
+                batch.episodes, batch.stats = drive(self.ctx, batch.specs, cfg, progress_fn, seed)
 
     def _reflect(self, batch: Batch) -> None:
         """Each finished episode writes its tip into memory (memory algorithms only); with ``overlap_reflection``
@@ -312,11 +387,11 @@ class Trainer:
         writers = tip_writers(batch.episodes, self.cfg.memory)
         with timed(batch.seconds, "rollout"):
             if self.reflection is not None:
-                batch.pending = self.reflection.start(self.ctx, batch.episodes, writers)
+                batch.pending = self.reflection.start(self.ctx, batch.episodes, writers, batch.sampling_seed)
                 return
             with timed(batch.stats, "memory_time"), sharding.generating(self.model, self.cfg.policy.autocast,
                                                                         self.ctx.backend):
-                reflect(self.ctx, batch.episodes, writers)
+                reflect(self.ctx, batch.episodes, writers, batch.sampling_seed)
 
     def _novelty(self, batch: Batch) -> None:
         """The intrinsic weight of this iteration and, where it is on, every step's novelty reward."""
@@ -331,9 +406,9 @@ class Trainer:
             self._say(f"[warning] {sum(ep.failed for ep in episodes)} episode(s) lost to a crashed environment "
                       "worker (restarted); they are left out of this update")
         algo = self.cfg.algo
-        inputs = AdvantageInput.from_episodes(batch.ran, batch.returns(algo.intrinsic_aggregation),
-                                              batch.intrinsic_weight, AdvantageOptions.from_config(algo),
-                                              algo.intrinsic_aggregation, gather=self.dist.all_gather)
+        batch.rewards = step_rewards(batch.ran, batch.intrinsic_weight, algo.intrinsic_aggregation)
+        inputs = AdvantageInput.from_rewards(batch.ran, batch.rewards, AdvantageOptions.from_config(algo),
+                                             gather=self.dist.all_gather)  # returns: the sums of the step rewards
         batch.advantages, batch.advantage_metrics = compute_advantages(self.algorithm.estimator(algo), inputs)
 
     def _update(self, batch: Batch, progress) -> None:
@@ -370,11 +445,11 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False, progress=None) -> dict[str, Any]:
         cfg = self.cfg
-        self.ctx.sampling_seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling \
-            else None
+        seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling else None
         with sharding.generating(self.model, self.cfg.policy.autocast, self.ctx.backend):
             result = evaluate(self.ctx, self.task_names, EvalPlan.from_config(cfg, self.pool_size, with_memory),
-                              dist=self.dist, progress=None if progress is None else partial(progress, f"eval {tag}"))
+                              dist=self.dist, progress=None if progress is None else partial(progress, f"eval {tag}"),
+                              seed=seed)
         if self.dist.is_main:
             write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg.env))
         return result
@@ -402,17 +477,26 @@ class Trainer:
         else:
             print(text)
 
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def close(self) -> None:
         if self.reflection is not None:
             self.reflection.close()
         if getattr(self.ctx.backend, "close", None) is not None:  # a separate engine (vLLM) frees its memory
             self.ctx.backend.close()
-        self.pool.close()
+        if self._owns_pool:
+            self.pool.close()
         if self.metrics is not None:
             self.metrics.close()
-        if self.memory is not None:
+        if self.memory is not None and self._owns_memory:
             self.memory.close()
         self.dist.close()
+        if self._temporary:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _rollout_progress(progress, it: int, done: int, total: int) -> None:

@@ -61,14 +61,13 @@ class PolicyUpdate:
         if not self.dist.all_reduce([len(rows)])[0]:  # data parallel: no rank has rows, so no rank steps
             return {"rows": 0, "computed_rows": 0, "expert_rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0,
                     "skipped_steps": 0}
-        live = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
         gap = {}
         if self.old_logprobs == "trainer":  # an expert's action has no π_old and no engine log-probs to correct
             with sharding.gathered(model):  # each rank's own number of forwards: no collective inside
-                gap = self._trainer_old_logp([r for r in live if not r.off_policy])
+                rows, gap = self._trainer_old_logp(rows)
         if cfg.algo.off_policy_ratio == "tip_free":
             with sharding.gathered(model):  # one forward per row of this rank's: no collective inside
-                self._tip_free_old_logp(live)
+                rows = self._tip_free_old_logp(rows)
         model.train()
         sums: Counter = Counter()
         n_mb = steps = skipped = 0
@@ -180,44 +179,52 @@ class PolicyUpdate:
         return scoring_temperature(self.cfg.policy.temperature)
 
     @torch.no_grad()
-    def _trainer_old_logp(self, rows: list[UpdateRow]) -> dict[str, float]:
-        """Replace the engine's behaviour log-probs by the trainer's forward on each row's sampling prompt, and, with
-        ``algo.tis_cap`` > 0, set each token's truncated importance weight min(π_trainer/π_engine, cap). Returns the
+    def _trainer_old_logp(self, rows: list[UpdateRow]) -> tuple[list[UpdateRow], dict[str, float]]:
+        """``rows`` with the engine's behaviour log-probs replaced by the trainer's forward on each row's sampling
+        prompt and, with ``algo.tis_cap`` > 0, each token's truncated importance weight min(π_trainer/π_engine, cap),
+        for every row with a gradient that is not an expert's (new rows; the others as they were). Also the
         engine/trainer gap |log π_trainer − log π_engine| (mean and max over tokens) and the weights' mean."""
-        prompts = [r.rollout_prompt or r.train_prompt for r in rows]
-        cap, gaps, weights = self.cfg.algo.tis_cap, [], []
-        for batch in micro_batches(prompts, [r.response for r in rows], self.cfg.train.micro_batch_tokens, sort=False):
+        todo = [i for i, r in enumerate(rows) if _has_gradient(r, self.cfg.algo.beta) and not r.off_policy]
+        prompts = [rows[i].rollout_prompt or rows[i].train_prompt for i in todo]
+        responses = [rows[i].response for i in todo]
+        cap, gaps, weights, fresh = self.cfg.algo.tis_cap, [], [], {}
+        for batch in micro_batches(prompts, responses, self.cfg.train.micro_batch_tokens, sort=False):
             with autocast_context(self.model, self.cfg.policy.autocast):
-                lp, _ = response_logprobs(self.model, [prompts[i] for i in batch], [rows[i].response for i in batch],
+                lp, _ = response_logprobs(self.model, [prompts[k] for k in batch], [responses[k] for k in batch],
                                           self.tokenizer.pad_token_id, temperature=self.temperature,
                                           options=self.options)
-            for j, i in enumerate(batch):
-                row = rows[i]
+            for j, k in enumerate(batch):
+                row = rows[todo[k]]
                 trainer = lp[j, : len(row.response)].double().cpu()
                 log_w = trainer - torch.tensor(row.logp_old, dtype=torch.float64)  # [T]
                 gaps.append(log_w.abs())
+                token_weights = torch.exp(log_w).clamp(max=cap).tolist() if cap > 0 else row.token_weights
                 if cap > 0:
-                    row.token_weights = torch.exp(log_w).clamp(max=cap).tolist()
-                    weights.append(torch.tensor(row.token_weights))
-                row.logp_old = trainer.tolist()
+                    weights.append(torch.tensor(token_weights))
+                fresh[todo[k]] = dataclasses.replace(row, logp_old=trainer.tolist(), token_weights=token_weights)
+        rows = [fresh.get(i, r) for i, r in enumerate(rows)]
         if not gaps:
-            return {}
+            return rows, {}
         gap = torch.cat(gaps)
         out = {"old_logp_gap_mean": float(gap.mean()), "old_logp_gap_max": float(gap.max())}
         if weights:
             out["tis_weight_mean"] = float(torch.cat(weights).mean())
-        return out
+        return rows, out
 
     @torch.no_grad()
-    def _tip_free_old_logp(self, rows: list[UpdateRow]) -> None:
-        """Pre-release variant: recompute off_tips rows' old log-probs on the tip-free prompt before the update."""
+    def _tip_free_old_logp(self, rows: list[UpdateRow]) -> list[UpdateRow]:
+        """Pre-release variant: ``rows`` with the old log-probs of off_tips rows with a gradient recomputed on the
+        tip-free prompt (new rows; the others as they were)."""
+        out = []
         for r in rows:
-            if r.mode == "off_tips":
+            if r.mode == "off_tips" and _has_gradient(r, self.cfg.algo.beta):
                 with autocast_context(self.model, self.cfg.policy.autocast):
                     lp, _ = response_logprobs(self.model, [r.train_prompt], [r.response], self.tokenizer.pad_token_id,
                                               temperature=self.temperature, options=self.options)
-                r.logp_old = behaviour_logp_for_ratio("off_tips", torch.tensor(r.logp_old), lp[0],
-                                                      variant="tip_free").tolist()
+                r = dataclasses.replace(r, logp_old=behaviour_logp_for_ratio(
+                    "off_tips", torch.tensor(r.logp_old), lp[0], variant="tip_free").tolist())
+            out.append(r)
+        return out
 
 
 def old_logprobs_source(setting: str, backend: str, compute: str) -> str:
