@@ -129,8 +129,7 @@ class Trainer:
     def __init__(self, config: Config, model=None, tokenizer=None, env=None, memory: TipMemory | None = None, *,
                  output_dir: str | Path | None = None, resume: bool = False, embedder=None, console=None):
         cfg = config
-        if (model is None) != (tokenizer is None):
-            raise ConfigError("Trainer: give the model together with its tokenizer, or neither")
+        self.pool_size = self._check_parts(cfg, model, tokenizer, env)
         self._temporary = output_dir is None
         self.cfg, self.console = cfg, console
         self.run_dir = None if output_dir is None else Path(output_dir)  # a temporary one is made below
@@ -145,17 +144,6 @@ class Trainer:
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
         settle_backend(cfg.policy)  # "auto" becomes the engine measured faster here, recorded in the saved config
         check_backend(cfg.policy.backend, cfg.policy.lora_r if cfg.policy.lora else 0)
-        self.dist = dp.init_from_env(cfg.policy.device)
-        if cfg.train.tasks_per_batch < self.dist.world_size:
-            raise ConfigError(f"train.tasks_per_batch ({cfg.train.tasks_per_batch}) must be at least the number of "
-                              f"ranks ({self.dist.world_size}): each rank plays whole groups")
-
-        self.pool_size = self.dist.max_local(cfg.train.tasks_per_batch) * cfg.algo.num_generations
-        if env is not None and not hasattr(env, "call") and not callable(env):
-            raise ConfigError(f"Trainer: env must be an environment factory or a pool of workers, not {type(env)}")
-        if hasattr(env, "call") and getattr(env, "size", self.pool_size) < self.pool_size:
-            raise ConfigError(f"Trainer: the pool given has {env.size} workers; train.tasks_per_batch × "
-                              f"algo.num_generations needs {self.pool_size}")
         if model is None:
             model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                           cfg.policy.trust_remote_code)
@@ -178,12 +166,7 @@ class Trainer:
 
         names = resolve_tasks(cfg.env)
         self._owns_pool = env is None or not hasattr(env, "call")
-        if env is None:
-            self.pool = make_pool(cfg.env.pool, cfg.env.name, make_env_kwargs(cfg.env), self.pool_size)
-        elif hasattr(env, "call"):  # a pool of workers, one episode per worker
-            self.pool = env
-        else:
-            self.pool = LocalEnvPool(env, self.pool_size)
+        self.pool = self._make_pool(cfg, env)
         self._owns_memory = memory is None
         try:
             if self._temporary:  # made only now: a bad config, model or environment leaves nothing behind
@@ -195,6 +178,29 @@ class Trainer:
             if self._temporary and self.run_dir is not None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
             raise
+
+    def _check_parts(self, cfg: Config, model, tokenizer, env) -> int:
+        """Refuse parts that do not fit together, before anything loads; the number of workers a batch plays on."""
+        if (model is None) != (tokenizer is None):
+            raise ConfigError("Trainer: give the model together with its tokenizer, or neither")
+        self.dist = dp.init_from_env(cfg.policy.device)
+        if cfg.train.tasks_per_batch < self.dist.world_size:
+            raise ConfigError(f"train.tasks_per_batch ({cfg.train.tasks_per_batch}) must be at least the number of "
+                              f"ranks ({self.dist.world_size}): each rank plays whole groups")
+        pool_size = self.dist.max_local(cfg.train.tasks_per_batch) * cfg.algo.num_generations
+        if env is not None and not hasattr(env, "call") and not callable(env):
+            raise ConfigError(f"Trainer: env must be an environment factory or a pool of workers, not {type(env)}")
+        if hasattr(env, "call") and getattr(env, "size", pool_size) < pool_size:
+            raise ConfigError(f"Trainer: the pool given has {env.size} workers; train.tasks_per_batch × "
+                              f"algo.num_generations needs {pool_size}")
+        return pool_size
+
+    def _make_pool(self, cfg: Config, env):
+        if env is None:
+            return make_pool(cfg.env.pool, cfg.env.name, make_env_kwargs(cfg.env), self.pool_size)
+        if hasattr(env, "call"):  # a pool of workers, one episode per worker
+            return env
+        return LocalEnvPool(env, self.pool_size)
 
     def _setup(self, cfg: Config, names: list[str], seed: int, resume: bool, memory: TipMemory | None) -> None:
         train_vars = {}
