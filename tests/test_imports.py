@@ -5,11 +5,13 @@ the top of a file, and so do imports under ``if TYPE_CHECKING``. An edge goes to
 names: ``from empo2.envs import pool`` is an edge to ``empo2.envs.pool``, ``from empo2.envs import make_env`` one to
 ``empo2.envs`` (its ``__init__``).
 
-"Up" is the top level of the package: ``empo2.config*`` and ``empo2.cli*`` hold the run's configuration and its
-command line, and the component packages below them (``envs``, ``policy``, ``algo``, ``memory``, ``agent``) take the
-config section they need as an argument instead of importing it.
+The package is a house of rooms on floors, written down once in :data:`LAYERS` (lowest floor first): a module may
+import its own room and any room on a lower floor, never a room on its own floor or above. The config sits above the
+components (``envs``, ``policy``, ``memory``, ``algo``, ``agent``): it checks names against their registries, and they
+take the config section they need as an argument instead of importing it. Every module of the package must have a
+room, so a new top-level file is placed here when it is added.
 
-Print the graph's circles and back-imports: ``python tests/test_imports.py`` (exit code 1 when there are any).
+Print the graph's circles and upward imports: ``python tests/test_imports.py`` (exit code 1 when there are any).
 """
 
 from __future__ import annotations
@@ -20,8 +22,20 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "empo2"
-LOWER = ("envs", "policy", "algo", "memory", "agent")
-UPPER_PREFIXES = ("empo2.config", "empo2.cli")
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("empo2", "errors", "home", "file_modes", "stdio", "progress", "allocator", "signals"),  # foundations
+    ("policy", "envs", "memory", "algo"),  # components that know nothing of each other
+    ("agent",),  # prompts and reflection over an environment's actions and memory's entries
+    ("config",),
+    ("train", "machine"),  # the training loop and its run folder; the record of the machine a run used
+    ("play", "experiments"),  # commands built on the loop: play episodes by hand; compare, adapt, report
+    ("cli",),
+)
+"""Rooms by floor, lowest first. A room is a top-level module or subpackage of ``empo2`` (``empo2`` itself is its
+``__init__``), or a group named in :data:`ROOM_OF`."""
+ROOM_OF = {"config_bounds": "config", "config_presets": "config", "config_renames": "config",
+           "config_sections": "config", "cli_parser": "cli"}
+"""Top-level files that are part of another name's room: the config's pieces and the CLI's parser."""
 
 
 def module_files(src: Path = SRC) -> dict[str, Path]:
@@ -125,16 +139,45 @@ def _circle_in(group: set[str], graph: dict[str, set[str]]) -> list[str]:
     raise AssertionError(f"{sorted(group)} is not strongly connected")
 
 
-def back_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """``(lower module, upper module)`` for each import from a component package up to the config or the CLI."""
-    lower = tuple(f"{PACKAGE}.{p}" for p in LOWER)
-    return sorted((m, t) for m, targets in graph.items() if m == lower or m.startswith(lower)
-                  for t in targets if t.startswith(UPPER_PREFIXES))
+def room_of(module: str) -> str:
+    """The room of a dotted module name: its top-level name under ``empo2``, or the group :data:`ROOM_OF` puts it in."""
+    top = module.split(".")[1] if "." in module else module
+    return ROOM_OF.get(top, top)
+
+
+def floor_of(room: str) -> int | None:
+    """The floor of a room in :data:`LAYERS` (0 is the lowest), ``None`` for a room not written down."""
+    return next((i for i, rooms in enumerate(LAYERS) if room in rooms), None)
+
+
+def unplaced(graph: dict[str, set[str]]) -> list[str]:
+    """Modules whose room is on no floor of :data:`LAYERS`."""
+    return sorted(m for m in graph if floor_of(room_of(m)) is None)
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """``(importer, imported)`` for each import of a room on the importer's floor or above (its own room excepted)."""
+    found = []
+    for module, targets in graph.items():
+        here, floor = room_of(module), floor_of(room_of(module))
+        for target in targets:
+            there = room_of(target)
+            if there != here and None not in (floor, floor_of(there)) and floor_of(there) >= floor:
+                found.append((module, target))
+    return sorted(found)
+
+
+def describe_edge(module: str, target: str) -> str:
+    """One upward import with the rooms and floors it joins: ``empo2.config -> empo2.experiments.arms (config, floor
+    3 -> experiments, floor 5)``."""
+    here, there = room_of(module), room_of(target)
+    return f"{module} -> {target} ({here}, floor {floor_of(here)} -> {there}, floor {floor_of(there)})"
 
 
 def report(graph: dict[str, set[str]]) -> list[str]:
     lines = ["circle: " + " -> ".join(c) for c in cycles(graph)]
-    return lines + [f"back-import: {m} -> {t}" for m, t in back_imports(graph)]
+    return (lines + [f"no room: {m} (place it in LAYERS)" for m in unplaced(graph)]
+            + [f"upward: {describe_edge(m, t)}" for m, t in upward_imports(graph)])
 
 
 def test_graph_sees_function_level_and_relative_imports(tmp_path):
@@ -149,9 +192,7 @@ def test_graph_sees_function_level_and_relative_imports(tmp_path):
     assert graph == {"empo2": set(), "empo2.config": set(), "empo2.envs": {"empo2.envs.a"},
                      "empo2.envs.a": {"empo2.envs.b"}, "empo2.envs.b": {"empo2.config", "empo2.envs.a", "empo2.envs"}}
     assert cycles(graph) == [["empo2.envs", "empo2.envs.a", "empo2.envs.b", "empo2.envs"]]
-    assert back_imports(graph) == [("empo2.envs.b", "empo2.config")]
-    assert back_imports({"empo2.envs.x": {"empo2.config_sections"}, "empo2.train.t": {"empo2.config"}}) == \
-        [("empo2.envs.x", "empo2.config_sections")]
+    assert upward_imports(graph) == [("empo2.envs.b", "empo2.config")]
 
 
 def test_no_import_circles_between_files():
@@ -159,13 +200,42 @@ def test_no_import_circles_between_files():
     assert not found, "files that import each other:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-def test_no_import_from_a_component_package_up_to_config_or_cli():
-    found = back_imports(import_graph())
-    assert not found, "component modules importing the config or the CLI:\n" + \
-        "\n".join(f"{m} -> {t}" for m, t in found)
+def test_every_floor_is_checked_in_both_directions():
+    """For every pair of rooms on different floors, an import from the lower to the higher is reported, naming the
+    edge, and the import the other way is not; two rooms on one floor may not import each other either way."""
+    rooms = [(floor, room) for floor, names in enumerate(LAYERS) for room in names]
+    for low_floor, low in rooms:
+        for high_floor, high in rooms:
+            if low == high:
+                continue
+            importer, imported = f"empo2.{low}.a", f"empo2.{high}.b"
+            found = upward_imports({importer: {imported}, imported: set()})
+            if low_floor < high_floor:
+                assert found == [(importer, imported)], (low, high)
+                assert f"{low}, floor {low_floor} -> {high}, floor {high_floor}" in describe_edge(importer, imported)
+            elif low_floor == high_floor:
+                assert found == [(importer, imported)], (low, high)
+            else:
+                assert found == [], (low, high)
+    assert upward_imports({"empo2.config_bounds": {"empo2.config"}, "empo2.cli": {"empo2.cli_parser"},
+                           "empo2.envs.a": {"empo2.envs"}}) == []  # one room's own files
+    assert upward_imports({"empo2.signals": {"empo2.train.checkpoint"}}) == [("empo2.signals", "empo2.train.checkpoint")]
+    assert unplaced({"empo2.newroom": set(), "empo2.config_new": set(), "empo2.cli": set()}) == ["empo2.config_new",
+                                                                                                 "empo2.newroom"]
+
+
+def test_every_module_has_a_room():
+    missing = unplaced(import_graph())
+    assert not missing, "modules on no floor of LAYERS (place each where it belongs):\n" + "\n".join(missing)
+
+
+def test_no_import_runs_up_a_floor():
+    found = upward_imports(import_graph())
+    assert not found, "imports of a room on the importer's floor or above:\n" + \
+        "\n".join(describe_edge(m, t) for m, t in found)
 
 
 if __name__ == "__main__":
     problems = report(import_graph())
-    print("\n".join(problems) or f"no circles, no back-imports ({len(module_files())} modules)")
+    print("\n".join(problems) or f"no circles, no upward imports ({len(module_files())} modules)")
     sys.exit(1 if problems else 0)

@@ -18,20 +18,7 @@ import sys
 from pathlib import Path
 
 from empo2.cli_parser import build_parser, parse_cli  # noqa: F401  (the CLI's parser, public here)
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from empo2.config import ConfigError
-    from empo2.envs.base import EnvError
-    from empo2.memory.embedder import EmbedderError
-    from empo2.memory.store import MemoryStoreError
-    from empo2.policy.backend import BackendError
-    from empo2.policy.loader import ModelLoadError
-    from empo2.train.runlock import RunLockError
-    from empo2.train.storage import RunWriteError
-
-    return (ConfigError, EnvError, ModelLoadError, MemoryStoreError, EmbedderError, RunLockError, RunWriteError,
-            BackendError)
+from empo2.errors import UserError
 
 
 def _config_error(message: str):
@@ -53,18 +40,18 @@ def cmd_train(args) -> int:
     from empo2.policy.engine_choice import settle_backend
     from empo2.policy.precision import settle_autocast
     from empo2.progress import ProgressBar
-    from empo2.train.distributed import env_rank
+    from empo2.train import checkpoint, distributed
     from empo2.train.runlock import RUN_LAYOUT, RUN_MARKER, mark_run_folder, start_run_folder
     from empo2.train.trainer import Trainer
     from empo2.train.update import compute_dtype, old_logprobs_source
 
-    main_rank = env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
+    main_rank = distributed.env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
     console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
     cfg, run_dir = _train_config(args)
     check_run_inputs(cfg)
     if main_rank:  # the ranks of one data-parallel run are one owner: rank 0 holds the folder's lock
         _own_run_folder(args, run_dir)
-        signals.set_run_dir(run_dir)  # a SIGTERM from here on names the run's last checkpoint
+        signals.set_run_dir(run_dir, checkpoint.latest_checkpoint)  # a SIGTERM from here on names the run's last checkpoint
     if args.resume:  # a damaged live memory is refused (exit 2, file untouched) before anything loads it
         check_file(run_dir / "memory.sqlite")
     if not args.resume and main_rank:  # a fresh run: no stale memory, checkpoints or metrics from the previous one
@@ -440,7 +427,7 @@ def _main(argv: list[str] | None) -> int:
             code = int(_command(args.command)(args) or 0)
         signals.safe_point()  # a signal held inside a late import still stops the command
         return code
-    except _user_errors() as exc:
+    except UserError as exc:  # every error a user can cause: one line, exit 2
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

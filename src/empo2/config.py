@@ -163,13 +163,13 @@ class Config:
     def _check_registry_names(self) -> None:
         """Every registry-backed name (algorithm, estimator, loss, backend, environment, tasks, eviction policy,
         ablation arm) is checked here, at load, so a typo exits before any run folder exists. The registries live in
-        higher layers and are imported only now, when they are needed."""
+        the component packages below the config and are imported only now, when they are needed."""
         from empo2.algo.advantages import ADVANTAGE_ESTIMATORS
+        from empo2.algo.arms import check_arm
         from empo2.algo.losses import POLICY_LOSSES
         from empo2.algo.registry import ALGORITHMS
         from empo2.envs.base import EnvError
         from empo2.envs.registry import get_env_spec
-        from empo2.experiments.arms import check_arm
         from empo2.memory.store import EVICTION_POLICIES
         from empo2.policy.backend import BACKENDS
 

@@ -18,8 +18,10 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from empo2.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A user error in a config file or override; the CLI prints it and exits with code 2 (re-exported by
     :mod:`empo2.config`, where callers import it from)."""
 

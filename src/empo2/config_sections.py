@@ -192,7 +192,7 @@ class AlgoConfig:
     (EMPO² with such an expert member). The algorithm decides memory use, mode probabilities, loss, (by default)
     estimator and expert members."""
     arm: str | None = None
-    """The ablation this run is labelled as (``empo2.experiments.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
+    """The ablation this run is labelled as (``empo2.algo.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
     ``grpo-novelty``, ``grpo-no-novelty``); ``compare --algos`` sets it. Checked at load: the config must hold the arm's algorithm and
     settings. ``None``: the run is labelled by its algorithm."""
     num_generations: int = bounded(8, 1, 4096)

@@ -14,11 +14,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from empo2.policy.precision import cpu_flags
+from empo2.policy.precision import ISA_FLAGS, cpu_flags
 
 RECORD = "machine.jsonl"
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-"""The ``/proc/cpuinfo`` flags that choose the matmul kernels (and ``policy.autocast: auto``) on an x86-64 CPU."""
 
 
 def describe() -> dict[str, Any]:

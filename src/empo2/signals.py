@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-_state = {"phase": "startup", "where": None, "run_dir": None, "pending": None, "pending_phase": None, "holds": 0,
-          "grace": False, "stopping": False}
+_state = {"phase": "startup", "where": None, "run_dir": None, "latest_checkpoint": None, "pending": None,
+          "pending_phase": None, "holds": 0, "grace": False, "stopping": False}
 
 
 class Stopped(BaseException):
@@ -39,11 +40,9 @@ class Stopped(BaseException):
         """One line: which signal, the phase it stopped, and where the run continues from."""
         name = signal.Signals(self.signum).name
         text = f"stopped by {name} during {self.phase}"
-        run_dir = _state["run_dir"]
-        if run_dir is None:
+        run_dir, latest_checkpoint = _state["run_dir"], _state["latest_checkpoint"]
+        if run_dir is None or latest_checkpoint is None:
             return text
-        from empo2.train.checkpoint import latest_checkpoint
-
         last = latest_checkpoint(Path(run_dir))
         if last is None:
             return f"{text}; no checkpoint was written yet (start again with the same command)"
@@ -71,8 +70,8 @@ def installed():
         before = {signum: signal.getsignal(signum) for signum in SIGNALS}
     except ValueError:
         before = {}
-    _state.update(phase="startup", where=None, run_dir=None, pending=None, pending_phase=None, holds=0, grace=False,
-                  stopping=False)
+    _state.update(phase="startup", where=None, run_dir=None, latest_checkpoint=None, pending=None, pending_phase=None,
+                  holds=0, grace=False, stopping=False)
     install()
     try:
         yield
@@ -173,5 +172,8 @@ def set_phase(phase: str, where: str | None = None, keep_where: bool = False) ->
     safe_point()
 
 
-def set_run_dir(run_dir: Path | str | None) -> None:
+def set_run_dir(run_dir: Path | str | None, latest_checkpoint: Callable[[Path], Path | None] | None = None) -> None:
+    """The run a stop names; ``latest_checkpoint`` finds its newest checkpoint (the run folder's layout is the
+    trainer's, above this module, so the caller hands it in)."""
     _state["run_dir"] = run_dir
+    _state["latest_checkpoint"] = latest_checkpoint

@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from empo2.errors import UserError
 
-class EnvError(RuntimeError):
+
+class EnvError(UserError, RuntimeError):
     """A user-facing environment error (unknown task, variation out of range, missing Java/data); exit code 2."""
 
 

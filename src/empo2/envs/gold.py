@@ -58,7 +58,7 @@ class GoldPath:
 
 def gold_home() -> Path:
     """Folder of the gold-length caches: ``$EMPO2_HOME/gold`` (next to the model cache)."""
-    from empo2.policy.loader import empo2_home
+    from empo2.home import empo2_home
 
     return empo2_home() / "gold"
 

@@ -1,82 +1,15 @@
 """The paper's ablations as named comparison arms: one :class:`Arm` per name, an algorithm plus the settings it fixes.
 
 ``empo2 compare --algos empo2,empo2-no-offpolicy,…`` runs each arm with ``algo.name`` = the arm's algorithm, the
-arm's settings and ``algo.arm`` = its name; ``empo2 report`` labels a run by its ``algo.arm``. A config that names an
-arm is checked at load (:func:`check_arm`): it must hold the arm's algorithm and settings, so a label never says one
-thing while the run did another. Nothing here imports the config; it takes the ``algo`` section as an argument.
+arm's settings and ``algo.arm`` = its name; ``empo2 report`` labels a run by its ``algo.arm``. The table itself and
+:func:`check_arm` live in :mod:`empo2.algo.arms`, below the config that checks a config's ``algo.arm`` at load.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from empo2.algo.arms import ARMS, ESTIMATOR, LUFFY_SETTINGS, Arm, check_arm, novelty_on
 
-
-@dataclass(frozen=True)
-class Arm:
-    name: str
-    algo: str
-    """The ``algo.name`` the arm runs."""
-    what: str
-    """One line for ``compare --help`` and error messages."""
-    settings: dict[str, Any] = field(default_factory=dict)
-    """``algo`` fields the arm fixes (field name -> value), besides ``advantage=grpo`` (:data:`ESTIMATOR`)."""
-    needs_novelty: bool = False
-    """The arm keeps the config's novelty bonus, so a config without one would run it under a false name."""
-
-    def fixed(self) -> dict[str, Any]:
-        """Every ``algo`` field the arm fixes."""
-        return {"advantage": ESTIMATOR, **self.settings}
-
-    def overrides(self) -> list[str]:
-        """The ``key=value`` overrides compare adds for this arm."""
-        return [f"algo.name={self.algo}", *(f"algo.{k}={v}" for k, v in self.fixed().items()), f"algo.arm={self.name}"]
-
-
-ESTIMATOR = "grpo"
-"""Every arm's advantage estimator: a label without ``+gigpo`` never runs GiGPO's."""
-
-
-LUFFY_SETTINGS = {"luffy_shaping": True, "luffy_clip": False, "luffy_std": False, "loss_type": "dr_grpo",
-                  "intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}
-"""The settings of LUFFY's official script that the ``luffy`` arms fix (no novelty bonus: LUFFY has none)."""
-
-
-def novelty_on(algo_cfg: Any) -> bool:
-    """Whether the episode novelty reward enters the return at some iteration."""
-    if algo_cfg.intrinsic_schedule == "linear":
-        return algo_cfg.intrinsic_weight_start > 0 or algo_cfg.intrinsic_weight_end > 0
-    return algo_cfg.intrinsic_weight > 0
-
-
-ARMS: dict[str, Arm] = {arm.name: arm for arm in (
-    Arm("empo2-no-offpolicy", "empo2", "EMPO² without the off-policy mode (algo.p_off_policy=0: every memory rollout "
-        "trains with its tips)", {"p_off_policy": 0.0}),
-    # the schedule too: under the linear schedule algo.intrinsic_weight is not read
-    Arm("empo2-no-novelty", "empo2", "EMPO² without the intrinsic reward (algo.intrinsic_weight=0, constant schedule)",
-        {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}),
-    Arm("grpo-novelty", "grpo", "EMPO² without tips: GRPO with the config's novelty bonus (refused if it has none)",
-        needs_novelty=True),
-    Arm("grpo-no-novelty", "grpo", "plain GRPO: no tips, no intrinsic reward (algo.intrinsic_weight=0, constant "
-        "schedule)", {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}),
-    Arm("proxmo-no-psc", "proxmo", "ProxMO without its polarized signal controller: the episode advantage is "
-        "unweighted (algo.proxmo_psc=false)", {"proxmo_psc": False, "proxmo_psa": True}),
-    Arm("proxmo-no-psa", "proxmo", "ProxMO without its proximity-weighted step advantage: A = the weighted episode "
-        "advantage only (algo.proxmo_psa=false)", {"proxmo_psc": True, "proxmo_psa": False}),
-    # LUFFY as its official script runs it: Dr.GRPO aggregation, mean-only advantage, no on-policy clip, no mask
-    Arm("luffy", "luffy", "LUFFY: one expert (gold-path) member per group, shaped expert tokens f(x)=x/(x+0.1), "
-        "unclipped on-policy rows, mean-only advantage, Dr.GRPO aggregation", dict(LUFFY_SETTINGS)),
-    Arm("luffy-no-shaping", "luffy", "LUFFY without policy shaping (f(x)=x: the mixed-policy objective)",
-        {**LUFFY_SETTINGS, "luffy_shaping": False}),
-    Arm("empo2+luffy", "empo2_luffy", "EMPO² with an expert member: tips, novelty and EMPO²'s loss on the sampled "
-        "rows, LUFFY's shaped expert tokens in the same group"),
-    Arm("elpo", "elpo", "ELPO with Table 2's settings (tree rollouts by binary error localisation, hierarchical "
-        "advantages, ε_low 0.2 + ε_elc 0.115 on the critical suffix, ε_high 0.315; no intrinsic reward)",
-        {"epsilon": 0.2, "epsilon_high": 0.315, "elpo_eps_elc": 0.115, "elpo_lambda": 0.5, "elpo_b_max": 3,
-         "elpo_x_min": 1.0, "elpo_x_max": 3.0, "elpo_beta": 5.0, "intrinsic_weight": 0.0,
-         "intrinsic_schedule": "constant"}),
-)}
-"""Every ablation arm, by name."""
+__all__ = ["ARMS", "ESTIMATOR", "LUFFY_SETTINGS", "Arm", "arms_help", "check_arm", "describe", "novelty_on"]
 
 
 def arms_help() -> str:
@@ -87,21 +20,3 @@ def describe(names) -> list[str]:
     """A markdown line saying what each ablation arm among ``names`` is (none when there is no ablation)."""
     mine = [ARMS[n] for n in names if n in ARMS]
     return [f"Ablation arms: {'; '.join(f'`{a.name}`: {a.what}' for a in mine)}."] if mine else []
-
-
-def check_arm(algo_cfg: Any) -> str | None:
-    """The reason ``algo_cfg`` cannot carry its ``arm`` label, or ``None`` when it can (or names no arm)."""
-    if algo_cfg.arm is None:
-        return None
-    arm = ARMS.get(algo_cfg.arm)
-    if arm is None:
-        return f"algo.arm: unknown arm {algo_cfg.arm!r}; valid: {', '.join(ARMS)}"
-    if algo_cfg.name != arm.algo:
-        return f"algo.arm={arm.name} runs algo.name={arm.algo}, got {algo_cfg.name!r}"
-    for key, value in arm.fixed().items():
-        if getattr(algo_cfg, key) != value:
-            return f"algo.arm={arm.name} needs algo.{key}={value}, got {getattr(algo_cfg, key)!r}"
-    if arm.needs_novelty and not novelty_on(algo_cfg):
-        return (f"algo.arm={arm.name} keeps the config's novelty bonus, but it has none (algo.intrinsic_weight=0); "
-                "set algo.intrinsic_weight > 0 or run plain grpo")
-    return None

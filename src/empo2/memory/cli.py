@@ -12,12 +12,14 @@ import json
 import sys
 from pathlib import Path
 
+from empo2.errors import UserError
+
 from .store import MemoryStoreError, TipMemory, json_line
 
 MEMORY_FILENAME = "memory.sqlite"
 
 
-class MemoryCliError(Exception):
+class MemoryCliError(UserError):
     """A user error: printed as one line, exit code 2."""
 
 

@@ -11,10 +11,12 @@ from functools import lru_cache
 
 import numpy as np
 
+from empo2.errors import UserError
+
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"
 
 
-class EmbedderError(RuntimeError):
+class EmbedderError(UserError, RuntimeError):
     pass
 
 

@@ -10,13 +10,15 @@ from typing import Any
 
 import numpy as np
 
+from empo2.errors import UserError
+
 from .entry import MAX_ACTION_CHARS, split_entry
 
 REJECTION_REASONS = ("empty", "too_long", "invalid_unicode", "non_printable", "repetitive", "copy_of_context",
                      "duplicate")
 
 
-class MemoryStoreError(RuntimeError):
+class MemoryStoreError(UserError, RuntimeError):
     """The memory file cannot be used (corrupt, foreign, newer schema) or an argument is malformed."""
 
 

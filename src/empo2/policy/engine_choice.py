@@ -1,14 +1,14 @@
 """``policy.backend: auto``: the rollout engine that was measured faster on this kind of machine.
 
 The table holds what ``benchmarks/engines.py`` measured (docs/benchmarks.md), keyed by the CPU's widest vector
-feature (:data:`empo2.machine.ISA_FLAGS`). A feature set with no measurement of its own takes the nearest narrower
-one that has, and says so; a GPU has no measurement yet and takes the reference engine. The decision and its reason
+feature (:data:`empo2.policy.precision.ISA_FLAGS`). A feature set with no measurement of its own takes the nearest
+narrower one that has, and says so; a GPU has no measurement yet and takes the reference engine. The decision and its reason
 go into the run's banner, and the saved config records the engine chosen.
 """
 
 from __future__ import annotations
 
-from empo2.machine import ISA_FLAGS
+from empo2.policy.precision import ISA_FLAGS
 
 MEASURED: dict[str, tuple[str, str]] = {
     "avx2": ("hf", "vLLM 0.56× HF env-steps/s, 0.38× iteration speed (engines.py, AMD EPYC AVX2, 2026-12-01)"),

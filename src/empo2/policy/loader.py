@@ -18,7 +18,9 @@ from pathlib import Path
 
 import torch
 
+from empo2.errors import UserError
 from empo2.file_modes import share_tree
+from empo2.home import empo2_home
 from empo2.policy.precision import resolve_autocast
 
 log = logging.getLogger(__name__)
@@ -43,14 +45,8 @@ CHATML_TEMPLATE = (
 )
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError, RuntimeError):
     """The model name or path cannot be resolved or loaded; the CLI prints it and exits with code 2."""
-
-
-def empo2_home() -> Path:
-    """``$EMPO2_HOME``, or ``~/.cache/empo2`` when it is unset or empty (an empty one used to mean the current folder,
-    so a model cache landed in whatever folder a command ran from)."""
-    return Path(os.environ.get("EMPO2_HOME") or Path.home() / ".cache" / "empo2")
 
 
 def resolve_device(device: str = "auto") -> torch.device:

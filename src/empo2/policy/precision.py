@@ -18,6 +18,9 @@ from pathlib import Path
 
 NATIVE_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 """``/proc/cpuinfo`` flags of CPUs with bfloat16 matmul instructions."""
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The ``/proc/cpuinfo`` flags that choose the matmul kernels (and ``policy.autocast: auto``) on an x86-64 CPU,
+narrowest first."""
 OVERRIDE_ENV = "EMPO2_NATIVE_BF16"
 
 

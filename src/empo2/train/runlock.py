@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from empo2.errors import UserError
+
 LOCK_NAME = ".empo2.lock"
 RUN_MARKER = ".empo2-run"
 """A JSON file that only empo2 writes, at the start of a fresh run: the folder is an empo2 run folder, and its
@@ -35,7 +37,7 @@ the marker existed."""
 OLD_CHECKPOINT = re.compile(r"iter_\d{6}")
 
 
-class RunLockError(RuntimeError):
+class RunLockError(UserError, RuntimeError):
     """The run folder is held by another live process; the CLI prints it and exits with code 2."""
 
 

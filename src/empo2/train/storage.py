@@ -16,13 +16,15 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
+from empo2.errors import UserError
+
 STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG, errno.EIO}
 _STORAGE_WORDS = ("no space left", "storagefull", "disk i/o error", "database or disk is full", "read-only file system",
                   "readonly database", "file write failed", "file too large", "permission denied",
                   "unable to open database")
 
 
-class RunWriteError(RuntimeError):
+class RunWriteError(UserError, RuntimeError):
     """The run folder cannot be written (disk full, read-only, no permission); exit code 2."""
 
 
