@@ -23,13 +23,14 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "empo2"
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("empo2", "errors", "home", "file_modes", "stdio", "progress", "allocator", "signals"),  # foundations
+    ("version", "errors", "home", "file_modes", "stdio", "progress", "allocator", "signals"),  # foundations
     ("policy", "envs", "memory", "algo"),  # components that know nothing of each other
     ("agent",),  # prompts and reflection over an environment's actions and memory's entries
     ("config",),
     ("train", "machine"),  # the training loop and its run folder; the record of the machine a run used
     ("play", "experiments"),  # commands built on the loop: play episodes by hand; compare, adapt, report
     ("cli",),
+    ("empo2",),  # the package's public names (Config, Trainer), re-exported from the rooms below
 )
 """Rooms by floor, lowest first. A room is a top-level module or subpackage of ``empo2`` (``empo2`` itself is its
 ``__init__``), or a group named in :data:`ROOM_OF`."""
