@@ -206,11 +206,12 @@ class Probe:
     """Wraps (in this process only) run_episodes / reflect / the embedder to split the times further."""
 
     def __init__(self):
+        import empo2.train.drivers as drivers_mod
         import empo2.train.trainer as trainer_mod
 
         self.last: dict = {}
         self.reflect_s = 0.0
-        orig_run, orig_reflect = trainer_mod.run_episodes, trainer_mod.reflect
+        orig_run, orig_reflect = drivers_mod.run_episodes, trainer_mod.reflect
 
         def run_episodes(ctx, specs, *a, **kw):
             self.reflect_s = 0.0
@@ -233,7 +234,7 @@ class Probe:
             finally:
                 self.reflect_s += time.perf_counter() - t
 
-        trainer_mod.run_episodes = run_episodes
+        drivers_mod.run_episodes = run_episodes  # the trainer's G-episode driver plays through this name
         trainer_mod.reflect = reflect
 
 
@@ -257,7 +258,8 @@ def bench_iterations(args) -> dict:
     try:
         for name, overrides in arms.items():
             t = time.perf_counter()
-            trainers[name] = Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides), tmp / name)
+            trainers[name] = Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides),
+                                     output_dir=tmp / name)
             setup_s[name] = time.perf_counter() - t
             print(f"[iter] {name} trainer ready in {setup_s[name]:.1f}s", flush=True)
         records: dict[str, list[dict]] = {n: [] for n in arms}

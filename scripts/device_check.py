@@ -298,7 +298,7 @@ def _update_model(s: Step, shard: bool, cfg):
         from empo2.train import sharding
         from empo2.train.distributed import Dist
 
-        model = sharding.wrap(model, cfg, Dist())
+        model, _ = sharding.wrap(model, cfg, Dist())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3 if s.cpu else 1e-6)
     return model, tok, opt
 
