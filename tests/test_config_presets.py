@@ -40,6 +40,13 @@ def load(*args) -> tuple[Config, list[str]]:
 
 
 # ----------------------------------------------------------------------------------------------------- inheritance
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_preset_loads(path):
+    """Every preset in configs/ loads through its base chain and validates (a new one, not in the fixture, too)."""
+    cfg = Config.load(path)
+    assert cfg.env.name and cfg.policy.model and cfg.train.iterations >= 1
+
+
 @pytest.mark.parametrize("name", sorted(BEFORE))
 def test_each_shipped_preset_resolves_to_the_config_it_had_as_a_full_copy(name):
     cfg, renamed = load(f"configs/{name}")
