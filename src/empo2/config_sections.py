@@ -11,8 +11,7 @@ from empo2.config_bounds import bounded
 
 _BIG = 10 ** 9
 _SEED = 2 ** 32 - 1  # numpy's seeds are 32-bit
-_NO_DROPOUT = ("π_old has no dropout (the engine's log-probs or an eval-mode recompute), so dropout in π_θ would move "
-               "the ratio and the δ mask by noise")
+_NO_DROPOUT = "π_old has no dropout (engine log-probs, eval-mode recompute): dropout in π_θ moves the ratio by noise"
 
 
 @dataclass
@@ -32,8 +31,7 @@ class EnvConfig:
     simplification: str = "easy"
     """ScienceWorld simplification string (``easy`` = the released setup)."""
     max_steps: int | None = bounded(None, 1, 100_000)
-    """Episode step cap; ``None`` = per-task default (30; chemistry-mix 60; measure-melting-point-known-substance
-    120)."""
+    """Episode step cap; ``None``: the task's default (30; chemistry-mix 60; measure-melting-point-known-… 120)."""
     step_caps: dict[str, int] | None = None
     """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
     action_correction: bool = True
@@ -192,9 +190,8 @@ class AlgoConfig:
     (EMPO² with such an expert member). The algorithm decides memory use, mode probabilities, loss, (by default)
     estimator and expert members."""
     arm: str | None = None
-    """The ablation this run is labelled as (``empo2.algo.arms``: ``empo2-no-offpolicy``, ``empo2-no-novelty``,
-    ``grpo-novelty``, ``grpo-no-novelty``); ``compare --algos`` sets it. Checked at load: the config must hold the arm's algorithm and
-    settings. ``None``: the run is labelled by its algorithm."""
+    """The ablation this run is labelled as (``empo2.algo.arms``, e.g. ``empo2-no-novelty``), set by ``compare --algos``
+    and checked at load against the arm's algorithm and settings; ``None``: the run is labelled by its algorithm."""
     num_generations: int = bounded(8, 1, 4096)
     """Rollouts per task (the GRPO group G)."""
     advantage: str = "grpo"
@@ -242,8 +239,7 @@ class AlgoConfig:
     π_θ(a|s,u) ≥ δ) and holds the tips for ``on_tips`` rows, which train with them: testing those on a tip-free
     prompt would take one more forward per row for on-policy samples, whose ratio starts at 1."""
     mask_granularity: Literal["token", "sequence"] = "token"
-    """Where the δ mask acts: ``token`` (paper), or ``sequence`` (released code: drop a response if any old log-prob
-    < log δ)."""
+    """Where the δ mask acts: ``token`` (paper) or ``sequence`` (released code: drop a response with a p < δ)."""
     beta: float = bounded(0.0, 0, 1e6)
     """KL-to-reference coefficient (k3 estimator). The KL term averages over the rows sampled from the prompt they
     train on (``on``, ``on_tips``); ``off_tips`` rows were sampled with tips, so their tokens are no sample of
