@@ -6,6 +6,7 @@ environment) with the tiny random model of tests/conftest.py.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -119,8 +120,9 @@ def test_compare_summary_skip_and_resume(tmp_path, tiny_model, capfd, monkeypatc
         p.unlink() if p.is_file() else p.rmdir()
     (cut / "checkpoints" / "iter_000001").rmdir()
     (cut / "eval" / "final.json").unlink()
-    kept = [x for x in (out / "scores.jsonl").read_text().splitlines() if json.loads(x)["run"] != cut.name]
-    (out / "scores.jsonl").write_text("".join(x + "\n" for x in kept))
+    kept = [x for x in gzip.decompress((out / "scores.jsonl.gz").read_bytes()).decode().splitlines()
+            if json.loads(x)["run"] != cut.name]
+    (out / "scores.jsonl.gz").write_bytes(gzip.compress("".join(x + "\n" for x in kept).encode()))
     before = {n: (out / "runs" / n / "metrics.jsonl").read_bytes() for n in names if n != cut.name}
     assert _compare(out, tiny_model) == 0
     text = capfd.readouterr().out
@@ -177,7 +179,7 @@ def _finished_folder(plan, scores: list[float]) -> None:
 
 
 def test_a_comparison_continues_from_its_record_alone(tmp_path, capsys):
-    """``scores.jsonl`` is the comparison: with every run folder deleted, its runs are finished, their settings are
+    """``scores.jsonl.gz`` is the comparison: with every run folder deleted, its runs are finished, their settings are
     checked against the record, a later command keeps them, and the summary rebuilt from it alone is the same."""
     from empo2.experiments import compare, records
     from empo2.experiments.compare_summary import rebuild
@@ -191,11 +193,11 @@ def test_a_comparison_continues_from_its_record_alone(tmp_path, capsys):
     meta = {"config": "configs/webshop_cpu.yaml", "overrides": TINY, "algos": list(ALGOS), "seeds": [0, 1],
             "label": "webshop-fixture"}
     first = compare.write_summary(plans, out, meta, list(ALGOS))
-    lines = [json.loads(x) for x in (out / "scores.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in gzip.decompress((out / "scores.jsonl.gz").read_bytes()).decode().splitlines()]
     assert sum(x["kind"] == "episode" and x["phase"] == "final" for x in lines) == 12
     assert {x["env_steps"] for x in lines if x["kind"] == "episode" and x["phase"] == "final"} == {11}
     for p in plans:  # the record gives back each eval exactly as the run folder stored it
-        record = records.read(out / "scores.jsonl")[p.name]
+        record = records.read(out / "scores.jsonl.gz")[p.name]
         assert record["evals"]["final"] == json.loads((p.folder / "eval" / "final.json").read_text())
         assert record["command"] == {"config": "configs/webshop_cpu.yaml", "overrides": TINY}
 
@@ -219,9 +221,10 @@ def test_a_comparison_continues_from_its_record_alone(tmp_path, capsys):
     assert table["stats"]["arms"] == first["stats"]["arms"]  # report pairs methods in name order: grpo − empo2
     assert table["stats"]["pairs"][0]["diff_mean"] == pytest.approx(-first["stats"]["pairs"][0]["diff_mean"])
     capsys.readouterr()
-    (out / "scores.jsonl").write_text((out / "scores.jsonl").read_text() + "{half a line\n")
+    damaged = gzip.decompress((out / "scores.jsonl.gz").read_bytes()) + b"{half a line\n"
+    (out / "scores.jsonl.gz").write_bytes(gzip.compress(damaged))
     assert main(["report", str(out), "--out", str(tmp_path / "report2")]) == 2
-    assert f"scores.jsonl line {len(lines) + 1} is not JSON" in capsys.readouterr().err
+    assert f"scores.jsonl.gz line {len(lines) + 1} is not JSON" in capsys.readouterr().err
 
 
 def test_user_errors_write_nothing(tmp_path, capsys):

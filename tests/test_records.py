@@ -1,10 +1,11 @@
-"""The committed comparisons are their records: every summary in ``results/`` is recomputed from its ``scores.jsonl``
+"""The committed comparisons are their records: every summary in ``results/`` is recomputed from its ``scores.jsonl.gz``
 alone (:func:`empo2.experiments.compare_summary.rebuild`), the evidence protocol's CIs also by hand in float64 from the
 record's episode lines, and the README's results table quotes those numbers. ``results/`` stays small.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import statistics
 from collections import defaultdict
@@ -29,7 +30,7 @@ def _committed(folder: Path) -> dict:
 def _final_scores(folder: Path) -> dict[tuple[str, int], list[float]]:
     """Each run's final-eval episode scores, read from the record's lines without the code under test."""
     scores = defaultdict(list)
-    for text in (folder / "scores.jsonl").read_text().splitlines():
+    for text in gzip.decompress((folder / "scores.jsonl.gz").read_bytes()).decode().splitlines():
         line = json.loads(text)
         if line["kind"] == "episode" and line["phase"] == "final":
             scores[line["algo"], line["seed"]].append(float(line["score"]))
@@ -73,7 +74,7 @@ def test_the_readme_quotes_the_evidence_record():
 def test_every_committed_summary_is_its_record(folder, tmp_path):
     """Each summary from its own record; the ablations' from the evidence record, filtered to their arms and seeds."""
     committed = _committed(RESULTS / folder)
-    record = RESULTS / folder if (RESULTS / folder / "scores.jsonl").is_file() else (RESULTS / folder).parent
+    record = RESULTS / folder if (RESULTS / folder / "scores.jsonl.gz").is_file() else (RESULTS / folder).parent
     rebuilt = rebuild(record, tmp_path, committed["algos"], committed["seeds"])
     assert rebuilt["stats"] == committed["stats"]
     assert [r["name"] for r in rebuilt["runs"]] == [r["name"] for r in committed["runs"]]
@@ -83,3 +84,23 @@ def test_results_stay_small():
     kept = [p for p in RESULTS.rglob("*") if p.is_file() and not set(LOCAL_ONLY) & set(p.relative_to(RESULTS).parts)
             and p.name not in ("console.log",) and not p.name.startswith("memory.sqlite")]
     assert len(kept) < MAX_FILES and sum(p.stat().st_size for p in kept) < MAX_BYTES
+
+
+def test_a_plain_record_of_an_earlier_version_is_read_and_replaced_by_the_gzipped_one(tmp_path):
+    """A comparison recorded before compression (plain ``scores.jsonl``) continues: it is read as it is, and the
+    next write leaves only ``scores.jsonl.gz``, byte-identical for the same runs (no timestamp in the gzip header)."""
+    from empo2.experiments import records
+
+    runs = records.read(RESULTS / "webshop" / records.RECORD_FILE)
+    plain = tmp_path / "scores.jsonl"
+    plain.write_text("".join(json.dumps(line) + "\n" for r in runs.values() for line in records.to_lines(r)))
+    target = tmp_path / records.RECORD_FILE
+    assert records.read(target) == runs  # the name of the new file, the content of the old one
+    records.write(target, list(runs.values()))
+    assert not plain.exists() and records.read(target) == runs
+    first = target.read_bytes()
+    records.write(target, list(runs.values()))
+    assert target.read_bytes() == first and first[:2] == b"\x1f\x8b"
+    target.write_bytes(first[: len(first) // 2])  # a truncated copy: one line naming the file, nothing written
+    with pytest.raises(records.ConfigError, match="scores.jsonl.gz cannot be read"):
+        records.read(target)

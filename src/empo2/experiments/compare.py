@@ -12,7 +12,7 @@ run both of ProxMO's parts (``algo.proxmo_psc`` and ``algo.proxmo_psa`` set true
 environment workers (ScienceWorld JVMs) and the CUDA context are freed when the run ends instead of piling up in one
 long-lived process. Re-running the same command skips finished runs and resumes unfinished ones (``--resume``);
 a command with other arms or seeds into the same ``--out`` adds its runs to the earlier ones in the summary
-(:func:`earlier_runs`). Each finished run is recorded in ``OUT/scores.jsonl`` (:mod:`empo2.experiments.records`);
+(:func:`earlier_runs`). Each finished run is recorded in ``OUT/scores.jsonl.gz`` (:mod:`empo2.experiments.records`);
 a run recorded there with the same settings is finished, with or without its folder, so a comparison continues on
 another machine from that file alone.
 
@@ -23,7 +23,7 @@ its ``eval/start.json``). Every run evaluates the same task variations: the firs
 
 All algorithms share ``iterations × tasks_per_batch × num_generations`` training episodes, so the budget is equal
 by episodes; the environment steps those episodes took (``env_steps`` in ``metrics.jsonl``) are reported too.
-Outputs (:mod:`empo2.experiments.compare_summary`, from ``scores.jsonl``): ``summary.md``, ``summary.json`` (CIs over
+Outputs (:mod:`empo2.experiments.compare_summary`, from ``scores.jsonl.gz``): ``summary.md``, ``summary.json`` (CIs over
 seeds, paired differences) and ``curves.png`` (eval score vs environment steps, 95% CI band).
 """
 
@@ -64,7 +64,7 @@ class RunPlan:
     command: dict[str, Any]
     """The comparison's ``--config`` file and overrides, as its record states them."""
     recorded: dict[str, Any] | None = None
-    """This run's record in ``scores.jsonl`` (:mod:`empo2.experiments.records`), when it is there."""
+    """This run's record in ``scores.jsonl.gz`` (:mod:`empo2.experiments.records`), when it is there."""
 
     @property
     def name(self) -> str:
@@ -240,7 +240,7 @@ def _flat(d: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- running
 def run_status(plan: RunPlan) -> str:
-    """``finished`` (recorded in ``scores.jsonl``, or a final eval written after the last checkpoint), ``resume``
+    """``finished`` (recorded in ``scores.jsonl.gz``, or a final eval written after the last checkpoint), ``resume``
     or ``fresh``."""
     if plan.recorded is not None:
         return "finished"
@@ -374,7 +374,7 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
 # ---------------------------------------------------------------------------------------------------- summary
 def earlier_runs(config: str, out: Path, overrides: list[str], plans: list[RunPlan],
                  check: Callable[[Config], None] | None = None) -> list[RunPlan]:
-    """The finished runs in ``out/runs/`` or ``out/scores.jsonl`` that this command did not name, when they ran under
+    """The finished runs in ``out/runs/`` or ``out/scores.jsonl.gz`` that this command did not name, when they ran under
     the same config and overrides: a comparison built up over several commands (other arms, more seeds) keeps all its
     runs in one summary, even one whose command stopped before writing it. A run with other settings is left out,
     with a line; its folder and record stay, so a later command with its settings finds it again."""
@@ -397,7 +397,7 @@ def earlier_runs(config: str, out: Path, overrides: list[str], plans: list[RunPl
 
 
 def write_summary(plans: list[RunPlan], out: Path, meta: dict[str, Any], algos: list[str]) -> dict[str, Any]:
-    """``scores.jsonl``, then ``summary.md``, ``summary.json`` and ``curves.png`` from it, of the finished runs."""
+    """``scores.jsonl.gz``, then ``summary.md``, ``summary.json`` and ``curves.png`` from it, of the finished runs."""
     from empo2.experiments.compare_summary import write_summary as write
 
     return write(plans, [p for p in plans if run_status(p) == "finished"], out, meta, algos)

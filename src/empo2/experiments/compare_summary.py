@@ -1,8 +1,8 @@
 """``empo2 compare``'s outputs from its compact record: ``summary.md``, ``summary.json`` and ``curves.png``.
 
-Every number is read back from the runs' records (:mod:`empo2.experiments.records`, the lines of ``scores.jsonl``): a
+Every number is read back from the runs' records (:mod:`empo2.experiments.records`, the lines of ``scores.jsonl.gz``): a
 run's score and success are the means of its final eval's episodes, its start score those of its start eval; the
-statistics over seeds are :mod:`empo2.experiments.stats`'. :func:`rebuild` makes the summary from ``scores.jsonl``
+statistics over seeds are :mod:`empo2.experiments.stats`'. :func:`rebuild` makes the summary from ``scores.jsonl.gz``
 alone.
 """
 
@@ -173,14 +173,14 @@ def plot_curves(per_algo: dict[str, dict], path: Path) -> Path:
 
 
 def record_of(plan) -> dict[str, Any]:
-    """A finished run's record: from its run folder when it has one, else the one ``scores.jsonl`` holds."""
+    """A finished run's record: from its run folder when it has one, else the one ``scores.jsonl.gz`` holds."""
     if getattr(plan, "recorded", None) is not None and not (plan.folder / "config.yaml").is_file():
         return plan.recorded
     return records.from_folder(plan.folder, plan.algo, plan.seed, getattr(plan, "command", None) or {})
 
 
 def write_summary(plans: list, done: list, out: Path, meta: dict[str, Any], algos: list[str]) -> dict[str, Any]:
-    """Record the finished runs (``done``) of ``plans`` in ``scores.jsonl``, then write the summary from them."""
+    """Record the finished runs (``done``) of ``plans`` in ``scores.jsonl.gz``, then write the summary from them."""
     found = [record_of(p) for p in done]
     Path(out).mkdir(parents=True, exist_ok=True)
     records.merge(Path(out) / records.RECORD_FILE, found)
@@ -210,7 +210,7 @@ def summarise(found: list[dict[str, Any]], out: Path, meta: dict[str, Any], algo
 
 def rebuild(folder: Path, out: Path | None = None, algos: list[str] | None = None,
             seeds: list[int] | None = None) -> dict[str, Any]:
-    """The summary of the comparison ``folder/scores.jsonl`` records, from that file alone, written into ``out``
+    """The summary of the comparison ``folder/scores.jsonl.gz`` records, from that file alone, written into ``out``
     (default ``folder``): its runs of ``algos`` (default: every arm, in the order first recorded) and ``seeds``
     (default: all). The command shown is the first run's."""
     found = list(records.read(Path(folder) / records.RECORD_FILE).values())

@@ -1,10 +1,12 @@
-"""A comparison's compact record, ``scores.jsonl``: what its summary, curves and report are computed from.
+"""A comparison's compact record, ``scores.jsonl.gz``: what its summary, curves and report are computed from.
 
-``empo2 compare`` adds each finished run to ``OUT/scores.jsonl``; a run recorded there with the comparison's settings
+``empo2 compare`` adds each finished run to ``OUT/scores.jsonl.gz``; a run recorded there with the comparison's settings
 is skipped as finished, so a comparison moves to another machine (or into git) with this one file, and its run
 folders (checkpoints, trajectories, tips, logs) can stay on the disk that made them, or be deleted.
 
-One JSON object per line; every line has ``kind``, ``run`` (``<arm>-seed<k>``), ``algo`` (the arm) and ``seed``:
+Gzipped JSON lines (``zcat scores.jsonl.gz`` reads it), written with a fixed gzip timestamp so that the same runs
+give the same bytes. A record written before compression, plain ``scores.jsonl``, is read as it is and replaced by the
+compressed file on the next write. One JSON object per line; every line has ``kind``, ``run`` (``<arm>-seed<k>``), ``algo`` (the arm) and ``seed``:
 
 - ``kind: run``, one per run: ``config`` (the run's whole config, as its ``config.yaml``), ``command`` (the comparison's
   ``--config`` file and overrides), ``folder`` (where the run folder was), ``machines`` (its ``machine.jsonl``) and
@@ -15,11 +17,13 @@ One JSON object per line; every line has ``kind``, ``run`` (``<arm>-seed<k>``), 
   environment steps when the eval was played: 0 at the start, the run's total at the end) and the episode as
   ``eval/<phase>.json`` stores it (``task``, ``variation``, ``score``, ``success``, ``steps`` …).
 
-Tidy for a data frame: ``pandas.read_json(path, lines=True).query("kind == 'episode'")`` is every episode's score.
+Tidy for a data frame: ``pandas.read_json(path, lines=True, compression="gzip").query("kind == 'episode'")`` is every episode's score.
 """
 
 from __future__ import annotations
 
+import gzip
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -30,7 +34,9 @@ from empo2 import machine
 from empo2.config import ConfigError
 from empo2.train.metrics import read_metrics
 
-RECORD_FILE = "scores.jsonl"
+RECORD_FILE = "scores.jsonl.gz"
+PLAIN_RECORD_FILE = "scores.jsonl"
+"""The uncompressed record of earlier versions, still read where no compressed one exists."""
 PHASES = ("start", "final")
 _KEYS = ("kind", "run", "algo", "seed")
 _EPISODE_KEYS = (*_KEYS, "phase", "env_steps")
@@ -94,28 +100,58 @@ def from_lines(lines: list[dict[str, Any]], source: str = RECORD_FILE) -> dict[s
     return found
 
 
+def source(path: Path) -> Path:
+    """The file that holds the record ``path`` names: ``path`` itself, or the plain ``scores.jsonl`` beside it when only
+    that one exists."""
+    path = Path(path)
+    plain = path.with_name(PLAIN_RECORD_FILE)
+    return plain if path.name == RECORD_FILE and not path.exists() and plain.is_file() else path
+
+
+def read_lines(path: Path) -> list[str]:
+    """The text lines of the record ``path`` names (gzipped or plain, see :func:`source`); none when it does not exist."""
+    path = source(path)
+    if not path.is_file():
+        return []
+    data = path.read_bytes()
+    try:
+        text = gzip.decompress(data).decode() if data[:2] == b"\x1f\x8b" else data.decode()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}); restore the file (it is the comparison's record)") from None
+    return text.splitlines()
+
+
 def read(path: Path) -> dict[str, dict[str, Any]]:
     """The runs ``path`` records (none when it does not exist); a damaged line is one clear error naming it."""
-    path = Path(path)
-    if not path.is_file():
-        return {}
     lines = []
-    for n, text in enumerate(path.read_text().splitlines(), 1):
+    for n, text in enumerate(read_lines(path), 1):
         if not text.strip():
             continue
         try:
             lines.append(json.loads(text))
         except ValueError:
-            raise ConfigError(f"{path} line {n} is not JSON; restore the file (it is the comparison's record)") from None
-    return from_lines(lines, str(path))
+            raise ConfigError(f"{source(path)} line {n} is not JSON; restore the file (it is the comparison's "
+                              "record)") from None
+    return from_lines(lines, str(source(path)))
 
 
 def write(path: Path, records: list[dict[str, Any]]) -> None:
-    """Write ``records`` (in that order) as ``path``, through a temporary file so a crash leaves the old one."""
+    """Write ``records`` (in that order) as ``path``, gzipped when its name ends in ``.gz``, through a temporary file
+    so a crash leaves the old one; a plain record of an earlier version beside it is then removed."""
     path = Path(path)
+    text = "".join(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+                   for r in records for line in to_lines(r)).encode()
+    if path.suffix == ".gz":
+        buffer = io.BytesIO()
+        with gzip.GzipFile(filename="", mode="wb", fileobj=buffer, mtime=0) as f:
+            f.write(text)
+        text = buffer.getvalue()
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n" for r in records for line in to_lines(r)))
+    tmp.write_bytes(text)
     tmp.replace(path)
+    plain = path.with_name(PLAIN_RECORD_FILE)
+    if path.name == RECORD_FILE and plain.is_file():
+        plain.unlink()
 
 
 def merge(path: Path, records: list[dict[str, Any]]) -> None:

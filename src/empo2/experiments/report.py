@@ -1,6 +1,6 @@
 """The paper's comparison tables from run folders (``empo2 report``).
 
-Inputs, any mix: a run folder (``config.yaml`` + ``eval/final.json``), a compare folder (its record ``scores.jsonl``
+Inputs, any mix: a run folder (``config.yaml`` + ``eval/final.json``), a compare folder (its record ``scores.jsonl.gz``
 and any run folders in ``runs/`` it does not hold; seeds of one method are averaged and their number n is shown), an
 adaptation folder (``adapt.json``
 from ``empo2 adapt``), or a folder holding adaptation folders. Outputs ``report.md``, ``report.json`` and one PNG of
@@ -97,7 +97,7 @@ def _read_run(run: Path) -> dict[str, Any]:
 
 
 def _read_record(folder: Path, record: dict[str, Any]) -> dict[str, Any]:
-    """A run recorded in a compare folder's ``scores.jsonl``."""
+    """A run recorded in a compare folder's ``scores.jsonl.gz``."""
     final = records.eval_result(record, "final")
     if final is None:
         raise ConfigError(f"{folder / records.RECORD_FILE}: run {record['name']} has no final eval")
