@@ -285,3 +285,25 @@ def test_compare_summary_counts_expert_steps_apart():
     [text] = _expert_steps_text(runs)
     assert "luffy-s0 37" in text and "grpo" not in text and "counted apart" in text
     assert _expert_steps_text(runs[:1]) == []
+
+
+def test_train_algo_names_what_compare_algos_names(tmp_path, capsys):
+    """``train --algo luffy`` runs the ``luffy`` arm (LUFFY as its script runs it), as ``compare --algos luffy`` does;
+    an override that contradicts the arm is refused at load; ``--algo NAME+ESTIMATOR`` sets the estimator."""
+    from empo2.cli import _train_config, main
+    from empo2.cli_parser import parse_cli
+    from empo2.experiments.compare import arm_overrides
+
+    args = parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo", "luffy",
+                      "--output-dir", str(tmp_path / "a")])
+    cfg, _ = _train_config(args)
+    a = cfg.algo
+    assert (a.name, a.arm, a.loss_type, a.intrinsic_weight, a.luffy_shaping, a.luffy_clip) == \
+        ("luffy", "luffy", "dr_grpo", 0.0, True, False)
+    assert arm_overrides("luffy")[0] == "algo.name=luffy"
+    cfg, _ = _train_config(parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo",
+                                      "empo2+gigpo", "--output-dir", str(tmp_path / "b")]))
+    assert (cfg.algo.name, cfg.algo.advantage, cfg.algo.arm) == ("empo2", "gigpo", None)
+    assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "luffy", "algo.loss_type=token_mean",
+                 f"train.output_dir={tmp_path / 'c'}"]) == 2
+    assert "luffy" in capsys.readouterr().err and not (tmp_path / "c").exists()

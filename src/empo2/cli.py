@@ -114,12 +114,15 @@ def _train_config(args):
         check_same_run(Config.load(saved), cfg, run_dir)  # another G, model, task list … is another run: exit 2
         check_checkpoint_settings(cfg, run_dir)  # … also when config.yaml itself was edited
         return cfg, run_dir
-    overrides = list(args.overrides)
-    if args.algo:
-        overrides.append(f"algo.name={args.algo}")
+    from empo2.experiments.compare import arm_overrides, check_estimator_used
+
+    # the arm's settings first, so that an override contradicting them is refused at load instead of lost
+    overrides = [*(arm_overrides(args.algo) if args.algo else []), *args.overrides]
     if args.output_dir:
         overrides.append(f"train.output_dir={args.output_dir}")
     cfg = Config.load(args.config, overrides)
+    if args.algo:
+        check_estimator_used(args.algo, cfg)
     run_dir = Path(cfg.train.output_dir)
     check_new_run_folder(run_dir, args.overwrite)
     return cfg, run_dir

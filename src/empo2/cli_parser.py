@@ -65,7 +65,8 @@ def _add_play_parser(sub) -> None:
 def _add_run_parsers(sub) -> None:
     p = sub.add_parser("train", help="train with EMPO² or GRPO")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
-    p.add_argument("--algo", help="algorithm registry name (empo2, grpo, …); same as algo.name=…")
+    p.add_argument("--algo", help="what compare --algos names: an algorithm (empo2, grpo, gigpo, luffy, …), NAME+ESTIMATOR "
+                   "or an arm (luffy: LUFFY as its script runs it); the arm's settings, then the overrides")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint")
     p.add_argument("--output-dir")
     p.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds a run")

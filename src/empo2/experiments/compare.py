@@ -171,7 +171,7 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
             folder = Path(out) / "runs" / f"{algo}-seed{seed}"
             cfg = Config.load(config, [*overrides, *_own_overrides(algo, seed, folder)])
             settle_autocast(cfg.policy)  # as the run will record it, so a finished run's saved config matches
-            _check_estimator_used(algo, cfg)
+            check_estimator_used(algo, cfg)
             if check is not None:
                 check(cfg)
             plan = RunPlan(algo, seed, folder, cfg, command, recorded.get(f"{algo}-seed{seed}"))
@@ -188,19 +188,25 @@ def _split(algo: str) -> tuple[str, str, bool]:
     return name, estimator, std
 
 
-def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
+def arm_overrides(algo: str) -> list[str]:
+    """The ``algo`` overrides an arm name stands for, in ``compare --algos`` and ``train --algo`` alike: an ablation
+    arm's algorithm and settings (:data:`ARMS`), or ``NAME[+ESTIMATOR][-std]``'s algorithm, estimator and GiGPO
+    normalisation, with ``algo.arm`` emptied so a config file's arm cannot label a plain algorithm's run."""
     if algo in ARMS:
         chosen, std = ARMS[algo].overrides(), False
-    else:  # algo.arm emptied: a config file's arm would label a plain algorithm's run as an ablation
+    else:
         name, estimator, std = _split(algo)
         chosen = [f"algo.name={name}", "algo.arm="] + ([f"algo.advantage={estimator}"] if estimator else [])
         chosen += ["algo.proxmo_psc=true", "algo.proxmo_psa=true"]  # ProxMO's parts are switched off by arms only
     # always set, so that a config file's choice cannot run under a label that says the other one
-    chosen.append(f"algo.gigpo_normalization={'mean_std_norm' if std else 'mean_norm'}")
-    return [*chosen, f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]
+    return [*chosen, f"algo.gigpo_normalization={'mean_std_norm' if std else 'mean_norm'}"]
 
 
-def _check_estimator_used(algo: str, cfg: Config) -> None:
+def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
+    return [*arm_overrides(algo), f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]
+
+
+def check_estimator_used(algo: str, cfg: Config) -> None:
     """``gigpo+grpo`` or ``grpo-std`` would be labelled one thing and run another: refuse them."""
     from empo2.algo.registry import ALGORITHMS
 
