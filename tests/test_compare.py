@@ -361,6 +361,38 @@ def test_summary_statistics_against_float64_reference():
     assert "Not finished (left out above): empo2-seed3" in md
 
 
+def test_success_rates_are_paired_and_drawn_like_scores():
+    """Success is the headline: its paired differences (two decimals) and its curve band against a float64
+    reference computed here (Student t with 2 df in closed form), and the arm table shows it first."""
+    rates = {("grpo", 0): 0.0, ("grpo", 1): 0.1, ("grpo", 2): 0.05, ("empo2", 0): 0.2, ("empo2", 1): 0.1,
+             ("empo2", 2): 0.3}
+    results = []
+    for (algo, seed), rate in rates.items():
+        r = _result(algo, seed, [0.0, 10.0], -30.0, 40)
+        r["success"], r["curve"][-1][2] = rate, rate
+        results.append(r)
+    summary = stats.summarise_arms([{**r, "arm": r["algo"]} for r in results], ["grpo", "empo2"])
+    d = [0.2, 0.0, 0.25]
+    mean, se = statistics.fmean(d), statistics.stdev(d) / math.sqrt(3)
+    t = mean / se
+    p = 1 - t / math.sqrt(2 + t * t)
+    half = math.sqrt(2 * 0.95 ** 2 / (1 - 0.95 ** 2)) * se
+    (pair,) = summary["success_pairs"]
+    assert pair["what"] == "empo2 − grpo" and pair["diff_mean"] == pytest.approx(mean, abs=1e-12)
+    assert pair["p"] == pytest.approx(p, abs=1e-10) and pair["ci"] == pytest.approx([mean - half, mean + half])
+    assert pair["verdict"].startswith(f"empo2 − grpo = +0.15 (95% CI {mean - half:+.2f} to {mean + half:+.2f}")
+    per = aggregate(results, ["grpo", "empo2"])
+    grpo_final = [rates["grpo", s] for s in range(3)]
+    lo, hi = tdist.mean_interval(grpo_final)
+    assert per["grpo"]["curve"]["success_mean"][-1] == pytest.approx(statistics.fmean(grpo_final))
+    assert [per["grpo"]["curve"]["success_ci_low"][-1], per["grpo"]["curve"]["success_ci_high"][-1]] == \
+        pytest.approx([max(lo, 0.0), min(hi, 1.0)], abs=1e-9)
+    table = stats.arm_table(summary["arms"])
+    assert table[0].startswith("| arm | n seeds | success (mean) |") and "| empo2 | 3 | **0.20** |" in table[3]
+    md = "\n".join(stats.stats_markdown(summary))
+    assert md.index("| empo2 − grpo | 3 | +0.15 |") < md.index("| empo2 − grpo | 3 | +0.0 |")
+
+
 def test_one_seed_says_the_ci_is_undefined_and_two_give_a_t_interval():
     for seeds in ([0], [0, 1]):
         results = [_result(a, s, [10.0 * s, 5.0 + a.count("e")], 0.0, 10) for a in ALGOS for s in seeds]

@@ -64,6 +64,7 @@ def aggregate(results: list[dict[str, Any]], algos: list[str]) -> dict[str, dict
         n = min(len(r["curve"]) for r in mine)
         pts = np.array([r["curve"][:n] for r in mine], dtype=np.float64)  # (seeds, points, 3)
         cis = [stats.mean_ci(pts[:, k, 1])["ci"] for k in range(n)]
+        success_cis = [stats.mean_ci(pts[:, k, 2], bounds=(0.0, 1.0))["ci"] for k in range(n)]
         out[algo] = {"runs": len(mine), "seeds": [r["seed"] for r in mine],
                      "score_mean": float(score.mean()), "score_min": float(score.min()),
                      "score_max": float(score.max()), "success_mean": float(success.mean()),
@@ -71,7 +72,10 @@ def aggregate(results: list[dict[str, Any]], algos: list[str]) -> dict[str, dict
                      "curve": {"env_steps": pts[:, :, 0].mean(0).tolist(),
                                "score_mean": pts[:, :, 1].mean(0).tolist(),
                                "score_ci_low": [c[0] if c else None for c in cis],
-                               "score_ci_high": [c[1] if c else None for c in cis]}}
+                               "score_ci_high": [c[1] if c else None for c in cis],
+                               "success_mean": pts[:, :, 2].mean(0).tolist(),
+                               "success_ci_low": [c[0] if c else None for c in success_cis],
+                               "success_ci_high": [c[1] if c else None for c in success_cis]}}
     return out
 
 
@@ -117,10 +121,13 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
              *arms.describe(meta.get("algos", [])),
              f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
              *_expert_steps_text(results),
-             ("Learning curve: `curves.png` (eval score vs environment steps; line = mean over seeds, band = 95% "
-              f"t interval over seeds, drawn from {stats.MIN_CI} seeds on)."), ""]
+             ("Learning curves: `curves.png` (eval success rate and eval score vs environment steps; line = mean over "
+              f"seeds, band = 95% t interval over seeds, drawn from {stats.MIN_CI} seeds on)."), ""]
     if summary_stats is not None:
         lines += ["## Final eval per arm (95% CIs over seeds)", "", *stats.arm_table(summary_stats["arms"]), ""]
+        if summary_stats.get("success_pairs"):
+            lines += ["## Paired differences between arms (final success rate)", "",
+                      *stats.pair_table(summary_stats["success_pairs"], 2), ""]
         if summary_stats["pairs"]:
             lines += ["## Paired differences between arms (final score)", "", *stats.pair_table(summary_stats["pairs"]),
                       ""]
@@ -149,23 +156,30 @@ def _expert_steps_text(results: list[dict]) -> list[str]:
 
 
 def plot_curves(per_algo: dict[str, dict], path: Path) -> Path:
-    """``curves.png``: eval score vs environment steps, one mean line and 95% CI band per algorithm."""
+    """``curves.png``: eval success rate and eval score vs environment steps, one mean line and 95% CI band per
+    algorithm in each panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for algo, a in per_algo.items():
-        c = a["curve"]
-        line, = ax.plot(c["env_steps"], c["score_mean"], marker="o", label=f"{algo} (n={a['runs']})")
-        low = [np.nan if v is None else v for v in c["score_ci_low"]]
-        high = [np.nan if v is None else v for v in c["score_ci_high"]]
-        ax.fill_between(c["env_steps"], low, high, color=line.get_color(), alpha=0.2)
-    ax.set_xlabel("environment steps (training episodes)")
-    ax.set_ylabel("eval score, no memory (band: 95% CI over seeds)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    for ax, key, label in ((axes[0], "success", "eval success rate"), (axes[1], "score", "eval score")):
+        for algo, a in per_algo.items():
+            c = a["curve"]
+            if f"{key}_mean" not in c:  # a summary written before success curves were kept
+                continue
+            line, = ax.plot(c["env_steps"], c[f"{key}_mean"], marker="o", label=f"{algo} (n={a['runs']})")
+            low = [np.nan if v is None else v for v in c[f"{key}_ci_low"]]
+            high = [np.nan if v is None else v for v in c[f"{key}_ci_high"]]
+            ax.fill_between(c["env_steps"], low, high, color=line.get_color(), alpha=0.2)
+        ax.set_xlabel("environment steps (training episodes)")
+        ax.set_ylabel(f"{label}, no memory")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(-0.01, max(axes[0].get_ylim()[1], 0.1))  # a rate: from 0, and 0 stays at the bottom
+    axes[0].set_title("success (band: 95% CI over seeds)", fontsize=9)
+    axes[1].set_title("score (band: 95% CI over seeds)", fontsize=9)
+    axes[1].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

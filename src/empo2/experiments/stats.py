@@ -117,21 +117,21 @@ def seeds_needed(diff_mean: float, diff_sd: float) -> int | None:
     return lo
 
 
-def verdict(what: str, pair: dict[str, Any]) -> str:
+def verdict(what: str, pair: dict[str, Any], digits: int = 1) -> str:
     """One sentence: is ``what`` (e.g. ``empo2 − grpo``) distinguishable from zero at this n, and what n would settle
-    it."""
-    n, m = pair["n"], pair["diff_mean"]
+    it (``digits``: decimals of the difference, 2 for a success rate)."""
+    n, m, f = pair["n"], pair["diff_mean"], f"+.{digits}f"
     if n < 2:
         return f"{what}: not testable with {n} paired seed(s); run at least 3 seeds per arm."
     if pair["p"] is None:
         return f"{what}: {pair['note']} over {n} seeds; run more seeds to test it."
     lo, hi = pair["ci"]
-    head = f"{what} = {m:+.1f} (95% CI {lo:+.1f} to {hi:+.1f}, paired t-test p = {pair['p']:.3g}, n = {n} seeds)"
+    head = f"{what} = {m:{f}} (95% CI {lo:{f}} to {hi:{f}}, paired t-test p = {pair['p']:.3g}, n = {n} seeds)"
     if pair["p"] < ALPHA:
         return f"{head}: distinguishable from zero at this n."
     need = seeds_needed(m, pair["diff_sd"])
     more = (f"about {need} seeds would detect a difference this size with {POWER:.0%} power, if its SD "
-            f"({pair['diff_sd']:.1f}) holds" if need else "no practical number of seeds would detect a difference "
+            f"({pair['diff_sd']:.{digits}f}) holds" if need else "no practical number of seeds would detect a difference "
             "this size")
     return f"{head}: not distinguishable from zero at this n; {more}."
 
@@ -146,35 +146,37 @@ def fmt_p(p: float | None) -> str:
 
 
 def arm_table(arms: dict[str, dict[str, Any]]) -> list[str]:
-    """Markdown rows: per arm n, score mean [CI], success mean [CI], and the gain of final over start when known."""
-    lines = [("| arm | n seeds | final score (mean) | 95% CI | success (mean) | 95% CI | final − start | 95% CI "
+    """Markdown rows: per arm n, success mean [CI] (the headline), score mean [CI], and the gain of final over start
+    when known."""
+    lines = [("| arm | n seeds | success (mean) | 95% CI | final score (mean) | 95% CI | final − start | 95% CI "
               "| p (t-test) |"),
              "|---|---:|---:|---|---:|---|---:|---|---:|"]
     for arm, a in arms.items():
         s, ok, g = a["score"], a["success"], a.get("gain")
         gain = (f"{g['diff_mean']:+.1f} | {fmt_ci(g['ci'])} | {fmt_p(g['p'])}" if g and g["diff_mean"] is not None
                 else "n/a | n/a | n/a")
-        lines.append(f"| {arm} | {s['n']} | **{s['mean']:.1f}** | {fmt_ci(s['ci'])} | {ok['mean']:.2f} | "
-                     f"{fmt_ci(ok['ci'], 2)} | {gain} |")
+        lines.append(f"| {arm} | {s['n']} | **{ok['mean']:.2f}** | {fmt_ci(ok['ci'], 2)} | {s['mean']:.1f} | "
+                     f"{fmt_ci(s['ci'])} | {gain} |")
     return lines
 
 
-def pair_table(pairs: list[dict[str, Any]]) -> list[str]:
-    """Markdown rows of the paired differences between arms, then one verdict sentence per pair."""
+def pair_table(pairs: list[dict[str, Any]], digits: int = 1) -> list[str]:
+    """Markdown rows of the paired differences between arms, then one verdict sentence per pair (``digits``:
+    decimals of the differences, 2 for success rates)."""
     if not pairs:
         return []
     lines = ["| difference (seeds paired) | n | mean | SD | 95% CI | paired t | p (t-test) | p (Wilcoxon) |",
              "|---|---:|---:|---:|---|---:|---:|---:|"]
     for q in pairs:
-        sd = "n/a" if q["diff_sd"] is None else f"{q['diff_sd']:.1f}"
+        sd = "n/a" if q["diff_sd"] is None else f"{q['diff_sd']:.{digits}f}"
         t = "n/a" if q["t"] is None else f"{q['t']:.2f} (df {q['df']})"
-        mean = "n/a" if q["diff_mean"] is None else f"{q['diff_mean']:+.1f}"
-        lines.append(f"| {q['what']} | {q['n']} | {mean} | {sd} | {fmt_ci(q['ci'])} | {t} | {fmt_p(q['p'])} | "
-                     f"{fmt_p(q['wilcoxon_p'])} |")
+        mean = "n/a" if q["diff_mean"] is None else f"{q['diff_mean']:+.{digits}f}"
+        lines.append(f"| {q['what']} | {q['n']} | {mean} | {sd} | {fmt_ci(q['ci'], digits)} | {t} | "
+                     f"{fmt_p(q['p'])} | {fmt_p(q['wilcoxon_p'])} |")
     return lines + [""] + [f"- {q['verdict']}" for q in pairs]
 
 
-def compare_arms(per_seed: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
+def compare_arms(per_seed: dict[str, dict[int, float]], digits: int = 1) -> list[dict[str, Any]]:
     """Paired differences ``later − earlier`` for every two arms (arms in the order given, the first the baseline),
     over the seeds both have."""
     arms, pairs = list(per_seed), []
@@ -183,28 +185,35 @@ def compare_arms(per_seed: dict[str, dict[int, float]]) -> list[dict[str, Any]]:
             seeds = sorted(set(per_seed[base]) & set(per_seed[other]))
             q = paired([per_seed[base][s] for s in seeds], [per_seed[other][s] for s in seeds])
             what = f"{other} − {base}"
-            pairs.append({"what": what, "a": base, "b": other, "seeds": seeds, **q, "verdict": verdict(what, q)})
+            pairs.append({"what": what, "a": base, "b": other, "seeds": seeds, **q,
+                          "verdict": verdict(what, q, digits)})
     return pairs
 
 
 def summarise_arms(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
     """The statistics of a comparison from per-run rows ``{"arm", "seed", "score", "success", "start"}`` (``start``:
-    the run's start-eval score, or ``None``): per arm the CIs and final − start, then the paired differences."""
-    out: dict[str, Any] = {"method": METHOD_TEXT, "arms": {}, "pairs": []}
+    the run's start-eval score, or ``None``): per arm the CIs and final − start, then the paired differences of the
+    final score (``pairs``) and of the final success rate (``success_pairs``)."""
+    out: dict[str, Any] = {"method": METHOD_TEXT, "arms": {}, "pairs": [], "success_pairs": []}
     per_seed: dict[str, dict[int, float]] = {}
+    per_seed_success: dict[str, dict[int, float]] = {}
     for arm in arms:
         mine = sorted((r for r in runs if r["arm"] == arm), key=lambda r: r["seed"])
         if not mine:
             continue
         per_seed[arm] = {r["seed"]: r["score"] for r in mine}
+        per_seed_success[arm] = {r["seed"]: r["success"] for r in mine}
         started = [r for r in mine if r.get("start") is not None]
         gain = paired([r["start"] for r in started], [r["score"] for r in started]) if started else None
         out["arms"][arm] = {"seeds": [r["seed"] for r in mine], "score": mean_ci([r["score"] for r in mine]),
                             "success": mean_ci([r["success"] for r in mine], bounds=(0.0, 1.0)), "gain": gain}
     out["pairs"] = compare_arms(per_seed)
+    out["success_pairs"] = compare_arms(per_seed_success, digits=2)
     return out
 
 
 def stats_markdown(summary: dict[str, Any]) -> list[str]:
-    """The arms' table, the paired differences with their verdicts, and the method line."""
-    return [*arm_table(summary["arms"]), "", *pair_table(summary["pairs"]), "", f"Method: {summary['method']}"]
+    """The arms' table, the paired differences of success and score with their verdicts, and the method line."""
+    success = summary.get("success_pairs") or []
+    return [*arm_table(summary["arms"]), "", *([*pair_table(success, 2), ""] if success else []),
+            *pair_table(summary["pairs"]), "", f"Method: {summary['method']}"]
