@@ -4,7 +4,7 @@ odd memory paths, a full disk in a checkpoint write, read-only and shared run fo
 As in tests/test_faults_cluster.py everything is real: ``empo2`` runs as a subprocess in its own session on real
 ScienceWorld JVMs, real SQLite files, real checkpoint folders, a real tmpfs and a real read-only bind mount (the
 last two need root; skipped otherwise), with the tiny random model of tests/conftest.py. One tiny run (2 iterations,
-2 checkpoints) is trained once for the module, in this process; each test damages its own copy of it.
+2 checkpoints) is trained once for the module; each test damages its own copy of it.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from empo2.cli import main
 from empo2.train import checkpoint as ckpt
 from test_faults import corrupt
 from test_faults_cluster import CONFIG, FAST, REPO, _unprefixed, iterations, resume, train
@@ -34,11 +33,9 @@ BIG_TIP = ("look around the room carefully and then " * 260_000)[:10_000_000]
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_model) -> Path:
-    """Trained in this process through the CLI's own ``main`` (the folder is a command's: config.yaml, run marker,
-    machine record); the tests then damage copies of it and run the real command on them."""
     run = tmp_path_factory.mktemp("trained") / "run"
-    assert main(["train", "--config", CONFIG, f"train.output_dir={run}", f"policy.model={tiny_model}", *FAST,
-                 "train.iterations=2"]) == 0
+    proc = train(run, tiny_model, "train.iterations=2", verbose=False)
+    assert proc.finish() == 0, proc.text()[-3000:]
     assert [p.name for p in ckpt.list_checkpoints(run)] == ["iter_000000", "iter_000001"]
     return run
 
