@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-.venv/bin/python -m pytest -q "$@"
+.venv/bin/python -m pytest -q --durations=30 "$@"  # the log names the slowest tests
 if [ "${EMPO2_TEST_VLLM:-1}" = 1 ]; then
   EMPO2_VENV=.venv-vllm EMPO2_VLLM=1 bash scripts/setup.sh
   .venv-vllm/bin/python -m pytest -q tests/test_backend.py tests/test_vllm_engine.py tests/test_sharding_sync.py

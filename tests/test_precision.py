@@ -7,8 +7,6 @@ on the real ScienceWorld simulator.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -42,16 +40,22 @@ def test_full_finetuning_with_bf16_weights_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_bf16_compute_at_lr_1e6_changes_fp32_weights(tmp_path, tiny_model):
-    """The paper preset's GPU setting: fp32 weights, bf16 autocast, gradient checkpointing, full fine-tuning."""
-    run = tmp_path / "amp"
-    assert main(["train", *FAST, f"policy.model={tiny_model}", "policy.dtype=float32", "policy.autocast=bfloat16",
-                 "train.gradient_checkpointing=true", f"train.output_dir={run}"]) == 0
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+def test_bf16_compute_at_lr_1e6_changes_fp32_weights(tmp_path, tiny_model, embedder):
+    """The paper preset's GPU setting: fp32 weights, bf16 autocast, gradient checkpointing, full fine-tuning. Two
+    iterations through the Python API in this process, then the checkpoint the trainer writes after them."""
+    from empo2 import Config, Trainer
+
+    config, algo = FAST[1], FAST[3]  # --config FILE --algo NAME, then overrides
+    cfg = Config.load(config, [f"algo.name={algo}", *FAST[4:], f"policy.model={tiny_model}", "policy.dtype=float32",
+                               "policy.autocast=bfloat16", "train.gradient_checkpointing=true"])
+    with Trainer(cfg, output_dir=tmp_path / "amp", embedder=embedder) as trainer:
+        rows = [trainer.iteration() for _ in range(cfg.train.iterations)]
+        saved = trainer.save(rows[-1]["iteration"])
+    assert saved.name == "iter_000001"
     # iteration 0 may carry no signal (every state is new to the novelty reward); the run must step at least once
     assert sum(r["loss"].get("optimizer_steps", 0) for r in rows) >= 1
     before = load_file(f"{tiny_model}/model.safetensors")
-    after = load_file(str(run / "checkpoints" / "iter_000001" / "model" / "model.safetensors"))
+    after = load_file(str(saved / "model" / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in after.values())  # master weights stay float32
     moved = [(after[k] - before[k]).abs().max().item() for k in before if k in after]
     # an Adam step moves a weight with a non-zero gradient by ~lr: far below bf16 resolution, kept in fp32
