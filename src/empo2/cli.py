@@ -79,7 +79,7 @@ def cmd_train(args) -> int:
         finally:
             trainer.close()
         return 0
-    cfg.save(run_dir / "config.yaml")
+    trainer.cfg.save(run_dir / "config.yaml")  # with the trainer's decisions (e.g. the linear schedule's length)
     machine.record(run_dir, "resume" if args.resume else "start")
     try:
         with ProgressBar(console, cfg.train.progress) as progress:

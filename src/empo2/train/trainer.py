@@ -24,6 +24,7 @@ the Method section and its figure of the three learning modes), one call per ste
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import random
@@ -128,7 +129,7 @@ class Trainer:
 
     def __init__(self, config: Config, model=None, tokenizer=None, env=None, memory: TipMemory | None = None, *,
                  output_dir: str | Path | None = None, resume: bool = False, embedder=None, console=None):
-        cfg = config
+        cfg = copy.deepcopy(config)  # the trainer settles "auto" settings in its own copy; the caller's stays as given
         self.pool_size = self._check_parts(cfg, model, tokenizer, env)
         self._temporary = output_dir is None
         self.cfg, self.console = cfg, console
