@@ -87,7 +87,20 @@ def test_what_each_format_stores(tmp_path, embedder, entry_format):
     write_memory_ops(ctx, episodes, memory_ops(ctx, [], episodes, ["Check the fridge."]))
     want = "Check the fridge." if entry_format == "tip" else released("Check the fridge.", "open fridge", "25.0")
     assert [t.text for t in memory.all_tips()] == [want] == [ep.tip_written for ep in episodes]
+    assert [s.state_embedding for s in episodes[0].steps] == [None, None]  # the key is embedded, the step left as it was
     memory.close()
+
+
+def test_reflexion_leaves_the_memory_settings_it_was_built_from():
+    """``adapt.use_reflexion`` gives the context settings of its own: the config section the context was built from
+    (the command's config) reads the same afterwards."""
+    from empo2.experiments import adapt
+
+    settings = MemoryConfig()
+    ctx = RolloutContext(None, None, None, None, None, "scienceworld", PolicyConfig(), settings)
+    adapt.use_reflexion(ctx)
+    assert (ctx.memory_cfg.namespace, ctx.memory_cfg.top_k_tips) == ("task_variation", adapt.REFLEXION_BUFFER)
+    assert settings == MemoryConfig()
 
 
 def test_an_unknown_entry_format_is_refused_at_load(tmp_path, capsys):

@@ -404,7 +404,7 @@ class Trainer:
         """The intrinsic weight of this iteration and, where it is on, every step's novelty reward."""
         batch.intrinsic_weight = intrinsic_weight(self.cfg.algo, batch.iteration, self.cfg.train.iterations)
         if batch.intrinsic_weight > 0:  # counted over the whole batch, over every rank's episodes
-            novelty_rewards(self.novelty, self.embedder, batch.episodes, self.dist)
+            batch.episodes = novelty_rewards(self.novelty, self.embedder, batch.episodes, self.dist)
 
     def _advantages(self, batch: Batch) -> None:
         """Returns and per-step advantages of the episodes that ran (a streak of lost episodes stops the run)."""
