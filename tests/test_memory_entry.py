@@ -12,6 +12,7 @@ from empo2.cli import main
 from empo2.config import Config, ConfigError, MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.memory.validate import check_tip_text
+from empo2.policy.sampling import Sampling
 from empo2.train.episode import Episode, Step
 from empo2.train.reflection import memory_ops, reflect, write_memory_ops
 from empo2.train.rollout import RolloutContext
@@ -131,7 +132,7 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
     with EnvPool("scienceworld", {"max_steps": 2}, size=2) as pool:
         ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", pcfg, mcfg)
         torch.manual_seed(0)
-        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, temperature=1.0, seed=0)
+        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, Sampling.rollout(pcfg, 1.0), seed=0)
         reflect(ctx, episodes, episodes, seed=0)
         written = [ep for ep in episodes if ep.tip_written]
         assert written, [ep.tip_rejected for ep in episodes]
@@ -144,7 +145,7 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
             entry = stored[ep.tip_written]
             assert entry.key_text == last.state_text and entry.score == ep.score
 
-        again, _ = run_episodes(ctx, [("find-animal", 0, 1, "on_tips")], temperature=1.0, seed=0)
+        again, _ = run_episodes(ctx, [("find-animal", 0, 1, "on_tips")], Sampling.rollout(pcfg, 1.0), seed=0)
         first = again[0].steps[0]
         assert first.tips and set(first.tips) <= set(stored)
         assert all(text in tok.decode(first.prompt_ids) for text in first.tips)

@@ -61,7 +61,7 @@ def played(embedder):
     ctx = RolloutContext(None, None, pool, embedder, None, "scienceworld", cfg, MemoryConfig())
     act = lambda ctx, active, eps, prompts: [Generation([], [], script[len(e.steps)]) for e in eps]  # noqa: E731
     try:
-        runs = [run_episodes(ctx, [("find-animal", 0, 0, "on")], temperature=1.0, actions=act)[0][0] for _ in range(2)]
+        runs = [run_episodes(ctx, [("find-animal", 0, 0, "on")], actions=act)[0][0] for _ in range(2)]
     finally:
         pool.close()
     return ctx, runs

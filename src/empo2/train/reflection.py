@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from empo2.agent.reflection import memory_entry, parse_tip, reflection_messages
 from empo2.config_sections import MemoryConfig
+from empo2.policy.sampling import Sampling
 from empo2.train.episode import MEMORY_MODES, Episode, namespace_of
 from empo2.train.rollout import RolloutContext, generate, row_seeds
 
@@ -97,11 +98,11 @@ def reflection_job(ctx: RolloutContext, episodes: list[Episode], seed: int | Non
     with the given ``generate`` (:func:`~empo2.train.rollout.generate`'s signature, minus ``ctx``)."""
     if not episodes:
         return lambda generate: []
-    pcfg, prompts, seeds = ctx.policy_cfg, reflection_prompts(ctx, episodes), row_seeds(seed, episodes, turn=-1)
+    sampling, prompts = Sampling.reflection(ctx.policy_cfg), reflection_prompts(ctx, episodes)
+    seeds = row_seeds(seed, episodes, turn=-1)
 
     def run(generate) -> list[str]:
-        gens = generate(prompts, pcfg.reflection_max_tokens, temperature=pcfg.reflection_temperature,
-                        top_p=pcfg.top_p, top_k=pcfg.top_k, row_seeds=seeds)
+        gens = generate(prompts, sampling, seeds)
         return [parse_tip(g.text, max_words=ctx.memory_cfg.max_tip_words) for g in gens]
 
     return run
@@ -109,4 +110,4 @@ def reflection_job(ctx: RolloutContext, episodes: list[Episode], seed: int | Non
 
 def write_tips(ctx: RolloutContext, episodes: list[Episode], seed: int | None = None) -> list[str]:
     """One reflection per episode, in one batched generation (``policy.reflection_temperature``)."""
-    return reflection_job(ctx, episodes, seed)(lambda *args, **kwargs: generate(ctx, *args, **kwargs))
+    return reflection_job(ctx, episodes, seed)(lambda *args: generate(ctx, *args))
