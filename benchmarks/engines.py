@@ -64,6 +64,7 @@ def run_arm(name: str, args) -> dict:
     import torch
 
     from empo2.config import Config
+    from empo2.policy.sampling import Sampling
     from empo2.train.metrics import peak_rss_gb
     from empo2.train.rollout import run_episodes
     from empo2.train.trainer import Trainer
@@ -78,11 +79,11 @@ def run_arm(name: str, args) -> dict:
            "rollouts": [], "iterations": []}
     try:
         tasks = [("find-animal", 0, 0, "on")] * args.generations
-        run_episodes(trainer.ctx, tasks, temperature=1.0)  # untimed: the demonstration fetch, allocator warm-up
+        run_episodes(trainer.ctx, tasks, Sampling.rollout(trainer.cfg.policy, 1.0))  # untimed: the demonstration fetch, allocator warm-up
         for rnd in range(args.rounds):
             torch.manual_seed(args.seed + rnd)
             t = time.perf_counter()
-            episodes, stats = run_episodes(trainer.ctx, tasks, temperature=1.0)
+            episodes, stats = run_episodes(trainer.ctx, tasks, Sampling.rollout(trainer.cfg.policy, 1.0))
             seconds = time.perf_counter() - t
             steps = sum(len(e.steps) for e in episodes)
             out["rollouts"].append({"seconds": seconds, "steps": steps, "steps_per_s": steps / seconds,

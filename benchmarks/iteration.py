@@ -99,11 +99,13 @@ def make_trainer(tmp: Path, name: str, args, extra: list[str]):
 
 
 def bench_rollout(arms: Arms, args, log) -> tuple[dict, list]:
+    from empo2.policy.sampling import Sampling
     from empo2.train.rollout import run_episodes
 
     out, last = {}, None
     # untimed: fetches the demonstration (into the cache every arm shares) and warms the allocator
-    run_episodes(arms.get().ctx, [("find-animal", 0, 0, "on")] * max(args.rollout_generations), temperature=1.0)
+    run_episodes(arms.get().ctx, [("find-animal", 0, 0, "on")] * max(args.rollout_generations),
+                 Sampling.rollout(arms.get().cfg.policy, 1.0))
     for g in args.rollout_generations:
         runs = {"today": [], "no_reuse": [], "shared": []}
         for rnd in range(args.rounds):
@@ -113,7 +115,8 @@ def bench_rollout(arms: Arms, args, log) -> tuple[dict, list]:
 
                 torch.manual_seed(args.seed + rnd)
                 t = time.perf_counter()
-                eps, st = run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * g, temperature=1.0)
+                eps, st = run_episodes(trainer.ctx, [("find-animal", 0, 0, "on")] * g,
+                                       Sampling.rollout(trainer.cfg.policy, 1.0))
                 dt = time.perf_counter() - t
                 steps = sum(len(e.steps) for e in eps)
                 runs[arm].append({"seconds": dt, "steps": steps, "steps_per_s": steps / dt,
@@ -224,6 +227,7 @@ def bench_ratio(arms: Arms, episodes, args, log) -> dict:
 
     from empo2.policy.generate import generate_batch
     from empo2.policy.logprobs import response_logprobs, shared_micro_batches
+    from empo2.policy.sampling import Sampling
 
     prompts = [s.prompt_ids for e in episodes for s in e.steps]
     first = shared_micro_batches(prompts, [[0] * 16] * len(prompts), args.micro_batch_tokens)[0]
@@ -232,7 +236,7 @@ def bench_ratio(arms: Arms, episodes, args, log) -> dict:
         trainer = arms.get(dtype=dtype)
         torch.manual_seed(args.seed)
         t = time.perf_counter()
-        gens = generate_batch(trainer.model, trainer.tokenizer, [prompts[i] for i in first], 16, temperature=1.0)
+        gens = generate_batch(trainer.model, trainer.tokenizer, [prompts[i] for i in first], Sampling(16, temperature=1.0))
         gen_s = time.perf_counter() - t
         trainer.model.train()
         with torch.no_grad():

@@ -27,6 +27,7 @@ from empo2.policy.generate import generate_batch
 from empo2.policy.loader import autocast_context, load_model, make_trainable
 from empo2.policy.logprobs import response_logprobs
 from empo2.policy.prefix import compute_options
+from empo2.policy.sampling import Sampling
 
 
 def prompts_of(cfg, tokenizer, n: int) -> list[list[int]]:
@@ -51,8 +52,7 @@ def gap(cfg, model, tokenizer, prompts, autocast: str, seed: int) -> dict:
     torch.manual_seed(seed)
     t0 = time.perf_counter()
     with torch.no_grad(), autocast_context(model, autocast):
-        gens = generate_batch(model, tokenizer, prompts, cfg.policy.max_completion_length,
-                              temperature=cfg.policy.temperature, options=options)
+        gens = generate_batch(model, tokenizer, prompts, Sampling(cfg.policy.max_completion_length, temperature=cfg.policy.temperature), options=options)
         trainer, _ = response_logprobs(model, prompts, [g.ids for g in gens], tokenizer.pad_token_id,
                                        temperature=cfg.policy.temperature, options=options)
     diffs = torch.cat([(trainer[i, : len(g.ids)].double() - torch.tensor(g.logprobs, dtype=torch.float64)).abs()

@@ -61,6 +61,7 @@ def main() -> None:
     from empo2.policy.generate import generate_batch
     from empo2.policy.loader import load_model
     from empo2.policy.logprobs import micro_batches, response_logprobs, shared_micro_batches
+    from empo2.policy.sampling import Sampling
     from empo2.train.metrics import peak_rss_gb, reset_peak_rss
 
     torch.set_num_threads(1)
@@ -72,7 +73,7 @@ def main() -> None:
     def generate(steps, share, dtype="float32"):
         options = px.ComputeOptions(prefix_sharing=share, compute_dtype=dtype)
         torch.manual_seed(0)
-        return [generate_batch(model, tok, p, 16, temperature=1.0, options=options) for p in steps]
+        return [generate_batch(model, tok, p, Sampling(16, temperature=1.0), options=options) for p in steps]
 
     def update(prompts, responses, share):
         options = px.ComputeOptions(prefix_sharing=share)

@@ -149,6 +149,7 @@ def bench_generation(args) -> dict:
     from empo2.agent.prompts import render_prompt_ids
     from empo2.policy.generate import generate_batch
     from empo2.policy.loader import load_model
+    from empo2.policy.sampling import Sampling
 
     t = time.perf_counter()
     model, tok = load_model("smollm2-135m", device="cpu")
@@ -161,12 +162,12 @@ def bench_generation(args) -> dict:
           f"(mean {statistics.mean(lengths):.0f}); torch threads {torch.get_num_threads()}", flush=True)
 
     def run(arm: str, greedy: bool, seed: int) -> tuple[float, int, list[list[int]]]:
-        kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.gen_temperature, top_p=1.0, greedy=greedy)
+        sampling = Sampling(args.max_new_tokens, temperature=args.gen_temperature, top_p=1.0, greedy=greedy)
         t0 = time.perf_counter()
         if arm == "batched":
-            gens = generate_batch(model, tok, prompts, generator_seed=seed, **kw)
+            gens = generate_batch(model, tok, prompts, sampling, generator_seed=seed)
         else:
-            gens = [generate_batch(model, tok, [p], generator_seed=seed + i, **kw)[0] for i, p in enumerate(prompts)]
+            gens = [generate_batch(model, tok, [p], sampling, generator_seed=seed + i)[0] for i, p in enumerate(prompts)]
         dt = time.perf_counter() - t0
         return dt, sum(len(g.ids) for g in gens), [g.ids for g in gens]
 

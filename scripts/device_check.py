@@ -217,6 +217,7 @@ def step_policy(s: Step) -> None:
     from empo2.policy.generate import generate_batch
     from empo2.policy.logprobs import response_logprobs
     from empo2.policy.prefix import ComputeOptions
+    from empo2.policy.sampling import Sampling
 
     model, tok = s.model("tiny" if s.cpu else "135m")
     groups, members, head, tail, new = (2, 2, 24, 4, 6) if s.cpu else (4, 8, 256, 32, 32)
@@ -226,11 +227,11 @@ def step_policy(s: Step) -> None:
         shared = ComputeOptions(prefix_sharing=True, compute_dtype=compute)
         padded = ComputeOptions(prefix_sharing=False, compute_dtype=compute)
         with s.phase(f"generate_{compute}"):
-            g_shared = generate_batch(model, tok, prompts, new, greedy=True, options=shared)
-            g_padded = generate_batch(model, tok, prompts, new, greedy=True, options=padded)
+            g_shared = generate_batch(model, tok, prompts, Sampling(new, greedy=True), options=shared)
+            g_padded = generate_batch(model, tok, prompts, Sampling(new, greedy=True), options=padded)
             seeds = list(range(len(prompts)))
-            a = generate_batch(model, tok, prompts, new, temperature=1.0, row_seeds=seeds, options=shared)
-            b = generate_batch(model, tok, prompts, new, temperature=1.0, row_seeds=seeds, options=shared)
+            a = generate_batch(model, tok, prompts, Sampling(new, temperature=1.0), row_seeds=seeds, options=shared)
+            b = generate_batch(model, tok, prompts, Sampling(new, temperature=1.0), row_seeds=seeds, options=shared)
         agree = sum(x.ids == y.ids for x, y in zip(g_shared, g_padded)) / len(prompts)
         responses = [g.ids for g in a]
         with s.phase(f"logprobs_{compute}"):
@@ -268,6 +269,7 @@ def step_hf_speed(s: Step) -> None:
 
     from empo2.policy.generate import generate_batch
     from empo2.policy.prefix import ComputeOptions
+    from empo2.policy.sampling import Sampling
 
     for shape, rows in (("1.5b", 128), ("7b", 128)):
         model, tok = s.model(shape, dtype=torch.bfloat16, vocab=SHAPES[shape][1]["vocab_size"])
@@ -276,7 +278,7 @@ def step_hf_speed(s: Step) -> None:
         for name, options in (("shared", ComputeOptions(compute_dtype="bfloat16")),
                               ("padded", ComputeOptions(prefix_sharing=False, compute_dtype="bfloat16"))):
             with s.phase(f"{shape}_{name}"):
-                out = generate_batch(model, tok, prompts, 64, temperature=1.0, options=options)
+                out = generate_batch(model, tok, prompts, Sampling(64, temperature=1.0), options=options)
             tokens = sum(len(g.ids) for g in out)
             result[name] = {"tokens_per_s": round(tokens / s.phases[f"{shape}_{name}"]["s"], 1),
                             "peak_gb": s.phases[f"{shape}_{name}"]["peak_gb"]}
@@ -459,6 +461,7 @@ def step_vllm(s: Step) -> None:
     _need("vllm")
     import torch
 
+    from empo2.policy.sampling import Sampling
     from empo2.policy.vllm_backend import VLLMBackend
 
     folder = s.model_folder("tiny" if s.cpu else "135m")
@@ -472,9 +475,9 @@ def step_vllm(s: Step) -> None:
         s.figures["current_device"] = torch.cuda.current_device()
     prompts = _prompts(tok, 2, 4, 64, 8)
     with s.phase("generate"):
-        plain = engine.generate(prompts, 16, greedy=True)
+        plain = engine.generate(prompts, Sampling(16, greedy=True))
     with s.phase("generate_in_autocast"), torch.autocast(s.device.type, dtype=torch.bfloat16):
-        inside = engine.generate(prompts, 16, greedy=True)
+        inside = engine.generate(prompts, Sampling(16, greedy=True))
     s.figures["autocast_same_tokens"] = all(a.ids == b.ids for a, b in zip(plain, inside))
     model, _ = s.model("tiny" if s.cpu else "135m")
     with s.phase("sync_full"):

@@ -19,6 +19,7 @@ import torch
 from empo2.policy.backend import BackendError, HFBackend, RolloutBackend, check_backend, make_backend
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.logprobs import response_logprobs
+from empo2.policy.sampling import Sampling
 
 BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed: the vLLM backend is NOT tested"))]
@@ -64,7 +65,7 @@ def _teacher_forced(model, tok, prompts, gens, temperature=1.0) -> list[list[flo
 def test_generations_have_the_contract_shape(setup):
     name, backend, model, tok = setup
     prompts = _prompts(tok)
-    gens = backend.generate(prompts, 12, temperature=1.0, row_seeds=[1, 2])
+    gens = backend.generate(prompts, Sampling(12, temperature=1.0), row_seeds=[1, 2])
     assert len(gens) == len(prompts)
     for g in gens:
         assert 1 <= len(g.ids) <= 12 and len(g.logprobs) == len(g.ids)
@@ -79,7 +80,7 @@ def test_behaviour_logprobs_are_the_models(setup, temperature):
     temperature (log-softmax(logits / T), what the update scores)."""
     name, backend, model, tok = setup
     prompts = _prompts(tok)
-    gens = backend.generate(prompts, 10, temperature=temperature, row_seeds=[3, 4])
+    gens = backend.generate(prompts, Sampling(10, temperature=temperature), row_seeds=[3, 4])
     for g, ref in zip(gens, _teacher_forced(model, tok, prompts, gens, temperature)):
         assert max(abs(a - b) for a, b in zip(g.logprobs, ref)) < LOGP_TOL[name]
 
@@ -87,11 +88,11 @@ def test_behaviour_logprobs_are_the_models(setup, temperature):
 def test_seeded_rows_do_not_depend_on_the_batch(setup):
     name, backend, model, tok = setup
     a, b = _prompts(tok)
-    pair = backend.generate([a, b], 10, temperature=1.0, row_seeds=[7, 8])
-    alone = backend.generate([b], 10, temperature=1.0, row_seeds=[8])
-    again = backend.generate([a, b], 10, temperature=1.0, row_seeds=[7, 8])
+    pair = backend.generate([a, b], Sampling(10, temperature=1.0), row_seeds=[7, 8])
+    alone = backend.generate([b], Sampling(10, temperature=1.0), row_seeds=[8])
+    again = backend.generate([a, b], Sampling(10, temperature=1.0), row_seeds=[7, 8])
     assert alone[0].ids == pair[1].ids and [g.ids for g in again] == [g.ids for g in pair]
-    assert backend.generate([a], 10, greedy=True)[0].ids == backend.generate([a, b], 10, greedy=True)[0].ids
+    assert backend.generate([a], Sampling(10, greedy=True))[0].ids == backend.generate([a, b], Sampling(10, greedy=True))[0].ids
 
 
 def test_samples_follow_an_update_after_sync(setup):
@@ -100,14 +101,14 @@ def test_samples_follow_an_update_after_sync(setup):
     name, backend, model, tok = setup
     prompts = _prompts(tok)
     seeds = list(range(100, 100 + 8))
-    before_greedy = backend.generate(prompts, 8, greedy=True)
-    before = backend.generate(prompts * 4, 8, temperature=1.0, row_seeds=seeds)
+    before_greedy = backend.generate(prompts, Sampling(8, greedy=True))
+    before = backend.generate(prompts * 4, Sampling(8, temperature=1.0), row_seeds=seeds)
     with torch.no_grad():
         model.model.norm.weight.neg_()  # every logit flips sign: a very different policy
     try:
         backend.sync_weights(model)
-        after_greedy = backend.generate(prompts, 8, greedy=True)
-        after = backend.generate(prompts * 4, 8, temperature=1.0, row_seeds=seeds)
+        after_greedy = backend.generate(prompts, Sampling(8, greedy=True))
+        after = backend.generate(prompts * 4, Sampling(8, temperature=1.0), row_seeds=seeds)
         assert all(x.ids != y.ids for x, y in zip(before_greedy, after_greedy))
         assert sum(x.ids != y.ids for x, y in zip(before, after)) >= 6
         for g, ref in zip(after_greedy, _teacher_forced(model, tok, prompts, after_greedy)):
@@ -116,7 +117,7 @@ def test_samples_follow_an_update_after_sync(setup):
         with torch.no_grad():
             model.model.norm.weight.neg_()
         backend.sync_weights(model)
-    assert backend.generate(prompts, 8, greedy=True)[0].ids == before_greedy[0].ids  # and back again
+    assert backend.generate(prompts, Sampling(8, greedy=True))[0].ids == before_greedy[0].ids  # and back again
 
 
 def test_vllm_backend_without_vllm_is_one_clear_error():
@@ -129,15 +130,14 @@ def test_vllm_backend_without_vllm_is_one_clear_error():
 
 
 def test_every_backend_generate_has_the_protocols_signature():
-    """HF and vLLM take exactly the protocol's arguments, the sampling options by keyword; checked without vLLM
+    """HF and vLLM take exactly the protocol's arguments, the sampling settings as one value; checked without vLLM
     (its module imports vllm only when an engine starts)."""
     from empo2.policy.vllm_backend import VLLMBackend
 
     want = inspect.signature(RolloutBackend.generate)
     assert inspect.signature(HFBackend.generate) == want
     assert inspect.signature(VLLMBackend.generate) == want
-    options = ["temperature", "top_p", "top_k", "greedy", "row_seeds"]
-    assert [n for n, p in want.parameters.items() if p.kind is p.KEYWORD_ONLY] == options
+    assert list(want.parameters) == ["self", "prompts", "sampling", "row_seeds"]
 
 
 class ProtocolBackend:
@@ -147,12 +147,12 @@ class ProtocolBackend:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer, self.calls = model, tokenizer, []
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, greedy: bool = False, row_seeds: list[int] | None = None) -> list[Generation]:
-        self.calls.append(dict(rows=len(prompts), max_new_tokens=max_new_tokens, temperature=temperature,
-                               top_k=top_k, seeds=None if row_seeds is None else len(row_seeds)))
-        return generate_batch(self.model, self.tokenizer, prompts, max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, greedy=greedy, row_seeds=row_seeds)
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 row_seeds: list[int] | None = None) -> list[Generation]:
+        self.calls.append(dict(rows=len(prompts), max_new_tokens=sampling.max_new_tokens,
+                               temperature=sampling.temperature, top_k=sampling.top_k,
+                               seeds=None if row_seeds is None else len(row_seeds)))
+        return generate_batch(self.model, self.tokenizer, prompts, sampling, row_seeds)
 
     def sync_weights(self, model) -> None:
         self.model = model
@@ -179,7 +179,7 @@ def test_rollout_and_reflection_call_a_backend_through_the_protocol(tmp_path, ti
     with EnvPool("scienceworld", make_env_kwargs(EnvConfig(max_steps=2)), size=2) as pool:
         ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", policy, MemoryConfig(),
                              backend=backend)
-        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, temperature=0.7, seed=3)
+        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, Sampling.rollout(policy, 0.7), seed=3)
         reflect(ctx, episodes, tip_writers(episodes, ctx.memory_cfg), seed=3)
     assert all(not ep.failed and ep.steps for ep in episodes), [ep.error for ep in episodes]
     assert all(len(s.logp_old) == len(s.response_ids) for ep in episodes for s in ep.steps)

@@ -31,7 +31,7 @@ def scripted(actions):
 
 def record(pool, env_name, task, variation, actions, on_step=None):
     ctx = RolloutContext(None, None, pool, None, None, env_name, PolicyConfig(few_shot=0), MemoryConfig())
-    eps, _ = run_episodes(ctx, [(task, variation, 0, "on")], temperature=1.0, actions=scripted(actions),
+    eps, _ = run_episodes(ctx, [(task, variation, 0, "on")], actions=scripted(actions),
                           on_step=on_step)
     return eps[0]
 

@@ -56,7 +56,7 @@ def pool():
 def test_driver_localises_the_critical_step_within_the_budget(pool):
     ctx = RolloutContext(None, None, pool, None, None, "webshop", PolicyConfig(few_shot=0), MemoryConfig())
     specs = [("webshop", GOAL, g, "on") for g in (0, 1) for _ in range(BUDGET[g])]
-    episodes, stats = run_elpo(ctx, specs, temperature=1.0, actions=scripted, options=ElpoOptions(b_max=2))
+    episodes, stats = run_elpo(ctx, specs, actions=scripted, options=ElpoOptions(b_max=2))
     for g, t_crit in ((0, T_CRIT), (1, 1)):
         mine = [ep for ep in episodes if ep.group == g]
         assert len(mine) == BUDGET[g]  # every full trajectory and every suffix counts against N

@@ -263,7 +263,7 @@ def test_rollout_records_the_state_each_action_answered():
         ctx = RolloutContext(None, None, pool, None, None, "webshop", cfg, None)
         script = ["search[shirt]", "click[next >]", "click[< prev]"]
         act = lambda ctx, active, eps, prompts: [Generation([], [], script[len(e.steps)]) for e in eps]  # noqa: E731
-        episodes, _ = run_episodes(ctx, [("webshop", 0, 0, "on")] * 2, temperature=1.0, actions=act)
+        episodes, _ = run_episodes(ctx, [("webshop", 0, 0, "on")] * 2, actions=act)
     finally:
         pool.close()
     for i, ep in enumerate(episodes):

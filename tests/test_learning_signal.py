@@ -12,6 +12,7 @@ import torch
 from empo2.config import MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.policy.generate import generate_batch
+from empo2.policy.sampling import Sampling
 from empo2.train.episode import Episode, Step
 from empo2.train.reflection import reflect
 from empo2.train.rollout import RolloutContext
@@ -23,13 +24,13 @@ def test_generation_ignores_the_models_own_sampling_defaults(smollm):
     model, tok = smollm
     prompt = list(tok.apply_chat_template([{"role": "user", "content": "Repeat after me: go go go go go go"}],
                                           add_generation_prompt=True, tokenize=True, return_dict=False))
-    plain = generate_batch(model, tok, [prompt], 12, greedy=True)[0].ids
+    plain = generate_batch(model, tok, [prompt], Sampling(12, greedy=True))[0].ids
     saved = model.generation_config.repetition_penalty
     model.generation_config.repetition_penalty = 5.0
     try:
         penalised = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                                    pad_token_id=tok.pad_token_id)[0, len(prompt):].tolist()
-        ours = generate_batch(model, tok, [prompt], 12, greedy=True)[0].ids
+        ours = generate_batch(model, tok, [prompt], Sampling(12, greedy=True))[0].ids
     finally:
         model.generation_config.repetition_penalty = saved
     assert penalised[: len(plain)] != plain  # the setting matters for this prompt …

@@ -11,6 +11,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from empo2.algo.losses import policy_loss
 from empo2.config_sections import AlgoConfig
 from empo2.policy.logprobs import micro_batches, response_logprobs
+from empo2.policy.sampling import Sampling
 
 PAD = 0
 
@@ -241,9 +242,8 @@ def test_behaviour_logprobs_are_of_the_tempered_distribution(shared, seeded):
     prompts = _shared_prompts()
     assert px.plan_layout(prompts, 8) is not None  # with sharing on, the rows do share heads
     seeds = list(range(40, 40 + len(prompts))) if seeded else None
-    gens = generate_batch(model, Tok(), prompts, 8, temperature=0.7, generator_seed=5, row_seeds=seeds,
-                          options=options)
-    greedy = generate_batch(model, Tok(), prompts, 8, greedy=True, options=options)
+    gens = generate_batch(model, Tok(), prompts, Sampling(8, temperature=0.7), generator_seed=5, row_seeds=seeds, options=options)
+    greedy = generate_batch(model, Tok(), prompts, Sampling(8, greedy=True), options=options)
     moved = 0.0
     for p, g, gg in zip(prompts, gens, greedy):
         want = reference_logp(model, p, g.ids, temperature=0.7)
@@ -272,8 +272,8 @@ def test_on_policy_update_ratio_is_one_at_the_sampling_temperature():
     options = px.ComputeOptions(min_shared_tokens=8)
     prompts = _shared_prompts(seed=12)
     tips = [7, 8, 9, 10, 11]  # the "tips" an off_tips row's rollout prompt has and its training prompt lacks
-    gens = generate_batch(base, Tok(), prompts, 6, temperature=0.7, generator_seed=2, options=options)
-    off = generate_batch(base, Tok(), [tips + prompts[0]], 6, temperature=0.7, generator_seed=3, options=options)[0]
+    gens = generate_batch(base, Tok(), prompts, Sampling(6, temperature=0.7), generator_seed=2, options=options)
+    off = generate_batch(base, Tok(), [tips + prompts[0]], Sampling(6, temperature=0.7), generator_seed=3, options=options)[0]
     model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     cfg = Config.load("configs/scienceworld_cpu.yaml", [
         "algo.name=empo2", "policy.temperature=0.7", "algo.beta=0.04", "algo.off_policy_ratio=tip_free",

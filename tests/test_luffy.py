@@ -214,7 +214,7 @@ def test_expert_plays_a_real_scienceworld_gold_path_to_the_goal(smollm):
         actions = player.actions(never)
         from empo2.train.rollout import run_episodes
 
-        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on")], 1.0, actions=actions)
+        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on")], actions=actions)
         gold = replayable_gold(pool.call(0, "gold_actions"))
     ep = episodes[0]
     assert ep.expert and ep.success and ep.score == 100 and len(ep.steps) <= 30

@@ -12,6 +12,7 @@ from empo2.cli import main
 from empo2.config import Config, ConfigError, MemoryConfig, PolicyConfig
 from empo2.memory.store import TipMemory
 from empo2.memory.validate import check_tip_text
+from empo2.policy.sampling import Sampling
 from empo2.train.episode import Episode, Step
 from empo2.train.reflection import memory_ops, reflect, write_memory_ops
 from empo2.train.rollout import RolloutContext
@@ -87,7 +88,20 @@ def test_what_each_format_stores(tmp_path, embedder, entry_format):
     write_memory_ops(ctx, episodes, memory_ops(ctx, [], episodes, ["Check the fridge."]))
     want = "Check the fridge." if entry_format == "tip" else released("Check the fridge.", "open fridge", "25.0")
     assert [t.text for t in memory.all_tips()] == [want] == [ep.tip_written for ep in episodes]
+    assert [s.state_embedding for s in episodes[0].steps] == [None, None]  # the key is embedded, the step left as it was
     memory.close()
+
+
+def test_reflexion_leaves_the_memory_settings_it_was_built_from():
+    """``adapt.use_reflexion`` gives the context settings of its own: the config section the context was built from
+    (the command's config) reads the same afterwards."""
+    from empo2.experiments import adapt
+
+    settings = MemoryConfig()
+    ctx = RolloutContext(None, None, None, None, None, "scienceworld", PolicyConfig(), settings)
+    adapt.use_reflexion(ctx)
+    assert (ctx.memory_cfg.namespace, ctx.memory_cfg.top_k_tips) == ("task_variation", adapt.REFLEXION_BUFFER)
+    assert settings == MemoryConfig()
 
 
 def test_an_unknown_entry_format_is_refused_at_load(tmp_path, capsys):
@@ -118,7 +132,7 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
     with EnvPool("scienceworld", {"max_steps": 2}, size=2) as pool:
         ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", pcfg, mcfg)
         torch.manual_seed(0)
-        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, temperature=1.0, seed=0)
+        episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, Sampling.rollout(pcfg, 1.0), seed=0)
         reflect(ctx, episodes, episodes, seed=0)
         written = [ep for ep in episodes if ep.tip_written]
         assert written, [ep.tip_rejected for ep in episodes]
@@ -131,7 +145,7 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
             entry = stored[ep.tip_written]
             assert entry.key_text == last.state_text and entry.score == ep.score
 
-        again, _ = run_episodes(ctx, [("find-animal", 0, 1, "on_tips")], temperature=1.0, seed=0)
+        again, _ = run_episodes(ctx, [("find-animal", 0, 1, "on_tips")], Sampling.rollout(pcfg, 1.0), seed=0)
         first = again[0].steps[0]
         assert first.tips and set(first.tips) <= set(stored)
         assert all(text in tok.decode(first.prompt_ids) for text in first.tips)

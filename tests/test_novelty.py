@@ -184,7 +184,9 @@ def test_episodes_through_the_trainer_hook(embedder):
     returns = []
     for order in (names, names[::-1], [names[2], names[0], names[3], names[1]]):
         eps = episodes(order)
-        novelty_rewards(NoveltyReward(0.9), embedder, eps)
+        given = [[s.intrinsic for s in ep.steps] for ep in eps]
+        eps, old = novelty_rewards(NoveltyReward(0.9), embedder, eps), eps
+        assert [[s.intrinsic for s in ep.steps] for ep in old] == given  # the given episodes are left as they were
         returns.append({name: [s.intrinsic for s in ep.steps] for name, ep in zip(order, eps)})
     assert returns[1] == returns[0] and returns[2] == returns[0]
     r = returns[0]

@@ -12,6 +12,7 @@ import torch
 from empo2.agent.prompts import PromptParts, build_messages, parse_action, render_prompt_ids
 from empo2.policy.generate import generate_batch
 from empo2.policy.loader import ModelLoadError, cached_model_dir, load_model, resolve_model_path
+from empo2.policy.sampling import Sampling
 
 
 def test_cached_load_is_fast_and_chats(smollm):
@@ -23,7 +24,7 @@ def test_cached_load_is_fast_and_chats(smollm):
     msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert "<|im_start|>assistant" in tok.decode(ids)
-    out = generate_batch(model, tok, [list(ids)], 12, greedy=True)[0]
+    out = generate_batch(model, tok, [list(ids)], Sampling(12, greedy=True))[0]
     assert "paris" in out.text.lower()
 
 
@@ -73,8 +74,8 @@ def test_batched_greedy_equals_one_by_one(smollm):
              for room in ("kitchen", "hallway", "greenhouse, with many plants and a large window to the south")]
     prompts = [render_prompt_ids(tok, p, 2, 1024) for p in parts]
     assert len({len(p) for p in prompts}) > 1  # really exercises left padding
-    batched = generate_batch(model, tok, prompts, 10, greedy=True)
-    single = [generate_batch(model, tok, [p], 10, greedy=True)[0] for p in prompts]
+    batched = generate_batch(model, tok, prompts, Sampling(10, greedy=True))
+    single = [generate_batch(model, tok, [p], Sampling(10, greedy=True))[0] for p in prompts]
     assert [b.ids for b in batched] == [s.ids for s in single]
     for b, s in zip(batched, single):
         np.testing.assert_allclose(b.logprobs, s.logprobs, atol=1e-3)
@@ -85,7 +86,7 @@ def test_behaviour_logprobs_match_a_forward_pass(smollm, temperature):
     """Behaviour log-probs are log-softmax(logits / T) of the sampling temperature T (TRL's convention)."""
     model, tok = smollm
     prompt = render_prompt_ids(tok, PromptParts(env="webshop", task="buy a red mug", observation="Search"), 2, 512)
-    gen = generate_batch(model, tok, [prompt], 8, temperature=temperature)[0]
+    gen = generate_batch(model, tok, [prompt], Sampling(8, temperature=temperature))[0]
     with torch.no_grad():
         logits = model(torch.tensor([prompt + gen.ids])).logits[0].double() / temperature
     ref = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].gather(-1, torch.tensor(gen.ids)[:, None]).squeeze(-1)

@@ -60,12 +60,12 @@ def test_a_group_fetches_its_demonstration_once(pool):
         cfg = SimpleNamespace(few_shot=1, history_window=2, max_prompt_length=1024)
         ctx = RolloutContext(None, None, pool, None, None, "scienceworld", cfg, None)
         look = lambda ctx, active, eps, prompts: [Generation([], [], "look around") for _ in active]  # noqa: E731
-        episodes, _ = run_episodes(ctx, [(TASK, 3, 0, "on")] * 4, temperature=1.0, actions=look)
+        episodes, _ = run_episodes(ctx, [(TASK, 3, 0, "on")] * 4, actions=look)
         assert asked.count("demonstration") == 1
         (key, demo), = ctx.demonstrations.items()
         assert key == (TASK, 3, 1) and demo.startswith("Task:") and demo.count("\n> ") >= 2
         assert all(not ep.failed and ep.steps for ep in episodes)
-        run_episodes(ctx, [(TASK, 3, 0, "on")] * 2, temperature=1.0, actions=look)
+        run_episodes(ctx, [(TASK, 3, 0, "on")] * 2, actions=look)
         assert asked.count("demonstration") == 1  # the next rollout asks no worker again
     finally:
         pool.call = real_call

@@ -19,6 +19,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from empo2.policy import prefix as px
 from empo2.policy.generate import generate_batch
 from empo2.policy.logprobs import response_logprobs
+from empo2.policy.sampling import Sampling
 
 PAD = 0
 SHARED = px.ComputeOptions(min_shared_tokens=8)
@@ -112,14 +113,14 @@ def test_shared_logprobs_gpt2_absolute_positions():
 def test_shared_greedy_generation_equals_plain_tiny():
     model = tiny_lm(2)
     prompts, _ = shared_rows(4)
-    shared = generate_batch(model, Tok(), prompts, 12, greedy=True, options=SHARED)
-    plain = generate_batch(model, Tok(), prompts, 12, greedy=True, options=PLAIN)
+    shared = generate_batch(model, Tok(), prompts, Sampling(12, greedy=True), options=SHARED)
+    plain = generate_batch(model, Tok(), prompts, Sampling(12, greedy=True), options=PLAIN)
     assert [s.ids for s in shared] == [p.ids for p in plain]
     for s, p in zip(shared, plain):
         np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-5)
     # behaviour log-probs of a sampled run equal a plain forward's at the sampling temperature (log-softmax(logits
     # / T); top-p filtering is not in them, which is why training refuses top-p)
-    sampled = generate_batch(model, Tok(), prompts, 6, temperature=0.7, top_p=0.9, generator_seed=5, options=SHARED)
+    sampled = generate_batch(model, Tok(), prompts, Sampling(6, temperature=0.7, top_p=0.9), generator_seed=5, options=SHARED)
     lp, _ = response_logprobs(model, prompts, [s.ids for s in sampled], PAD, temperature=0.7, options=PLAIN)
     for i, s in enumerate(sampled):
         np.testing.assert_allclose(s.logprobs, lp[i, : len(s.ids)].detach().numpy(), atol=1e-5)
@@ -193,7 +194,7 @@ def test_reused_heads_generate_the_same_and_skip_known_tokens():
     def play(reuse: bool):
         fed.clear()
         with memo.reuse(SHARED) if reuse else contextlib.nullcontext():
-            calls = [generate_batch(model, Tok(), prompts, 6, greedy=True, options=SHARED, heads=memo)
+            calls = [generate_batch(model, Tok(), prompts, Sampling(6, greedy=True), options=SHARED, heads=memo)
                      for prompts in (step0, step1, step2)]
             assert memo.active == reuse
         return calls, sum(fed)
@@ -234,7 +235,7 @@ def test_compute_options_travel_as_arguments_and_nothing_is_set_on_the_model():
     prompts, responses = shared_rows(1)
     memo = px.HeadMemo()
     with memo.reuse(SHARED):
-        generate_batch(model, Tok(), prompts, 4, greedy=True, options=SHARED, heads=memo)
+        generate_batch(model, Tok(), prompts, Sampling(4, greedy=True), options=SHARED, heads=memo)
         assert {len(ids) for ids, _ in memo.heads} == {22, 30, 16}  # the call's heads: two shared, one row's own
     with px.heads_once_per_step(prompts, 8) as heads:
         lp, mask = response_logprobs(model, prompts, responses, PAD, options=SHARED, step_heads=heads)
@@ -323,7 +324,7 @@ def test_bfloat16_autocast_ratio_stays_near_one():
     prompts, _ = shared_rows(6)
     for dtype, median_bound, max_bound in (("bfloat16", 1e-2, 0.1), ("float32", 1e-5, 1e-4)):
         options = px.ComputeOptions(compute_dtype=dtype, min_shared_tokens=8)
-        gens = generate_batch(model, Tok(), prompts, 8, temperature=1.0, generator_seed=1, options=options)
+        gens = generate_batch(model, Tok(), prompts, Sampling(8, temperature=1.0), generator_seed=1, options=options)
         model.train()
         new, mask = response_logprobs(model, prompts, [g.ids for g in gens], PAD, options=options)
         model.eval()
@@ -372,8 +373,8 @@ def test_shared_greedy_generation_equals_plain_smollm(smollm):
                              "observation": "This room is called the kitchen."})
     prompts = [render_prompt_ids(tok, p, 2, 1024) for p in (base, base, rollout)]
     assert px.worth_sharing(px.plan_groups(prompts))
-    shared = generate_batch(model, tok, prompts, 8, greedy=True, options=px.DEFAULT_OPTIONS)
-    plain = generate_batch(model, tok, prompts, 8, greedy=True, options=PLAIN)
+    shared = generate_batch(model, tok, prompts, Sampling(8, greedy=True), options=px.DEFAULT_OPTIONS)
+    plain = generate_batch(model, tok, prompts, Sampling(8, greedy=True), options=PLAIN)
     assert [s.ids for s in shared] == [p.ids for p in plain]
     for s, p in zip(shared, plain):
         np.testing.assert_allclose(s.logprobs, p.logprobs, atol=1e-4)

@@ -22,6 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from empo2.policy.sampling import Sampling
+
 WORKER = str(Path(__file__).with_name("sharding_sync_worker.py"))
 IDS = torch.tensor([[1, 5, 9, 42, 7, 3, 11]])
 
@@ -159,7 +161,7 @@ def _hf_greedy(model, tok, prompts, n) -> list[list[int]]:
     from empo2.policy.prefix import ComputeOptions
 
     padded = ComputeOptions(prefix_sharing=False)
-    return [g.ids for g in generate_batch(model.eval(), tok, prompts, n, greedy=True, options=padded)]
+    return [g.ids for g in generate_batch(model.eval(), tok, prompts, Sampling(n, greedy=True), options=padded)]
 
 
 @pytest.mark.slow
@@ -167,7 +169,7 @@ def _hf_greedy(model, tok, prompts, n) -> list[list[int]]:
 def test_engine_samples_from_synced_sharded_full_weights(engine, monkeypatch):
     backend, tok, model, (sharded, changed), _ = engine
     prompts = _prompts(tok)
-    before = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
+    before = [g.ids for g in backend.generate(prompts, Sampling(12, greedy=True))]
     reloaded, rpc = [], backend.llm.collective_rpc
 
     def seen(method, *args, kwargs=None, **rest):  # the folder the engine reloads, as it is when it reads it
@@ -178,11 +180,11 @@ def test_engine_samples_from_synced_sharded_full_weights(engine, monkeypatch):
     backend.sync_weights(sharded)
     assert "model.safetensors.index.json" in reloaded[0]
     assert sum(name.endswith(".safetensors") for name in reloaded[0]) == 32  # embeddings, 30 layers, final norm
-    after = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
+    after = [g.ids for g in backend.generate(prompts, Sampling(12, greedy=True))]
     assert after == _hf_greedy(changed, tok, prompts, 12)
     assert all(a != b for a, b in zip(after, before))
     backend.sync_weights(model)  # the unsharded model, saved as ever: the engine's weights as they started
-    assert [g.ids for g in backend.generate(prompts, 12, greedy=True)] == before
+    assert [g.ids for g in backend.generate(prompts, Sampling(12, greedy=True))] == before
 
 
 @pytest.mark.slow
@@ -201,7 +203,7 @@ def test_engine_samples_from_synced_sharded_lora_adapter(engine):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     reference = copy.deepcopy(peft)
     backend.sync_weights(wrap(peft)[0])
-    gens = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
+    gens = [g.ids for g in backend.generate(prompts, Sampling(12, greedy=True))]
     assert gens == _hf_greedy(reference, tok, prompts, 12)
     assert gens != _hf_greedy(model, tok, prompts, 12)
 

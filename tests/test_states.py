@@ -61,7 +61,7 @@ def played(embedder):
     ctx = RolloutContext(None, None, pool, embedder, None, "scienceworld", cfg, MemoryConfig())
     act = lambda ctx, active, eps, prompts: [Generation([], [], script[len(e.steps)]) for e in eps]  # noqa: E731
     try:
-        runs = [run_episodes(ctx, [("find-animal", 0, 0, "on")], temperature=1.0, actions=act)[0][0] for _ in range(2)]
+        runs = [run_episodes(ctx, [("find-animal", 0, 0, "on")], actions=act)[0][0] for _ in range(2)]
     finally:
         pool.close()
     return ctx, runs
@@ -87,8 +87,8 @@ def test_two_rooms_with_the_same_reply_are_two_states(played, embedder, tmp_path
 
     # novelty: the hallway is reached once (reward 1), the kitchen three times (1/3 each): the two replies that read
     # the same are counted apart
-    novelty_rewards(NoveltyReward(0.9), embedder, [ep])
-    assert [s.intrinsic for s in ep.steps] == pytest.approx([1.0, 1 / 3, 1 / 3, 1 / 3], rel=1e-12)
+    [rewarded] = novelty_rewards(NoveltyReward(0.9), embedder, [ep])
+    assert [s.intrinsic for s in rewarded.steps] == pytest.approx([1.0, 1 / 3, 1 / 3, 1 / 3], rel=1e-12)
 
     # a reload lists objects in another order; the replayed states read the same
     assert [s.state_text for s in replayed.steps] == [s.state_text for s in ep.steps]

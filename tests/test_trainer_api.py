@@ -94,3 +94,21 @@ def test_the_package_exports_the_api_without_loading_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "empo2.train.trainer"
     assert Path(empo2.__file__).parent.name == "empo2"
+
+
+def test_the_callers_config_is_left_as_it_was(tiny_model, embedder):
+    """The trainer settles ``auto`` settings and the linear schedule's length on a copy of its own: the config the
+    caller passed reads the same afterwards (a caller reusing it for a second run must not inherit this machine's
+    decisions), while ``trainer.cfg`` holds them. Fails when the trainer writes its decisions into ``config``."""
+    with checksum_room():
+        cfg = empo2.Config.load(None, [f"policy.model={tiny_model}", *SIGNAL, "policy.autocast=auto",
+                                       "policy.backend=auto", "algo.intrinsic_schedule=linear"])
+        before = cfg.to_dict()
+        trainer = empo2.Trainer(cfg, env=ChecksumRoom, embedder=embedder)
+    with trainer:
+        assert cfg.to_dict() == before
+        settled = trainer.cfg
+        assert settled is not cfg and settled.policy is not cfg.policy
+        assert settled.policy.autocast != "auto" and settled.policy.backend != "auto"
+        assert settled.algo.intrinsic_schedule_iterations == cfg.train.iterations == 2
+    assert cfg.to_dict() == before

@@ -246,3 +246,29 @@ def test_auto_old_logprobs_follow_the_backend_and_the_compute_dtype():
     assert compute_dtype(PolicyConfig(device="cpu", autocast="none", dtype="bfloat16")) == "bfloat16"
     with pytest.raises(Exception, match=r"algo.tis_cap must be in \[1, 1000000\] \(or 0 to disable\), got 0.5"):
         _config("algo.tis_cap=0.5")
+
+
+def test_the_runs_compute_is_decided_once_from_its_config():
+    """``decide`` settles ``auto`` (here: float32, as the suite fixes ``EMPO2_NATIVE_BF16=0``, and the HF engine, the
+    only one measured on a CPU) in a new config, leaves the one given as it was, says why, and derives every option
+    from the settled values: a settled config decides the same again, with nothing left to explain."""
+    import dataclasses
+
+    from empo2.policy.prefix import ComputeOptions
+    from empo2.train.compute import decide
+
+    cfg = _config("policy.device=cpu", "policy.autocast=auto", "policy.backend=auto", "algo.old_logprobs=auto",
+                  "train.logprob_chunk_tokens=256", "policy.prefix_sharing=false")
+    before = cfg.to_dict()
+    settled, compute = decide(cfg)
+    assert cfg.to_dict() == before and cfg.policy.autocast == "auto"
+    assert (settled.policy.autocast, settled.policy.backend) == (compute.autocast, compute.backend) == ("none", "hf")
+    assert set(compute.why) == {"autocast", "backend"} and "EMPO2_NATIVE_BF16=0" in compute.why["autocast"]
+    assert (compute.dtype, compute.old_logprobs) == ("float32", "engine")  # HF in float32 keeps its own π_old
+    assert compute.options == compute.update_options == ComputeOptions(prefix_sharing=False, compute_dtype="float32",
+                                                                       logprob_chunk_tokens=256)
+    assert compute.engine_dtype("bfloat16") == "bfloat16"  # no autocast: an engine computes in the weights' dtype
+    assert decide(settled) == (settled, dataclasses.replace(compute, why={}))
+    bf16 = decide(_config("policy.device=cpu", "policy.autocast=bfloat16"))[1]
+    assert (bf16.dtype, bf16.old_logprobs, bf16.options.compute_dtype, bf16.engine_dtype("float32")) == \
+        ("bfloat16", "trainer", "bfloat16", "bfloat16")

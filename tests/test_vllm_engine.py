@@ -17,6 +17,8 @@ import psutil
 import pytest
 import torch
 
+from empo2.policy.sampling import Sampling
+
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                    reason="vllm is not installed: the vLLM backend is NOT tested")]
 
@@ -66,7 +68,7 @@ def _hf_greedy(model, tok, prompts, n) -> list[list[int]]:
     from empo2.policy.prefix import ComputeOptions
 
     padded = ComputeOptions(prefix_sharing=False)
-    return [g.ids for g in generate_batch(model, tok, prompts, n, greedy=True, options=padded)]
+    return [g.ids for g in generate_batch(model, tok, prompts, Sampling(n, greedy=True), options=padded)]
 
 
 def _float64_logprobs(model, prompt: list[int], ids: list[int], temperature: float) -> list[float]:
@@ -90,7 +92,7 @@ def test_the_engine_runs_inside_this_process(engine, children_before_engine):
 def test_greedy_tokens_equal_hf(engine):
     backend, model, tok = engine
     prompts = _prompts(tok)
-    gens = backend.generate(prompts, 16, greedy=True)
+    gens = backend.generate(prompts, Sampling(16, greedy=True))
     assert [g.ids for g in gens] == _hf_greedy(model, tok, prompts, 16)
     assert all(g.text == tok.decode(g.ids, skip_special_tokens=True) for g in gens)
 
@@ -99,11 +101,11 @@ def test_greedy_tokens_equal_hf(engine):
 def test_sampled_logprobs_are_the_sampled_distributions(engine, temperature):
     backend, model, tok = engine
     prompts = _prompts(tok)
-    gens = backend.generate(prompts, 12, temperature=temperature, row_seeds=[1, 2, 3])
+    gens = backend.generate(prompts, Sampling(12, temperature=temperature), row_seeds=[1, 2, 3])
     gap = _max_gap(model, prompts, gens, temperature)
     print(f"\nengine/float64 log-prob gap at T={temperature}: {gap:.2e}")
     assert gap < LOGP_TOL
-    again = backend.generate(prompts, 12, temperature=temperature, row_seeds=[1, 2, 3])
+    again = backend.generate(prompts, Sampling(12, temperature=temperature), row_seeds=[1, 2, 3])
     assert [g.ids for g in again] == [g.ids for g in gens]  # equal seeds, equal samples
 
 
@@ -111,26 +113,26 @@ def test_top_k_and_top_p_reach_the_sampler(engine):
     """top_k=1 (and a tiny top_p) leave only the most likely token: sampling at T=1 then decodes greedily."""
     backend, _, tok = engine
     prompts = _prompts(tok)
-    greedy = [g.ids for g in backend.generate(prompts, 10, greedy=True)]
-    assert [g.ids for g in backend.generate(prompts, 10, temperature=1.0, top_k=1, row_seeds=[5, 6, 7])] == greedy
-    assert [g.ids for g in backend.generate(prompts, 10, temperature=1.0, top_p=1e-6, row_seeds=[5, 6, 7])] == greedy
-    assert backend.generate([], 10) == []
+    greedy = [g.ids for g in backend.generate(prompts, Sampling(10, greedy=True))]
+    assert [g.ids for g in backend.generate(prompts, Sampling(10, temperature=1.0, top_k=1), row_seeds=[5, 6, 7])] == greedy
+    assert [g.ids for g in backend.generate(prompts, Sampling(10, temperature=1.0, top_p=1e-6), row_seeds=[5, 6, 7])] == greedy
+    assert backend.generate([], Sampling(10)) == []
 
 
 def test_full_weight_sync_follows_the_trainer(engine):
     backend, model, tok = engine
     prompts = _prompts(tok)
-    before = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
+    before = [g.ids for g in backend.generate(prompts, Sampling(12, greedy=True))]
     changed = copy.deepcopy(model)
     with torch.no_grad():
         changed.model.norm.weight.neg_()  # every logit flips sign: a very different policy
     backend.sync_weights(changed)
-    after = backend.generate(prompts, 12, greedy=True)
+    after = backend.generate(prompts, Sampling(12, greedy=True))
     assert [g.ids for g in after] == _hf_greedy(changed, tok, prompts, 12)
     assert all(a.ids != b for a, b in zip(after, before))
     assert _max_gap(changed, prompts, after) < LOGP_TOL
     backend.sync_weights(model)
-    assert [g.ids for g in backend.generate(prompts, 12, greedy=True)] == before  # and back again
+    assert [g.ids for g in backend.generate(prompts, Sampling(12, greedy=True))] == before  # and back again
 
 
 def _lora_model(model, seed: int):
@@ -153,20 +155,20 @@ def _randomise_lora(peft, seed: int) -> None:
 def test_lora_sync_follows_the_trainer_with_a_new_adapter_each_time(engine):
     backend, model, tok = engine
     prompts = _prompts(tok)
-    base = [g.ids for g in backend.generate(prompts, 12, greedy=True)]
+    base = [g.ids for g in backend.generate(prompts, Sampling(12, greedy=True))]
     peft = _lora_model(model, seed=1)
     outputs = []
     for seed in (1, 2):  # the second update reuses the folder layout and name pattern: only a new id reloads it
         _randomise_lora(peft, seed)
         backend.sync_weights(peft)
-        gens = backend.generate(prompts, 12, greedy=True)
+        gens = backend.generate(prompts, Sampling(12, greedy=True))
         peft.eval()
         assert [g.ids for g in gens] == _hf_greedy(peft, tok, prompts, 12)
         assert _max_gap(peft, prompts, gens) < LOGP_TOL
         outputs.append([g.ids for g in gens])
     assert outputs[0] != base and outputs[1] != outputs[0]
     backend.sync_weights(model)  # full weights again: requests go without the adapter
-    assert [g.ids for g in backend.generate(prompts, 12, greedy=True)] == base
+    assert [g.ids for g in backend.generate(prompts, Sampling(12, greedy=True))] == base
 
 
 def test_two_iteration_empo2_run_samples_from_the_engine(engine, children_before_engine, tmp_path, monkeypatch):

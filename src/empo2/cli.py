@@ -37,13 +37,11 @@ def cmd_train(args) -> int:
     from empo2.envs.gold import check_reachable, eval_plan_size
     from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
-    from empo2.policy.engine_choice import settle_backend
-    from empo2.policy.precision import settle_autocast
     from empo2.progress import ProgressBar
     from empo2.train import checkpoint, distributed
+    from empo2.train.compute import decide
     from empo2.train.runlock import RUN_LAYOUT, RUN_MARKER, mark_run_folder, start_run_folder
     from empo2.train.trainer import Trainer
-    from empo2.train.update import compute_dtype, old_logprobs_source
 
     main_rank = distributed.env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
     console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
@@ -58,15 +56,14 @@ def cmd_train(args) -> int:
         start_run_folder(run_dir, args.overwrite)
     elif main_rank and not (run_dir / RUN_MARKER).is_file():  # a run made before the marker: its layout is its own
         mark_run_folder(run_dir, RUN_LAYOUT)
-    why = settle_autocast(cfg.policy)
-    precision = cfg.policy.autocast + (f" (auto: {why})" if why else "")
+    cfg, compute = decide(cfg)  # what the trainer will decide: said before the model loads
+    precision = compute.autocast + (f" (auto: {compute.why['autocast']})" if "autocast" in compute.why else "")
     remote_code = " trust_remote_code=true (the model's own code runs)" if cfg.policy.trust_remote_code else ""
-    engine_why = settle_backend(cfg.policy)
-    engine = cfg.policy.backend + (f" (auto: {engine_why})" if engine_why else "")
+    engine = compute.backend + (f" (auto: {compute.why['backend']})" if "backend" in compute.why else "")
     console.print("[bold]empo2 train[/bold] " + escape(  # names and paths are the user's text, not markup
         f"algo={method_label(cfg)} env={env_label(cfg.env)} tasks={_tasks_text(cfg)} model={cfg.policy.model} "
         f"G={cfg.algo.num_generations} iterations={cfg.train.iterations} autocast={precision} engine={engine} "
-        f"old_logprobs={old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend, compute_dtype(cfg.policy))} "
+        f"old_logprobs={compute.old_logprobs} "
         f"malloc={allocator.active()}{remote_code} → {run_dir}"))
     if main_rank:  # a run's evals may be unwinnable by their step cap: said, not refused (see check_reachable)
         check_reachable(cfg, cfg.env.eval_split, eval_plan_size(cfg), "training", allow=False, refuse=False,
@@ -79,7 +76,7 @@ def cmd_train(args) -> int:
         finally:
             trainer.close()
         return 0
-    cfg.save(run_dir / "config.yaml")
+    trainer.cfg.save(run_dir / "config.yaml")  # with the trainer's decisions (e.g. the linear schedule's length)
     machine.record(run_dir, "resume" if args.resume else "start")
     try:
         with ProgressBar(console, cfg.train.progress) as progress:

@@ -15,6 +15,7 @@ def play(args) -> int:
 
     from empo2.envs.factory import make_env_kwargs, resolve_tasks
     from empo2.envs.pool import EnvPool
+    from empo2.policy.sampling import Sampling
     from empo2.train.rollout import RolloutContext, run_episodes
 
     console = Console(stderr=True, soft_wrap=True)
@@ -34,8 +35,8 @@ def play(args) -> int:
     scripted, show = _scripted_policy(args), _transcript(console, args, task)
     with EnvPool(cfg.env.name, make_env_kwargs(cfg.env), 1) as pool:
         ctx = RolloutContext(model, tokenizer, pool, None, None, cfg.env.name, pcfg, cfg.memory)
-        episodes, _ = run_episodes(ctx, [(task, args.variation, 0, "on")], temperature=args.temperature,
-                                   greedy=args.temperature == 0,
+        episodes, _ = run_episodes(ctx, [(task, args.variation, 0, "on")],
+                                   Sampling.rollout(pcfg, temperature=args.temperature),
                                    actions=None if args.policy == "model" else scripted, on_step=show)
     ep = episodes[0]
     if ep.failed:

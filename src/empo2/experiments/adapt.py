@@ -16,6 +16,7 @@ The weights are hashed before and after; a difference is an error (:class:`Weigh
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
@@ -79,9 +80,9 @@ def parameter_checksum(model) -> str:
 
 
 def use_reflexion(ctx: RolloutContext) -> ReflexionBuffer:
-    """Switch ``ctx`` to Reflexion: a buffer per task variation instead of the tip memory."""
-    ctx.memory_cfg.namespace = "task_variation"
-    ctx.memory_cfg.top_k_tips = REFLEXION_BUFFER
+    """Switch ``ctx`` to Reflexion: a buffer per task variation instead of the tip memory. The context gets memory
+    settings of its own; the config section it was built from is left as it was."""
+    ctx.memory_cfg = dataclasses.replace(ctx.memory_cfg, namespace="task_variation", top_k_tips=REFLEXION_BUFFER)
     ctx.memory = ReflexionBuffer()
     return ctx.memory
 

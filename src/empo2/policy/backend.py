@@ -8,10 +8,10 @@ from the current policy.
 The contract (tests/test_backend.py runs it against every available backend, and drives a rollout and a reflection
 through a backend with exactly the protocol's signature):
 
-- ``generate(prompts, max_new_tokens, temperature=, top_p=, top_k=, greedy=, row_seeds=)`` (the sampling options
-  by keyword; every backend's signature equals :class:`RolloutBackend`'s) returns one
-  :class:`~empo2.policy.generate.Generation` per prompt, in order: ids up to and including the first EOS (at most
-  ``max_new_tokens``), one behaviour log-prob per id, the decoded text. ``top_k=0`` and ``top_p=1`` are off.
+- ``generate(prompts, sampling, row_seeds=None)`` (``sampling``: a :class:`~empo2.policy.sampling.Sampling`; every
+  backend's signature equals :class:`RolloutBackend`'s) returns one :class:`~empo2.policy.generate.Generation` per
+  prompt, in order: ids up to and including the first EOS (at most ``sampling.max_new_tokens``), one behaviour
+  log-prob per id, the decoded text. ``top_k=0`` and ``top_p=1`` are off.
 - behaviour log-probs are of the distribution that was sampled, TRL's convention: log-softmax(logits /
   temperature), where the update scores ``logp_new`` at the same temperature. Greedy decoding (``greedy`` or
   temperature 0) gives the untempered log-softmax. Top-p / top-k filtering is outside this promise (HF leaves it
@@ -27,14 +27,15 @@ from typing import Protocol
 from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions
+from empo2.policy.sampling import Sampling
 
 BACKENDS = ("hf", "vllm", "auto")
 """``auto``: the engine measured faster on this kind of machine (:mod:`empo2.policy.engine_choice`)."""
 
 
 class RolloutBackend(Protocol):
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, greedy: bool = False, row_seeds: list[int] | None = None) -> list[Generation]: ...
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 row_seeds: list[int] | None = None) -> list[Generation]: ...
 
     def sync_weights(self, model) -> None: ...
 
@@ -45,10 +46,9 @@ class HFBackend:
     def __init__(self, model, tokenizer, options: ComputeOptions = DEFAULT_OPTIONS):
         self.model, self.tokenizer, self.options = model, tokenizer, options
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, greedy: bool = False, row_seeds: list[int] | None = None) -> list[Generation]:
-        return generate_batch(self.model, self.tokenizer, prompts, max_new_tokens, temperature=temperature,
-                              top_p=top_p, top_k=top_k, greedy=greedy, row_seeds=row_seeds, options=self.options)
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 row_seeds: list[int] | None = None) -> list[Generation]:
+        return generate_batch(self.model, self.tokenizer, prompts, sampling, row_seeds, options=self.options)
 
     def sync_weights(self, model) -> None:
         self.model = model

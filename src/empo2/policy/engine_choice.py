@@ -32,17 +32,22 @@ def choose(device_type: str, flags: set[str] | None) -> tuple[str, str]:
     return "hf", f"{widest or 'this CPU'}: not measured, the reference engine"
 
 
-def settle_backend(policy_cfg) -> str | None:
-    """Replace ``policy.backend: auto`` in the config section by the engine :func:`choose` picks here; returns the
-    reason for the banner (``None`` when the config named an engine itself)."""
+def resolve_backend(policy_cfg) -> tuple[str, str | None]:
+    """``policy.backend``, with ``auto`` replaced by the engine :func:`choose` picks here, and the reason for the
+    banner (``None`` when the config named an engine itself)."""
     if policy_cfg.backend != "auto":
-        return None
+        return policy_cfg.backend, None
     import torch
 
     from empo2.policy.precision import cpu_flags
 
     device = policy_cfg.device
     kind = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device).type
-    engine, why = choose(kind, cpu_flags() if kind == "cpu" else None)
-    policy_cfg.backend = engine
+    return choose(kind, cpu_flags() if kind == "cpu" else None)
+
+
+def settle_backend(policy_cfg) -> str | None:
+    """Replace ``policy.backend: auto`` in the config section by :func:`resolve_backend`'s engine; returns the
+    reason (``None`` when the config named an engine itself)."""
+    policy_cfg.backend, why = resolve_backend(policy_cfg)
     return why

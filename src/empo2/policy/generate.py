@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from empo2.policy import prefix as px
+from empo2.policy.sampling import Sampling, scoring_temperature  # noqa: F401  (scoring_temperature: public here)
 from empo2.policy.seeded import SeededSampler
 
 
@@ -28,13 +29,6 @@ class Generation:
     logprobs: list[float]
     """Behaviour log-prob of each sampled token, ``len == len(ids)``."""
     text: str
-
-
-def scoring_temperature(temperature: float, greedy: bool = False) -> float:
-    """The temperature behaviour log-probs are taken at: the sampling temperature, or 1 for greedy decoding
-    (``greedy`` or temperature 0). The update scores ``logp_new`` at the same value, so its ratio compares like with
-    like."""
-    return 1.0 if greedy or temperature <= 0 else float(temperature)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -48,20 +42,16 @@ def generate_batch(
     model,
     tokenizer,
     prompts: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    greedy: bool = False,
-    generator_seed: int | None = None,
-    top_k: int = 0,
+    sampling: Sampling,
     row_seeds: list[int] | None = None,
     *,
+    generator_seed: int | None = None,
     options: px.ComputeOptions = px.DEFAULT_OPTIONS,
     heads: px.HeadMemo | None = None,
 ) -> list[Generation]:
     """Generate one completion per prompt (token-id lists), all in one batched call.
 
-    Only the sampling settings given here apply: the model's own generation defaults (a repetition penalty, top-k,
+    Only ``sampling``'s settings apply: the model's own generation defaults (a repetition penalty, top-k,
     n-gram blocking — Qwen2.5-Instruct ships some) are overridden, so the sampled distribution is the tempered
     policy whose log-probs the update uses. ``row_seeds`` (one per prompt) samples each row from its own random
     stream (:mod:`empo2.policy.seeded`), so a row's tokens do not depend on the rest of the batch.
@@ -72,8 +62,9 @@ def generate_batch(
         return []
     if generator_seed is not None:
         torch.manual_seed(generator_seed)
-    do_sample = not greedy and temperature > 0
-    scoring = scoring_temperature(temperature, greedy)
+    do_sample, scoring = sampling.sampled, sampling.scoring_temperature
+    max_new_tokens, temperature, top_p, top_k = (sampling.max_new_tokens, sampling.temperature, sampling.top_p,
+                                                 sampling.top_k)
     with px.autocast(model, options):
         reusing = heads is not None and heads.active
         groups = px.plan_layout(prompts, options.min_shared_tokens, own_heads=reusing) \

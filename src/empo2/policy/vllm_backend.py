@@ -37,6 +37,7 @@ import torch
 from empo2.policy import fsdp_save
 from empo2.policy.errors import BackendError
 from empo2.policy.generate import Generation
+from empo2.policy.sampling import Sampling
 
 
 def _import_vllm():
@@ -112,14 +113,15 @@ class VLLMBackend:
               f"{'LoRA rank ' + str(lora_rank) if lora_rank else 'full weights'})", file=sys.stderr, flush=True)
         self._lora, self._lora_id, self._folders = None, 0, []
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, greedy: bool = False, row_seeds: list[int] | None = None) -> list[Generation]:
+    def generate(self, prompts: list[list[int]], sampling: Sampling,
+                 row_seeds: list[int] | None = None) -> list[Generation]:
         if not prompts:
             return []
-        greedy = greedy or temperature <= 0
+        greedy = not sampling.sampled
         sp = self._vllm.SamplingParams
-        params = [sp(max_tokens=max_new_tokens, temperature=0.0 if greedy else temperature,
-                     top_p=1.0 if greedy else top_p, top_k=0 if greedy or top_k <= 0 else top_k, logprobs=0,
+        params = [sp(max_tokens=sampling.max_new_tokens, temperature=0.0 if greedy else sampling.temperature,
+                     top_p=1.0 if greedy else sampling.top_p,
+                     top_k=0 if greedy or sampling.top_k <= 0 else sampling.top_k, logprobs=0,
                      seed=None if row_seeds is None else row_seeds[i] % 2**31,
                      stop_token_ids=[self.tokenizer.eos_token_id], ignore_eos=False)
                   for i in range(len(prompts))]

@@ -1,8 +1,8 @@
 """Rollout drivers by name (``AlgorithmSpec.rollout``): how an iteration's groups are played. ``episodes`` plays G
 independent episodes per group (:func:`empo2.train.rollout.run_episodes`); ``elpo`` grows each group's tree by
 Algorithm 1 of ELPO (:func:`empo2.train.elpo_rollout.run_elpo`). Each is called as
-``driver(ctx, specs, cfg, progress, seed) -> (episodes, stats)`` (``seed``: the iteration's sampling seed or
-``None``)."""
+``driver(ctx, specs, sampling, cfg, progress, seed) -> (episodes, stats)`` (``sampling``: the rollouts'
+:class:`~empo2.policy.sampling.Sampling`; ``seed``: the iteration's sampling seed or ``None``)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from empo2.train.elpo_rollout import ElpoOptions, run_elpo
 from empo2.train.rollout import run_episodes
 
 
-def _episodes(ctx, specs, cfg, progress, seed=None):
-    return run_episodes(ctx, specs, temperature=cfg.policy.temperature, progress=progress, seed=seed)
+def _episodes(ctx, specs, sampling, cfg, progress, seed=None):
+    return run_episodes(ctx, specs, sampling, progress=progress, seed=seed)
 
 
-def _elpo(ctx, specs, cfg, progress, seed=None):
+def _elpo(ctx, specs, sampling, cfg, progress, seed=None):
     a = cfg.algo
-    return run_elpo(ctx, specs, temperature=cfg.policy.temperature, progress=progress,
+    return run_elpo(ctx, specs, sampling, progress=progress,
                     options=ElpoOptions(a.elpo_b_max, a.elpo_x_min, a.elpo_x_max, a.elpo_beta), seed=seed)
 
 

@@ -19,6 +19,7 @@ import numpy as np
 from empo2.agent.prompts import PromptParts, hints_text
 from empo2.algo import elpo
 from empo2.envs.base import state_of
+from empo2.policy.sampling import Sampling
 from empo2.train.branching import Branch, restore_branches
 from empo2.train.episode import Episode, Step
 from empo2.train.rollout import ActionSource, RolloutContext, _play, _reset, model_actions
@@ -56,7 +57,7 @@ class ElpoOptions:
     beta: float = elpo.BETA
 
 
-def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], temperature: float, greedy: bool = False,
+def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampling: Sampling | None = None,
              progress=None, actions: ActionSource | None = None, options: ElpoOptions | None = None,
              on_step: Callable[[Episode], None] | None = None,
              seed: int | None = None) -> tuple[list[Episode], dict[str, float]]:
@@ -68,7 +69,7 @@ def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], temper
     ``elpo_waves`` and the replay metrics of :func:`restore_branches`.
     """
     o = options or ElpoOptions()
-    actions = actions or model_actions(temperature, greedy, seed)
+    actions = actions or model_actions(sampling or Sampling.rollout(ctx.policy_cfg), seed)
     groups: dict[int, _Group] = {}
     for task, variation, g, mode in specs:
         groups.setdefault(g, _Group(task, variation, g, mode, 0)).budget += 1

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from empo2.policy.sampling import Sampling
 from empo2.train.distributed import Dist, gather_episodes
 from empo2.train.episode import Episode
 from empo2.train.reflection import reflect as reflect_into_memory
@@ -69,13 +70,13 @@ def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: b
             variations = variations[:plan.episodes_per_task]
         specs += [(task, v, len(specs) + k, "on_tips" if plan.with_memory else "on") for k, v in enumerate(variations)]
     ranks = dist.world_size if dist is not None else 1
+    sampling = Sampling.rollout(ctx.policy_cfg, temperature=plan.temperature)
     episodes = []
     step = plan.batch_size * ranks
     for start in range(0, len(specs), step):  # every rank runs as many batches (memory sync)
         chunk = specs[start:start + step]
         overall = None if progress is None else partial(_overall_progress, progress, start, ranks, len(specs))
-        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, temperature=plan.temperature,
-                              progress=overall, seed=seed)
+        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, sampling, progress=overall, seed=seed)
         if ctx.memory is not None and update_memory:
             reflect_into_memory(ctx, eps, eps if reflect else [], seed)
         episodes += eps

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from empo2.envs.actions import replayable_gold
 from empo2.envs.base import EnvError
 from empo2.policy.generate import Generation
+from empo2.policy.sampling import Sampling
 from empo2.train.episode import Episode
 from empo2.train.rollout import ActionSource, RolloutContext, call_worker, model_actions, run_episodes
 
@@ -81,13 +82,13 @@ class ExpertPlayer:
             return []
         return replayable_gold(list(gold or []))
 
-    def play(self, ctx: RolloutContext, specs: list[tuple[str, int, int, str]], temperature: float,
+    def play(self, ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampling: Sampling,
              progress=None, seed: int | None = None) -> tuple[list[Episode], dict[str, float]]:
         """:func:`run_episodes` of ``specs`` with the expert slots played by the gold path; failed experts are
         replaced by sampled members. Returns the episodes in ``specs`` order and the rollout stats, with
         ``expert_slots`` / ``expert_kept`` / ``expert_fallback`` / ``expert_steps`` / ``expert_discarded_steps``."""
-        episodes, stats = run_episodes(ctx, specs, temperature=temperature, progress=progress,
-                                       actions=self.actions(model_actions(temperature, seed=seed)))
+        episodes, stats = run_episodes(ctx, specs, sampling, progress=progress,
+                                       actions=self.actions(model_actions(sampling, seed=seed)))
         slots = [k for k, ep in enumerate(episodes) if self.is_slot(ep)]
         failed = [k for k in slots if episodes[k].expert and not episodes[k].success and not episodes[k].failed]
         stats["expert_discarded_steps"] = sum(len(episodes[k].steps) for k in failed)
@@ -95,7 +96,7 @@ class ExpertPlayer:
             self.unreachable.add((episodes[k].task, episodes[k].variation))
         if failed:  # the slot becomes an ordinary sampled member
             refill_specs = [(t, v, g + REFILL_GROUP_OFFSET, m) for t, v, g, m in (specs[k] for k in failed)]
-            refills, more = run_episodes(ctx, refill_specs, temperature=temperature, seed=seed)
+            refills, more = run_episodes(ctx, refill_specs, sampling, seed=seed)
             for k, ep in zip(failed, refills):
                 ep.group, ep.member = episodes[k].group, episodes[k].member
                 episodes[k] = ep

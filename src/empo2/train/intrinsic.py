@@ -3,14 +3,17 @@ data-parallel ranks."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from empo2.train.distributed import Dist, gather_in_order
 from empo2.train.episode import Episode
 
 
-def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | None = None) -> None:
-    """Fill ``Step.intrinsic`` with the novelty reward of the state each step reached, within its task's namespace:
+def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | None = None) -> list[Episode]:
+    """``episodes`` again, as new episodes whose steps carry in ``Step.intrinsic`` the novelty reward of the state each
+    step reached (the given episodes and steps are left as they were), within its task's namespace:
     1/(n_before + n_batch) for a state visited n_before times before this batch and n_batch times in it, all of this
     batch's visits counted together (see :mod:`empo2.memory.novelty`). A state an episode loops in earns less at every
     visit than one it sees once, and the rewards do not depend on the order of ``episodes``.
@@ -29,9 +32,8 @@ def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | Non
     per_episode = [(ep.task, embs[a:b]) for ep, a, b in zip(episodes, bounds[:-1], bounds[1:])]  # [steps_i, dim]
     fn = _novelty_fn(novelty)
     rewards_per_episode = gather_in_order(dist, episodes, per_episode, fn) if dist is not None else fn(per_episode)
-    for ep, rewards in zip(episodes, rewards_per_episode):
-        for s, r in zip(ep.steps, rewards):
-            s.intrinsic = float(r)
+    return [dataclasses.replace(ep, steps=[dataclasses.replace(s, intrinsic=float(r)) for s, r in zip(ep.steps, rewards)])
+            for ep, rewards in zip(episodes, rewards_per_episode)]
 
 
 def _novelty_fn(novelty):

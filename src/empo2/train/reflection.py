@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from empo2.agent.reflection import memory_entry, parse_tip, reflection_messages
 from empo2.config_sections import MemoryConfig
+from empo2.policy.sampling import Sampling
 from empo2.train.episode import MEMORY_MODES, Episode, namespace_of
 from empo2.train.rollout import RolloutContext, generate, row_seeds
 
@@ -41,16 +42,16 @@ def memory_ops(ctx: RolloutContext, uses: list, writers: list[Episode], tips: li
         return uses, []
     # A tip's key is the state it is about (its last action's: where it ended or went wrong), so a task's keys differ.
     last = [ep.steps[-1] for ep in writers]
-    missing = [s for s in last if s.state_embedding is None]
-    for s, emb in zip(missing, ctx.embedder.encode([s.state_text for s in missing])):
-        s.state_embedding = emb
+    missing = [k for k, s in enumerate(last) if s.state_embedding is None]  # an on-policy step retrieved nothing
+    computed = dict(zip(missing, ctx.embedder.encode([last[k].state_text for k in missing]))) if missing else {}
+    key_embs = [computed.get(k, s.state_embedding) for k, s in enumerate(last)]
     tip_embs = ctx.embedder.encode([t or " " for t in tips])  # of the tip alone: what de-duplication compares
     return uses, [((ep.group, ep.member), {
         "namespace": namespace_of(ep.task, ep.variation, ctx.memory_cfg.namespace), "score": ep.score,
         "tip_text": memory_entry(tip, key.action, ep.score, ctx.memory_cfg.entry_format),
-        "key_embedding": key.state_embedding, "key_text": key.state_text,
+        "key_embedding": kemb, "key_text": key.state_text,
         "context_texts": [ep.task_description] + [s.observation for s in ep.steps[-3:]], "tip_embedding": temb,
-    }) for ep, tip, key, temb in zip(writers, tips, last, tip_embs)]
+    }) for ep, tip, key, kemb, temb in zip(writers, tips, last, key_embs, tip_embs)]
 
 
 def write_memory_ops(ctx: RolloutContext, episodes: list[Episode], ops: tuple[list, list]) -> None:
@@ -97,11 +98,11 @@ def reflection_job(ctx: RolloutContext, episodes: list[Episode], seed: int | Non
     with the given ``generate`` (:func:`~empo2.train.rollout.generate`'s signature, minus ``ctx``)."""
     if not episodes:
         return lambda generate: []
-    pcfg, prompts, seeds = ctx.policy_cfg, reflection_prompts(ctx, episodes), row_seeds(seed, episodes, turn=-1)
+    sampling, prompts = Sampling.reflection(ctx.policy_cfg), reflection_prompts(ctx, episodes)
+    seeds = row_seeds(seed, episodes, turn=-1)
 
     def run(generate) -> list[str]:
-        gens = generate(prompts, pcfg.reflection_max_tokens, temperature=pcfg.reflection_temperature,
-                        top_p=pcfg.top_p, top_k=pcfg.top_k, row_seeds=seeds)
+        gens = generate(prompts, sampling, seeds)
         return [parse_tip(g.text, max_words=ctx.memory_cfg.max_tip_words) for g in gens]
 
     return run
@@ -109,4 +110,4 @@ def reflection_job(ctx: RolloutContext, episodes: list[Episode], seed: int | Non
 
 def write_tips(ctx: RolloutContext, episodes: list[Episode], seed: int | None = None) -> list[str]:
     """One reflection per episode, in one batched generation (``policy.reflection_temperature``)."""
-    return reflection_job(ctx, episodes, seed)(lambda *args, **kwargs: generate(ctx, *args, **kwargs))
+    return reflection_job(ctx, episodes, seed)(lambda *args: generate(ctx, *args))

@@ -21,6 +21,7 @@ from empo2.envs.pool import WorkerError
 from empo2.policy.backend import RolloutBackend
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions, HeadMemo
+from empo2.policy.sampling import Sampling
 from empo2.policy.seeded import row_seed
 from empo2.train.episode import MEMORY_MODES, Episode, Step, namespace_of
 from empo2.train.protocols import Embedder, EnvWorkers, MemorySync, TipStore, Tokenizer
@@ -59,15 +60,13 @@ ActionSource = Callable[[RolloutContext, list[int], list[Episode], list[list[int
 """``(ctx, worker index per active row, episode per active row, prompt ids per row) -> one Generation per row``."""
 
 
-def model_actions(temperature: float, greedy: bool = False, seed: int | None = None) -> ActionSource:
+def model_actions(sampling: Sampling, seed: int | None = None) -> ActionSource:
     """The policy as the action source: one batched generation for all active rows (each row from its own stream
     seeded by (``seed``, group, member, turn) where ``seed`` is set)."""
 
     def act(ctx: RolloutContext, active: list[int], episodes: list[Episode],
             prompts: list[list[int]]) -> list[Generation]:
-        pcfg = ctx.policy_cfg
-        return generate(ctx, prompts, pcfg.max_completion_length, temperature=temperature, top_p=pcfg.top_p,
-                        top_k=pcfg.top_k, greedy=greedy, row_seeds=row_seeds(seed, episodes))
+        return generate(ctx, prompts, sampling, row_seeds(seed, episodes))
 
     return act
 
@@ -75,20 +74,20 @@ def model_actions(temperature: float, greedy: bool = False, seed: int | None = N
 def run_episodes(
     ctx: RolloutContext,
     specs: list[tuple[str, int, int, str]],
-    temperature: float,
-    greedy: bool = False,
+    sampling: Sampling | None = None,
     progress=None,
     actions: ActionSource | None = None,
     on_step: Callable[[Episode], None] | None = None,
     seed: int | None = None,
 ) -> tuple[list[Episode], dict[str, float]]:
     """Play ``specs`` = [(task, variation, group, mode)] to the end in parallel; pool size must be ≥ len(specs).
+    The policy acts with ``sampling`` (default: ``ctx.policy_cfg``'s rollout sampling), unless ``actions`` is given.
 
     Each step: retrieve tips (memory modes) → render prompts → generate (or ask ``actions``) → step the environments.
     ``on_step(episode)`` is called after each step (``empo2 play`` prints with it). The end-of-episode reflection is
     the caller's next step (:func:`empo2.train.reflection.reflect`). Returns the episodes and timing/token stats.
     """
-    actions = actions or model_actions(temperature, greedy, seed)
+    actions = actions or model_actions(sampling or Sampling.rollout(ctx.policy_cfg), seed)
     stats = {"gen_time": 0.0, "env_time": 0.0, "memory_time": 0.0, "gen_tokens": 0, "prompt_tokens": 0,
              "long_prompts": 0}
     members: dict[int, int] = {}
@@ -242,12 +241,13 @@ def call_worker(pool, ep: Episode, i: int, method: str, *args: Any) -> Any:
         return None
 
 
-def generate(ctx: RolloutContext, prompts: list[list[int]], max_new_tokens: int, **kwargs) -> list[Generation]:
+def generate(ctx: RolloutContext, prompts: list[list[int]], sampling: Sampling,
+             row_seeds: list[int] | None = None) -> list[Generation]:
     """One batched generation with the rollout backend, or with the model itself (HF)."""
     if ctx.backend is not None:
-        return ctx.backend.generate(prompts, max_new_tokens, **kwargs)
-    return generate_batch(ctx.model, ctx.tokenizer, prompts, max_new_tokens, options=ctx.compute, heads=ctx.heads,
-                          **kwargs)
+        return ctx.backend.generate(prompts, sampling, row_seeds)
+    return generate_batch(ctx.model, ctx.tokenizer, prompts, sampling, row_seeds, options=ctx.compute,
+                          heads=ctx.heads)
 
 
 def row_seeds(seed: int | None, episodes: list[Episode], turn: int | None = None) -> list[int] | None:

@@ -16,11 +16,11 @@ from empo2.algo.losses import behaviour_logp_for_ratio, micro_batch_share
 from empo2.config import Config
 from empo2.policy import prefix as px
 from empo2.policy.generate import scoring_temperature
-from empo2.policy.loader import autocast_context, resolve_device, resolve_dtype
+from empo2.policy.loader import autocast_context
 from empo2.policy.logprobs import micro_batches, response_logprobs, shared_micro_batches
-from empo2.policy.precision import resolve_autocast
 from empo2.train import distributed as dp
 from empo2.train import sharding
+from empo2.train.compute import Compute, compute_dtype, decide, old_logprobs_source  # noqa: F401  (the last two: public here)
 from empo2.train.rows import UpdateRow
 
 log = logging.getLogger("empo2.train")
@@ -30,17 +30,20 @@ class PolicyUpdate:
     """Owns nothing: the trainer's model, tokenizer, optimizer, loss and ``dist``, applied to a list of rows."""
 
     def __init__(self, cfg: Config, model, tokenizer, optimizer, loss_fn, dist,
-                 options: px.ComputeOptions | None = None):
+                 options: px.ComputeOptions | None = None, *, compute: Compute | None = None):
+        """``compute``: the run's decisions (:func:`empo2.train.compute.decide`); without it they are decided here
+        from ``cfg``, with ``options`` as generation's compute options where given."""
         self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
         self.optimizer, self.loss_fn, self.dist = optimizer, loss_fn, dist
-        self.options = sharding.update_options(options or px.compute_options(cfg.policy, cfg.train), cfg)
+        compute = compute or decide(cfg, options)[1]
+        self.options = compute.update_options
         """Compute options of the forwards without grad (reference and tip-free log-probs)."""
         # A checkpointed layer runs without the shared head's KV cache (transformers drops it; replaying would append
         # to it twice), so with gradient checkpointing every training row runs its whole prompt.
         self.shared = self.options.prefix_sharing and not cfg.train.gradient_checkpointing
         """Prefix sharing in the training forwards."""
         self.train_options = dataclasses.replace(self.options, prefix_sharing=self.shared)
-        self.old_logprobs = old_logprobs_source(cfg.algo.old_logprobs, cfg.policy.backend, compute_dtype(cfg.policy))
+        self.old_logprobs = compute.old_logprobs
         """``trainer`` or ``engine``: where the ratio's π_old comes from (``algo.old_logprobs``)."""
         self.loss_algo = dataclasses.replace(cfg.algo, dr_grpo_length=cfg.algo.dr_grpo_length
                                              or cfg.policy.max_completion_length)
@@ -225,27 +228,6 @@ class PolicyUpdate:
                     "off_tips", torch.tensor(r.logp_old), lp[0], variant="tip_free").tolist())
             out.append(r)
         return out
-
-
-def old_logprobs_source(setting: str, backend: str, compute: str) -> str:
-    """``algo.old_logprobs`` resolved: ``auto`` is ``trainer`` when a separate engine samples or when the forwards
-    run in a 16-bit ``compute`` dtype, ``engine`` only for the HF engine in float32.
-
-    In 16 bits, sampling (one token at a time against a KV cache) and the training forward (the whole response at
-    once, in another batch layout) round differently, so an engine π_old would start the ratio at e^{rounding} ≠ 1
-    and the clip would act on rounding noise; in float32 the two agree to about 1e-6 and the recompute is saved."""
-    if setting != "auto":
-        return setting
-    return "engine" if backend == "hf" and compute == "float32" else "trainer"
-
-
-def compute_dtype(policy_cfg) -> str:
-    """The dtype the policy's forwards compute in: the autocast dtype, else the weights' (``auto``: float32 on a
-    CPU, bfloat16 on a GPU)."""
-    autocast = resolve_autocast(policy_cfg.autocast, policy_cfg.device)
-    if autocast != "none":
-        return autocast
-    return str(resolve_dtype(policy_cfg.dtype, resolve_device(policy_cfg.device))).removeprefix("torch.")
 
 
 def _has_gradient(row: UpdateRow, beta: float) -> bool:
