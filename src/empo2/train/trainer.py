@@ -43,9 +43,9 @@ from empo2.algo.advantages import (
     AdvantageInput,
     AdvantageOptions,
     compute_advantages,
-    intrinsic_weight,
     step_rewards,
 )
+from empo2.algo.empo2 import intrinsic_weight
 from empo2.algo.losses import get_policy_loss
 from empo2.algo.modes import ModeSampler
 from empo2.config import Config, ConfigError
