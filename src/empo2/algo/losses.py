@@ -112,8 +112,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
 
     k3 = torch.zeros_like(logp_new)  # [B, T]
     if logp_ref is not None:
-        ref_log_ratio = torch.where(valid, logp_ref - logp_new, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        k3 = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0  # [B, T], ≥ 0
+        k3 = k3_kl(logp_ref, logp_new, valid)  # [B, T], ≥ 0
         if beta > 0:
             token_loss = token_loss + beta * torch.where(_kl_rows(valid, modes), k3, 0.0)
 
@@ -123,6 +122,13 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
         metrics = _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip)
         metrics.update(_mode_losses(token_loss, valid, modes, aggregation))
     return _skip_if_not_finite(loss, metrics, logp_new, [logp_old, adv, logp_ref], valid)
+
+
+def k3_kl(logp_ref: torch.Tensor, logp_new: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The low-variance k3 estimate of KL(π_θ ‖ π_ref) per sampled token: exp(ref − new) − (ref − new) − 1 [B, T],
+    ≥ 0; 0 where not ``valid`` (the log-ratio is zeroed there and clamped to ±``LOG_RATIO_CLAMP``)."""
+    ref_log_ratio = torch.where(valid, logp_ref - logp_new, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
 
 
 def _kl_rows(valid: torch.Tensor, modes: Sequence[str] | None) -> torch.Tensor:
