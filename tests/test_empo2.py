@@ -45,8 +45,8 @@ def test_which_prompt_each_mode_samples_and_trains_on():
 @pytest.mark.parametrize("delta", [0.0, 0.05, 0.3])
 def test_low_probability_mask_matches_a_loop(granularity, delta):
     g = torch.Generator().manual_seed(3)
-    new = -3 * torch.rand(5, 7, generator=g, dtype=torch.float64)
-    old = -3 * torch.rand(5, 7, generator=g, dtype=torch.float64)
+    new = -5 * torch.rand(5, 7, generator=g, dtype=torch.float64)
+    old = -5 * torch.rand(5, 7, generator=g, dtype=torch.float64)
     valid = torch.rand(5, 7, generator=g) > 0.25
     keep = empo2.low_probability_mask(new, old, valid, delta, granularity)
     want = np.zeros((5, 7), dtype=bool)

@@ -1,11 +1,11 @@
 """EMPO² (Liu, Kim, Luo, Li, Yang, "Exploratory Memory-Augmented LLM Agent via Hybrid On- and Off-Policy
 Optimization", ICLR 2026, arXiv 2602.23008), written as its equations.
 
-The paper's text prints these formulas without equation numbers, so each function is tagged with the formula as the
-paper writes it and the section of ``SPEC.md`` (§1–§4) that reads it; docs/fidelity.md says where each follows the
-paper, the released code, or neither.
+Each function is tagged with the formula as the paper's Method section writes it and with the section of
+docs/fidelity.md (*The loop*, *The loss*, *The novelty reward*) that says where it follows the paper, where the
+released code, and where neither.
 
-The three learning modes (Method; SPEC §1):
+The three learning modes (the paper's figure of the modes; fidelity *The loop*):
 
 - :data:`MODES`, :func:`mode_probabilities` — ``on``: a ~ π_θ(·|s_t, u); ``on_tips``: a ~ π_θ(·|s_t, u, tips_t),
   trained with the same tips; ``off_tips``: rolled out with tips, trained without them.
@@ -13,7 +13,7 @@ The three learning modes (Method; SPEC §1):
   samples on and which it trains on (the tip-free prompt is rendered from parts without the tips,
   :meth:`empo2.agent.prompts.PromptParts.without_tips`, never cut out of a tokenised prompt).
 
-The loss (the paper's masked GRPO objective; SPEC §2–§3)::
+The loss (the paper's masked GRPO objective; fidelity *The loss*)::
 
     E[ 1/(N·T) Σ_i Σ_t min(ρ A, clip(ρ, 1−ε, 1+ε) A) · 1[π_θ(a_t | s_t, u) ≥ δ] ] − β·D_KL(π_θ(·|u) ‖ π_ref(·|u))
 
@@ -24,7 +24,7 @@ The loss (the paper's masked GRPO objective; SPEC §2–§3)::
 The clip, dual clip, k3 KL estimator and token aggregation are shared with GRPO and the other methods and live in
 :func:`empo2.algo.losses.policy_loss` (registered as ``empo2``), which calls the three functions above.
 
-The intrinsic reward and the return (SPEC §4):
+The intrinsic reward and the return (fidelity *The novelty reward*):
 
 - :func:`novelty_reward` — r_int = 1/n, n the visits of the state (:class:`empo2.memory.novelty.NoveltyReward` counts
   them, a whole batch at once).
@@ -56,9 +56,9 @@ def check_mode(mode: str) -> None:
 
 
 def mode_probabilities(p_memory: float, p_off_policy: float) -> dict[str, float]:
-    """SPEC §1: memory rollouts with probability p_memory, a share p_off_policy of all rollouts trained off-policy:
-    p(on) = 1 − p_memory, p(on_tips) = p_memory − p_off_policy, p(off_tips) = p_off_policy (released defaults
-    0.25 and 0.17 give 0.75 / 0.08 / 0.17)."""
+    """The three modes' probabilities: memory rollouts with probability p_memory, a share p_off_policy of all
+    rollouts trained off-policy: p(on) = 1 − p_memory, p(on_tips) = p_memory − p_off_policy, p(off_tips) =
+    p_off_policy. The paper gives no numbers; the released defaults 0.25 and 0.17 give 0.75 / 0.08 / 0.17."""
     return {"on": 1 - p_memory, "on_tips": p_memory - p_off_policy, "off_tips": p_off_policy}
 
 
@@ -98,7 +98,7 @@ def behaviour_logp_for_ratio(
 ) -> torch.Tensor:
     """The denominator log-probs π_old(a|·) of the ratio for one row (or rows) of ``mode``. Shapes [T] or [B, T].
 
-    SPEC §2, the paper's off-policy ratio ρ = π_θ(a_t | s_t, u) / π_θold(a_t | s_t, u, tips_t): the numerator is
+    The paper's off-policy ratio ρ = π_θ(a_t | s_t, u) / π_θold(a_t | s_t, u, tips_t): the numerator is
     always the training prompt's (:func:`training_prompt_has_tips`), the denominator the rollout prompt's.
 
     ``logp_old_with_tips`` are the behaviour log-probs recorded at rollout on the rollout prompt (which has tips for
@@ -119,7 +119,7 @@ def behaviour_logp_for_ratio(
 
 def low_probability_mask(logp_new: torch.Tensor, logp_old: torch.Tensor, valid: torch.Tensor, delta: float,
                          granularity: str = "token") -> torch.Tensor:
-    """SPEC §3, the paper's mask 1[π_θ(a_t | s_t, u) ≥ δ]: keep [B, T] bool, the valid tokens whose surrogate counts.
+    """The paper's mask 1[π_θ(a_t | s_t, u) ≥ δ]: keep [B, T] bool, the valid tokens whose surrogate counts.
 
     logp_new, logp_old [B, T]; valid [B, T] bool; δ = ``algo.low_prob_threshold`` (0: no mask).
 
@@ -138,15 +138,15 @@ def low_probability_mask(logp_new: torch.Tensor, logp_old: torch.Tensor, valid: 
 
 # ------------------------------------------------------------------------------------------------- novelty, return
 def novelty_reward(visits: np.ndarray) -> np.ndarray:
-    """SPEC §4, the paper's r_intrinsic = 1/n with n the number of similar states: visits [N] (each visit's n: the
+    """The paper's r_intrinsic = 1/n with n the number of similar states: visits [N] (each visit's n: the
     visits of its state before the batch plus those in it, every visit of a batch counted together) -> [N] float64
     in (0, 1]. A state's first visit earns 1, and repeats earn less."""
     return 1.0 / np.asarray(visits, dtype=np.float64)
 
 
 def intrinsic_weight(algo: Any, iteration: int, total_iterations: int) -> float:
-    """SPEC §4: the weight w of the intrinsic reward at ``iteration`` (0-based) of ``total_iterations``, from an
-    ``AlgoConfig`` (the seeds suggest annealing it, 0.8 → 0.5 → 0.2 over training).
+    """The weight w of the intrinsic reward at ``iteration`` (0-based) of ``total_iterations``, from an
+    ``AlgoConfig``: constant, or annealed over training (0.8 → 0.2 by default).
 
     - ``algo.intrinsic_schedule = constant``: ``algo.intrinsic_weight`` (0 = intrinsic reward off).
     - ``linear``: ``algo.intrinsic_weight_start`` at iteration 0, ``algo.intrinsic_weight_end`` at iteration
@@ -184,7 +184,8 @@ def step_rewards_with_novelty(extrinsic: Sequence[float], novelty: Sequence[floa
 
 
 def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:
-    """SPEC §1 step 5 and §4: R = R_ext + w · R_int, the return GRPO's group normalisation reads.
+    """R = R_ext + w · R_int, the return the advantage estimators normalise in their groups (the paper adds the
+    intrinsic reward to the extrinsic one; the released code computes one and never adds it).
 
     extrinsic [N], intrinsic_returns [N] (each episode's :func:`intrinsic_return`), weight w -> R [N] float64.
     """
