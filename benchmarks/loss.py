@@ -69,7 +69,7 @@ def bench_novelty(repeats: int) -> dict[str, dict[str, float]]:
     rng = np.random.default_rng(0)
     stored = rng.normal(size=(10_000, D)).astype(np.float32)
     base = NoveltyReward(0.9)
-    base.reward(stored)  # random 384-d vectors are nearly orthogonal: all 10k are stored as distinct
+    base.visits(stored)  # random 384-d vectors are nearly orthogonal: all 10k are stored as distinct
     state = base.state_dict()
     fresh = rng.normal(size=(1000, D)).astype(np.float32)
     repeats_of_stored = stored[rng.integers(0, 10_000, 1000)]
@@ -79,7 +79,7 @@ def bench_novelty(repeats: int) -> dict[str, dict[str, float]]:
 
         def run():
             nov.load_state_dict(state)
-            nov.reward(x)
+            nov.visits(x)
 
         out[name] = timed(run, repeats)
     out["stored_states"] = {"count": float(len(base))}

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from empo2.algo.empo2 import novelty_reward
 from empo2.envs.base import state_of
 from empo2.envs.scienceworld import ScienceWorldEnv
 from empo2.memory.embedder import get_embedder
@@ -137,7 +138,7 @@ def scripted_novelty(env: ScienceWorldEnv, embed, threshold: float) -> dict:
             reached["reply"].append(" ".join(res.observation.split()))
             reached["state"].append(state_of(res.observation, res.info))
         for key, texts in reached.items():
-            rewards = NoveltyReward(threshold).reward(np.asarray(embed(texts)))
+            rewards = novelty_reward(NoveltyReward(threshold).visits(np.asarray(embed(texts))))
             out[f"{name}/{key}"] = {"mean": float(rewards.mean()), "per_step": [round(float(r), 3) for r in rewards]}
     return out
 

@@ -14,11 +14,10 @@ from empo2.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInput,
     AdvantageOptions,
-    combine_returns,
     compute_advantages,
-    intrinsic_weight,
     register_advantage,
 )
+from empo2.algo.empo2 import combine_returns, intrinsic_weight
 from empo2.config import AlgoConfig
 
 

@@ -177,6 +177,24 @@ def test_token_entropy_matches_numpy():
     assert elpo.token_entropy(logits).numpy() == pytest.approx(want, abs=1e-6)
 
 
+def test_sampled_entropy_is_the_mean_surprisal_whose_mean_is_eq3():
+    """Tokens drawn in the proportions of p (a, a, b, c for p = ½, ¼, ¼): their mean surprisal is exactly H(p)."""
+    p = [0.5, 0.25, 0.25]
+    want = -math.fsum(q * math.log(q) for q in p)
+    assert elpo.sampled_entropy([math.log(p[k]) for k in (0, 0, 1, 2)]) == pytest.approx(want, rel=1e-12)
+    assert elpo.token_entropy(torch.tensor(p, dtype=torch.float64).log()).item() == pytest.approx(want, rel=1e-6)
+    assert elpo.sampled_entropy([]) == 0.0
+
+
+def test_critical_steps_are_t_crit_to_the_end():
+    for n in range(6):
+        for t_crit in (None, 1, 2, 4, 7):
+            want = [t_crit is not None and t >= t_crit for t in range(1, n + 1)]
+            assert elpo.critical_steps(n, t_crit).tolist() == want, (n, t_crit)
+            assert elpo.critical_clip_low(n, t_crit, 0.2, 0.115).tolist() == pytest.approx(
+                [0.315 if c else 0.2 for c in want], abs=1e-15)
+
+
 def test_entropy_gap_choice_and_suffix_count():
     assert elpo.entropy_gap([1.0, 2.0, 4.0]) == pytest.approx(2.0)  # H_tool = mean(2, 4), H_root = 1
     assert elpo.entropy_gap([1.0]) == 0.0

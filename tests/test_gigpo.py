@@ -193,7 +193,7 @@ def test_near_identical_observations_are_distinct_anchors_unless_similarity_is_a
 def test_input_from_episodes_step_rewards_add_up_to_the_return(aggregation):
     """The trainer's conversion: step rewards (with the weighted novelty reward) sum to the episode's return, and
     the state keys are the states the steps answered, verbatim."""
-    from empo2.algo.advantages import combine_returns
+    from empo2.algo.empo2 import combine_returns
     from empo2.train.episode import Episode, Step
 
     def step(obs, reward, intrinsic):

@@ -10,14 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from empo2.algo.losses import (
-    MODES,
-    POLICY_LOSSES,
-    behaviour_logp_for_ratio,
-    get_policy_loss,
-    policy_loss,
-    training_prompt_has_tips,
-)
+from empo2.algo.empo2 import MODES, behaviour_logp_for_ratio, training_prompt_has_tips
+from empo2.algo.losses import POLICY_LOSSES, get_policy_loss, policy_loss
 from empo2.config import Config, ConfigError
 from empo2.config_sections import AlgoConfig
 

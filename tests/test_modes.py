@@ -7,7 +7,8 @@ from collections import Counter
 
 import pytest
 
-from empo2.algo.modes import MODES, ModeSampler
+from empo2.algo.empo2 import MODES
+from empo2.algo.modes import ModeSampler
 from empo2.config import Config
 
 DEFAULT = {"on": 0.75, "on_tips": 0.08, "off_tips": 0.17}

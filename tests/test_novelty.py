@@ -8,7 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from empo2.algo.empo2 import novelty_reward
 from empo2.memory.novelty import NoveltyReward
+
+
+def reward(nov, embs, namespaces=None):
+    """The reward the trainer gives each visit: r_int = 1/n of the store's visit counts."""
+    return novelty_reward(nov.visits(embs, namespaces))
 
 
 def unit(v):
@@ -50,10 +56,10 @@ def clustered_calls(seed, sizes, dim=16):
 def test_repeats_decay_within_a_batch_and_across_batches():
     nov = NoveltyReward(threshold=0.9)
     e = np.eye(8, dtype=np.float32)
-    assert nov.reward(np.stack([e[0]] * 4)).tolist() == [0.25] * 4  # four visits of one new state: 1/4 each
-    assert nov.reward(e[[0]]).tolist() == pytest.approx([1 / 5])
-    assert nov.reward(e[1:5]).tolist() == [1.0] * 4  # new distinct states, visited once
-    assert nov.reward(e[[3, 0, 3]] * 7.0).tolist() == pytest.approx([1 / 3, 1 / 6, 1 / 3])  # scale is irrelevant
+    assert reward(nov, np.stack([e[0]] * 4)).tolist() == [0.25] * 4  # four visits of one new state: 1/4 each
+    assert reward(nov, e[[0]]).tolist() == pytest.approx([1 / 5])
+    assert reward(nov, e[1:5]).tolist() == [1.0] * 4  # new distinct states, visited once
+    assert reward(nov, e[[3, 0, 3]] * 7.0).tolist() == pytest.approx([1 / 3, 1 / 6, 1 / 3])  # scale is irrelevant
     # new states are stored in lexicographic order of their embeddings: e4, e3, e2, e1
     assert len(nov) == 5 and nov.counts().tolist() == [6, 1, 3, 1, 1]
 
@@ -62,7 +68,7 @@ def test_a_state_repeated_in_the_batch_earns_less_than_one_visited_once():
     """An episode looping in one new state against one that visits four new states, in the same batch."""
     e = np.eye(8, dtype=np.float32)
     loop, explore = e[[0, 0, 0, 0]], e[[1, 2, 3, 4]]
-    r = NoveltyReward(0.9).reward(np.concatenate([loop, explore]))
+    r = reward(NoveltyReward(0.9), np.concatenate([loop, explore]))
     assert r[:4].tolist() == [0.25] * 4 and r[4:].tolist() == [1.0] * 4
     assert r[:4].mean() < r[4:].mean()
 
@@ -72,9 +78,9 @@ def test_threshold():
     base = unit([1, 0, 0])
     near = unit([1, 0.3, 0])  # cos(base, near) ≈ 0.958
     far = unit([1, 1.0, 0])  # cos(base, far) ≈ 0.707, cos(near, far) ≈ 0.88
-    assert nov.reward(np.stack([base, near, far])).tolist() == [0.5, 0.5, 1.0]  # base and near are one state
+    assert reward(nov, np.stack([base, near, far])).tolist() == [0.5, 0.5, 1.0]  # base and near are one state
     assert len(nov) == 2 and sorted(nov.counts().tolist()) == [1, 2]
-    assert nov.reward(np.stack([near])).tolist() == pytest.approx([1 / 3])
+    assert reward(nov, np.stack([near])).tolist() == pytest.approx([1 / 3])
 
 
 def test_new_state_clustering_does_not_depend_on_the_batch_order():
@@ -87,8 +93,8 @@ def test_new_state_clustering_does_not_depend_on_the_batch_order():
     for perm in ([0, 1, 2], [1, 0, 2], [2, 1, 0], [1, 2, 0]):
         nov = NoveltyReward(0.9)
         r = np.empty(3)
-        r[perm] = nov.reward(batch[perm])
-        results.append((r.tolist(), nov.reward(batch).tolist(), nov.counts().tolist()))
+        r[perm] = reward(nov, batch[perm])
+        results.append((r.tolist(), reward(nov, batch).tolist(), nov.counts().tolist()))
     assert all(res == results[0] for res in results), results
 
 
@@ -104,10 +110,10 @@ def test_permuting_a_batch_changes_nothing(seed, sizes, threshold, rnd):
     for order in (np.arange(len(batch)), perm):
         nov = NoveltyReward(threshold)
         for call in history:
-            nov.reward(call)
+            reward(nov, call)
         r = np.empty(len(batch))
-        r[order] = nov.reward(batch[order])
-        runs.append((r, nov.counts(), nov.reward(follow)))
+        r[order] = reward(nov, batch[order])
+        runs.append((r, nov.counts(), reward(nov, follow)))
     for got, want in zip(runs[1], runs[0]):
         np.testing.assert_array_equal(got, want)
 
@@ -118,7 +124,7 @@ def test_permuting_a_batch_changes_nothing(seed, sizes, threshold, rnd):
 def test_matches_float64_reference(seed, sizes, threshold):
     calls = clustered_calls(seed, sizes)
     nov = NoveltyReward(threshold)
-    got = [nov.reward(c).tolist() for c in calls]
+    got = [reward(nov, c).tolist() for c in calls]
     want, counts = reference([c.astype(np.float64) for c in calls], threshold)
     for g, w in zip(got, want):
         assert g == pytest.approx(w, rel=1e-12)
@@ -128,22 +134,22 @@ def test_matches_float64_reference(seed, sizes, threshold):
 def test_namespaces_are_separate():
     nov = NoveltyReward()
     e = np.eye(3, dtype=np.float32)
-    nov.reward(e[[0, 0]], ["find-animal", "find-animal"])
-    assert nov.reward(e[[0, 0]], ["find-animal", "find-plant"]).tolist() == pytest.approx([1 / 3, 1.0])
+    reward(nov, e[[0, 0]], ["find-animal", "find-animal"])
+    assert reward(nov, e[[0, 0]], ["find-animal", "find-plant"]).tolist() == pytest.approx([1 / 3, 1.0])
     assert nov.counts("find-animal").tolist() == [3] and nov.counts("find-plant").tolist() == [1]
     with pytest.raises(ValueError):
-        nov.reward(e[[0]], ["a", "b"])
+        reward(nov, e[[0]], ["a", "b"])
 
 
 def test_decay_continues_across_batches_through_the_state_dict():
     e = np.eye(4, dtype=np.float32)
     a = NoveltyReward(0.9)
-    assert a.reward(e[[0, 0, 1]]).tolist() == [0.5, 0.5, 1.0]
+    assert reward(a, e[[0, 0, 1]]).tolist() == [0.5, 0.5, 1.0]
     b = NoveltyReward(0.5)
     b.load_state_dict({k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in a.state_dict().items()})
     assert b.threshold == 0.9
-    assert b.reward(e[[0, 0, 1, 2]]).tolist() == [0.25, 0.25, 0.5, 1.0]
-    assert a.reward(e[[0, 0, 1, 2]]).tolist() == [0.25, 0.25, 0.5, 1.0]
+    assert reward(b, e[[0, 0, 1, 2]]).tolist() == [0.25, 0.25, 0.5, 1.0]
+    assert reward(a, e[[0, 0, 1, 2]]).tolist() == [0.25, 0.25, 0.5, 1.0]
 
 
 def test_state_dict_round_trip_continues_identically():
@@ -151,10 +157,10 @@ def test_state_dict_round_trip_continues_identically():
     x = rng.normal(size=(50, 8)).astype(np.float32)
     x[25:] = x[:25]  # the second half repeats the first
     a = NoveltyReward(0.9)
-    a.reward(x[:30])
+    reward(a, x[:30])
     b = NoveltyReward(0.5)
     b.load_state_dict({k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in a.state_dict().items()})
-    np.testing.assert_array_equal(a.reward(x[30:]), b.reward(x[30:]))
+    np.testing.assert_array_equal(reward(a, x[30:]), reward(b, x[30:]))
     sd = b.state_dict()["namespaces"][""]
     assert sd["embeddings"].dtype == np.float32 and sd["counts"].dtype == np.int64
     np.testing.assert_allclose(np.linalg.norm(sd["embeddings"], axis=1), 1.0, rtol=1e-6)
@@ -199,11 +205,11 @@ def test_episodes_through_the_trainer_hook(embedder):
 
 def test_bad_input():
     nov = NoveltyReward()
-    assert nov.reward(np.zeros((0, 4))).shape == (0,)
-    nov.reward(np.eye(4))
+    assert reward(nov, np.zeros((0, 4))).shape == (0,)
+    reward(nov, np.eye(4))
     with pytest.raises(ValueError):
-        nov.reward(np.eye(3))
+        reward(nov, np.eye(3))
     with pytest.raises(ValueError):
-        nov.reward(np.zeros((1, 4)))
+        reward(nov, np.zeros((1, 4)))
     with pytest.raises(ValueError):
-        nov.reward(np.ones(4))
+        reward(nov, np.ones(4))

@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from empo2.algo.empo2 import step_rewards_with_novelty
+
 EQUAL_RTOL = 1e-9
 """Returns of a group that differ by at most this × max(1, |R|) count as equal (advantage exactly 0)."""
 
@@ -92,7 +94,8 @@ class AdvantageInput:
     """Step-level data of N episodes (see the module docstring)."""
 
     returns: np.ndarray
-    """[N] float64: each episode's return (extrinsic + weighted intrinsic; = the sum of its step rewards)."""
+    """[N] float64: each episode's return (extrinsic + weighted intrinsic, :func:`empo2.algo.empo2.combine_returns`;
+    = the sum of its step rewards)."""
     group_ids: np.ndarray
     """[N] int64: the GRPO group (same task and variation, same rollout batch)."""
     step_rewards: list[np.ndarray]
@@ -250,53 +253,16 @@ def _checked(inp: AdvantageInput) -> AdvantageInput:
 
 
 def step_rewards(episodes, intrinsic_weight: float, aggregation: str = "mean") -> list[np.ndarray]:
-    """Each step's reward r_t + w·r_int_t, the one source of every estimator's input and of the return.
+    """Each step's reward r_t + w·r_int_t (EMPO²'s return, :func:`empo2.algo.empo2.step_rewards_with_novelty`), the
+    one source of every estimator's input and of the return.
 
-    episodes: plain data, ``steps`` with ``reward`` (extrinsic) and ``intrinsic`` (novelty); with ``mean``
-    aggregation (the config's default) the weight is w / T_i, so an episode's intrinsic part is w · mean_t r_int_t
-    (:func:`combine_returns`) and a long episode is not paid for its length -> N arrays [T_i] float64.
+    episodes: plain data, ``steps`` with ``reward`` (extrinsic) and ``intrinsic`` (novelty) -> N arrays [T_i] float64.
     """
-    rewards = []
-    for ep in episodes:
-        w = intrinsic_weight / max(len(ep.steps), 1) if aggregation == "mean" else intrinsic_weight
-        rewards.append(np.array([s.reward + w * s.intrinsic for s in ep.steps], dtype=np.float64))
-    return rewards
+    return [step_rewards_with_novelty([s.reward for s in ep.steps], [s.intrinsic for s in ep.steps],
+                                      intrinsic_weight, aggregation) for ep in episodes]
 
 
 def returns_of(rewards: Sequence[np.ndarray]) -> np.ndarray:
     """R_i = Σ_t r_t of each episode's step rewards [N] float64. ``math.fsum`` rounds once, so two episodes whose
     steps earn the same rewards in another order get the same return (and a group of them no advantage)."""
     return np.array([math.fsum(r) for r in rewards], dtype=np.float64)
-
-
-def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:
-    """R = R_ext + w · R_int.
-
-    extrinsic [N], intrinsic_returns [N] (each episode's intrinsic return: the mean or the sum of its steps' novelty
-    rewards, ``algo.intrinsic_aggregation``, see ``Episode.intrinsic_return``), weight w -> R [N] float64.
-    """
-    ext = _as_numpy(extrinsic, np.float64)  # [N]
-    intr = _as_numpy(intrinsic_returns, np.float64)  # [N]
-    if ext.shape != intr.shape:
-        raise ValueError(f"extrinsic {ext.shape} and intrinsic_returns {intr.shape} must have the same length")
-    return ext + float(weight) * intr
-
-
-def intrinsic_weight(algo, iteration: int, total_iterations: int) -> float:
-    """Weight w of the intrinsic reward at ``iteration`` (0-based) of ``total_iterations``, from an ``AlgoConfig``.
-
-    - ``algo.intrinsic_schedule = constant``: ``algo.intrinsic_weight`` (0 = intrinsic reward off).
-    - ``linear``: ``algo.intrinsic_weight_start`` at iteration 0, ``algo.intrinsic_weight_end`` at iteration
-      ``n - 1`` and after, linear in between (``algo.intrinsic_weight`` is ignored), where n is
-      ``algo.intrinsic_schedule_iterations``, or ``total_iterations`` where that is 0.
-    """
-    schedule = algo.intrinsic_schedule
-    if schedule == "constant":
-        return float(algo.intrinsic_weight)
-    if schedule == "linear":
-        start, end = algo.intrinsic_weight_start, algo.intrinsic_weight_end
-        span = max(int(getattr(algo, "intrinsic_schedule_iterations", 0) or total_iterations) - 1, 1)
-        frac = min(max(iteration / span, 0.0), 1.0)
-        return float(start + (end - start) * frac)
-    raise ValueError(f"unknown intrinsic schedule {schedule!r}; use 'constant' or 'linear'")
-

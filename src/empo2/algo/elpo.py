@@ -8,7 +8,8 @@ Nodes are numbered 0..S−1; a node shared by several paths is one update row.
 
 Binary error localisation (BEL, §4.1, Algorithm 1):
 
-- :func:`token_entropy` (Eq. 3) — H = −Σ_j p_j log p_j per generated token.
+- :func:`token_entropy` (Eq. 3) — H = −Σ_j p_j log p_j per generated token; :func:`sampled_entropy`, its estimate
+  from the sampled tokens' log-probs, which is what the rollout has.
 - :func:`entropy_gap`, :func:`choose_search` (Eq. 4) — τ*_search = argmax_τ∈B (H^tool(τ) − H^root(τ)).
 - :func:`suffix_count` (Eq. 5) — X_m = X_min + (X_max − X_min)·σ(β(H^tool_m − H^root)) suffixes at anchor m.
 - :class:`CriticalStepSearch` (Algorithm 1, lines 22–46) — the binary search for the first irrecoverable step t_crit;
@@ -24,8 +25,11 @@ Advantages (§4.2):
 
 Error-localised clipping (§4.3):
 
-- :func:`critical_clip_low` (Eq. 11) — ε^t_low = ε_low + ε_elc on the searched trajectory's steps t ≥ t_crit.
-- :func:`elc_surrogate` (Eq. 12) — min(ρ·A_hier, clip(ρ, 1 − ε^t_low, 1 + ε_high)·A_hier).
+- :func:`critical_steps`, :func:`elc_clip_low`, :func:`critical_clip_low` (Eq. 11) — ε^t_low = ε_low + ε_elc on the
+  searched trajectory's steps t ≥ t_crit, ε_low elsewhere.
+- :func:`elc_surrogate` (Eq. 12) — min(ρ·A_hier, clip(ρ, 1 − ε^t_low, 1 + ε_high)·A_hier); :func:`elpo_loss`, the
+  registered loss, is Eq. 12 through the shared clipped surrogate (:func:`empo2.algo.losses.policy_loss`) with the
+  per-row lower bound of Eq. 11.
 
 Where the text is silent, the worked tree of App. B (Figure 4) decides: σ is the POPULATION std (ddof 0) at both
 levels; a child whose siblings all have the same r gets A_b = 0; a node with a single child passes its own A_b on to
@@ -35,6 +39,7 @@ defaults are the module constants below.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +48,7 @@ import numpy as np
 import torch
 
 from empo2.algo.advantages import AdvantageInput, register_advantage
+from empo2.algo.losses import policy_loss, register_policy_loss
 
 # Table 2 (App. C).
 N_TOTAL = 16
@@ -203,14 +209,25 @@ def tree_paths(parents: Sequence[tuple[int, int] | None], lengths: Sequence[int]
 
 
 # ----------------------------------------------------------------------------------------------- clipping
+def critical_steps(n_steps: int, t_crit: int | None) -> np.ndarray:
+    """Eq. 11's scope on one trajectory of ``n_steps`` steps: [T] bool, True on steps t_crit..T (1-based, the
+    critical step and its suffix); ``t_crit=None`` (not searched) = none."""
+    out = np.zeros(n_steps, dtype=bool)
+    if t_crit is not None:
+        out[max(int(t_crit) - 1, 0):] = True
+    return out
+
+
+def elc_clip_low(critical, eps_low: float = EPS_LOW, eps_elc: float = EPS_ELC):
+    """Eq. 11: ε^t_low = ε_low + ε_elc where ``critical`` (a float64 array or tensor of 0/1), else ε_low."""
+    return float(eps_low) + float(eps_elc) * critical
+
+
 def critical_clip_low(n_steps: int, t_crit: int | None, eps_low: float = EPS_LOW,
                       eps_elc: float = EPS_ELC) -> np.ndarray:
     """Eq. 11 for one trajectory of ``n_steps`` steps: ε^t_low [T] float64, ε_low + ε_elc on steps t_crit..T
-    (1-based, the critical step and its suffix), ε_low elsewhere; ``t_crit=None`` (not searched) = ε_low throughout."""
-    out = np.full(n_steps, float(eps_low))
-    if t_crit is not None:
-        out[max(int(t_crit) - 1, 0):] += float(eps_elc)
-    return out
+    (:func:`critical_steps`), ε_low elsewhere; ``t_crit=None`` (not searched) = ε_low throughout."""
+    return elc_clip_low(critical_steps(n_steps, t_crit).astype(np.float64), eps_low, eps_elc)
 
 
 def node_clip_low(paths: Sequence[Sequence[int]], critical: dict[int, int], eps_low: float = EPS_LOW,
@@ -233,11 +250,35 @@ def elc_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: torch.Tensor
     return torch.minimum(ratio * adv, clipped * adv)
 
 
+@register_policy_loss("elpo")
+def elpo_loss(logp_new, logp_old, advantages, response_mask, algo, *, critical: torch.Tensor | None = None,
+              **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
+    """Eq. 12 as the ``elpo`` loss: GRPO's clipped surrogate, without the low-probability mask or the dual clip,
+    whose lower bound is 1 − ε^t_low of Eq. 11 per row: ε_low + ε_elc on rows in a searched failure's critical
+    suffix (``critical`` [B] bool, :func:`critical_steps`) and ε_low elsewhere; ε_low = ``algo.epsilon``,
+    ε_elc = ``algo.elpo_eps_elc``, ε_high = ``algo.epsilon_high``. Metric ``critical_rows``: the rows with the wider
+    bound."""
+    clip_low = None
+    if critical is not None:
+        clip_low = elc_clip_low(critical.to(logp_new.device, torch.float64), algo.epsilon, algo.elpo_eps_elc)  # [B]
+    loss, metrics = policy_loss(logp_new, logp_old, advantages, response_mask,
+                                dataclasses.replace(algo, low_prob_threshold=0.0, dual_clip=0.0), clip_low=clip_low,
+                                **kwargs)
+    metrics["critical_rows"] = float(critical.sum()) if critical is not None else 0.0
+    return loss, metrics
+
+
 # ----------------------------------------------------------------------------------------------- BEL
 def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     """Eq. 3: logits [..., V] -> H [...] = −Σ_j p_j log p_j (nats), with p = softmax(logits)."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return -(logp.exp() * logp).sum(dim=-1)
+
+
+def sampled_entropy(logp: Sequence[float]) -> float:
+    """Eq. 3 estimated from one response's sampled tokens: the mean surprisal −mean_t log π(a_t), whose expectation
+    is the mean token entropy (the generation keeps only the sampled tokens' log-probs); 0 for no tokens."""
+    return float(-np.mean(logp)) if len(logp) else 0.0
 
 
 def entropy_gap(step_entropy: Sequence[float]) -> float:

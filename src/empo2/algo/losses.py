@@ -1,5 +1,7 @@
-"""Policy losses (a registry, verl-style): the EMPO² clipped surrogate with the low-probability mask (the paper's
-masked GRPO objective and off-policy ratio, Liu et al. 2026; docs/fidelity.md, *The loss*).
+"""Policy losses (a registry, verl-style): the clipped surrogate GRPO, EMPO² and the other methods share, and EMPO²'s
+loss built from it (the paper's masked GRPO objective, Liu et al. 2026; docs/fidelity.md, *The loss*). EMPO²'s own
+terms, the off-policy ratio's denominator, the low-probability mask and the rows the KL term covers, are the
+functions of :mod:`empo2.algo.empo2`; this module adds the shared pieces (clip, dual clip, k3, aggregation, guards).
 
 Per valid response token t of row i (objective, to be maximised)::
 
@@ -9,8 +11,8 @@ Per valid response token t of row i (objective, to be maximised)::
     keep   = π_θ(a_t) ≥ δ             π_θ = exp(logp_new), detached   low-probability mask (δ = 0: off)
     loss_t = −obj·keep + β·k3·on,     k3 = exp(ref − new) − (ref − new) − 1
 
-where ``on`` is 0 on ``off_tips`` rows: their tokens were sampled with tips, so averaging k3 over them estimates no
-KL(π_θ(·|s, u) ‖ π_ref(·|s, u)); the other rows train on the prompt they were sampled from.
+where ``keep`` is :func:`empo2.algo.empo2.low_probability_mask` and ``on`` is 0 on ``off_tips`` rows
+(:func:`empo2.algo.empo2.trains_on_rollout_prompt`).
 
 ``token_mean``:    loss = Σ_{i,t} loss_t / Σ_{i,t} response_mask      (the paper's 1/(N·T); masked tokens count in T)
 ``sequence_mean``: loss = mean_i [ Σ_t loss_t / Σ_t response_mask ]   (rows with no valid token are left out)
@@ -22,7 +24,7 @@ and reads its knobs from ``algo``, the run's ``algo`` config section (ε_low = `
 ``loss_type``), so a new loss with a new knob reads it there and the update that calls it does not change. The
 section is checked when the config loads, so a loss does not check its knobs again.
 
-Which log-probs go where (the trainer's job; see :func:`behaviour_logp_for_ratio`):
+Which log-probs go where (the trainer's job; see :func:`empo2.algo.empo2.behaviour_logp_for_ratio`):
 
 - ``logp_new``: current policy on the TRAINING prompt: with tips for ``on_tips``, WITHOUT tips for ``on`` and
   ``off_tips``. So for ``off_tips`` rows the mask tests π_θ(a | tip-free prompt), as in the paper.
@@ -30,9 +32,7 @@ Which log-probs go where (the trainer's job; see :func:`behaviour_logp_for_ratio
   is π_old(a | s, u, tips) (paper), or the old policy on the tip-free prompt with ``off_policy_ratio="tip_free"``.
 
 Sequence granularity (released code): a whole row is dropped when ANY of its valid tokens has
-``logp_old < log δ`` (the released code uses a fixed −5.0 ≈ log 0.0067 and ships it switched off); here the
-threshold is ``log δ`` of the same ``low_prob_threshold`` field, and the test is on the behaviour (old) log-probs,
-not π_θ.
+``logp_old < log δ``; the threshold is ``log δ`` of the same ``low_prob_threshold`` field.
 
 Numerics: the log-ratio is clamped to [−20, 20] before ``exp`` (no effect on ordinary ratios); padded and masked
 positions are replaced by 0 BEFORE any arithmetic, so junk (±inf, NaN) there can never leak into the loss or the
@@ -44,13 +44,12 @@ non-finite, :func:`policy_loss` returns a zero loss whose gradient is exactly ze
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from empo2.algo.modes import MODES
+from empo2.algo.empo2 import MODES, check_mode, low_probability_mask, trains_on_rollout_prompt
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -77,37 +76,6 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES[name]
 
 
-def training_prompt_has_tips(mode: str) -> bool:
-    """Whether ``logp_new`` for a row of this mode is computed on a prompt WITH tips (only ``on_tips``)."""
-    _check_mode(mode)
-    return mode == "on_tips"
-
-
-def behaviour_logp_for_ratio(
-    mode: str,
-    logp_old_with_tips: torch.Tensor,
-    logp_old_tip_free: torch.Tensor | None = None,
-    variant: str = "paper",
-) -> torch.Tensor:
-    """The denominator log-probs π_old(a|·) of the ratio for one row (or rows) of ``mode``. Shapes [T] or [B, T].
-
-    ``logp_old_with_tips`` are the behaviour log-probs recorded at rollout on the rollout prompt (which has tips for
-    ``on_tips``/``off_tips``; for ``on`` it is simply the tip-free rollout prompt). ``logp_old_tip_free`` are
-    old-policy log-probs of the same tokens recomputed on the tip-free prompt (needed only for ``off_tips`` with
-    ``variant="tip_free"``). ``variant`` is ``algo.off_policy_ratio``.
-
-    - ``on`` / ``on_tips``: rollout prompt == training prompt -> ``logp_old_with_tips``.
-    - ``off_tips``, ``paper``:    ρ = π_θ(a|s,u) / π_old(a|s,u,tips) -> ``logp_old_with_tips``.
-    - ``off_tips``, ``tip_free``: ρ = π_θ(a|s,u) / π_old(a|s,u)      -> ``logp_old_tip_free``.
-    """
-    _check_mode(mode)
-    if mode == "off_tips" and variant == "tip_free":
-        if logp_old_tip_free is None:
-            raise ValueError("variant 'tip_free' needs logp_old_tip_free for off_tips rows")
-        return logp_old_tip_free
-    return logp_old_with_tips
-
-
 @register_policy_loss("empo2")
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
                 algo: Any, *, logp_ref: torch.Tensor | None = None, modes: Sequence[str] | None = None,
@@ -118,7 +86,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     Returns ``(loss scalar, metrics)``; see the module docstring for the formula. Gradient flows through ``logp_new``
     only. Metrics (python floats): ratio_mean, ratio_max, clip_frac, dual_clip_frac, masked_frac, approx_kl, kl_ref,
     valid_tokens, kept_tokens, skipped, and loss_<mode> for each mode present in ``modes``. ``clip_low`` [B]: a
-    per-row ε_low in place of ``algo.epsilon`` (ELPO's error-localised clip, :func:`elpo_loss`).
+    per-row ε_low in place of ``algo.epsilon`` (ELPO's error-localised clip, :func:`empo2.algo.elpo.elpo_loss`).
     """
     _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes)
     epsilon, epsilon_high, dual_clip = algo.epsilon, algo.epsilon_high, algo.dual_clip
@@ -127,13 +95,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     adv = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(logp_new)  # [B, T]
     adv = torch.where(valid, adv.to(logp_new.dtype), 0.0)  # [B, T]
 
-    # Low-probability mask: on π_θ (token) or on the behaviour log-probs (sequence, released code).
-    keep = valid  # [B, T]
-    if delta > 0 and granularity == "token":
-        keep = valid & (logp_new.detach() >= math.log(delta))  # π_θ(a_t) ≥ δ
-    elif delta > 0:
-        bad_row = (valid & ~(logp_old >= math.log(delta))).any(dim=1, keepdim=True)  # [B, 1]
-        keep = valid & ~bad_row
+    keep = low_probability_mask(logp_new, logp_old, valid, delta, granularity)  # [B, T]
 
     log_ratio = torch.where(keep, logp_new - logp_old, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
@@ -150,8 +112,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
 
     k3 = torch.zeros_like(logp_new)  # [B, T]
     if logp_ref is not None:
-        ref_log_ratio = torch.where(valid, logp_ref - logp_new, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        k3 = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0  # [B, T], ≥ 0
+        k3 = k3_kl(logp_ref, logp_new, valid)  # [B, T], ≥ 0
         if beta > 0:
             token_loss = token_loss + beta * torch.where(_kl_rows(valid, modes), k3, 0.0)
 
@@ -163,12 +124,19 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     return _skip_if_not_finite(loss, metrics, logp_new, [logp_old, adv, logp_ref], valid)
 
 
+def k3_kl(logp_ref: torch.Tensor, logp_new: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The low-variance k3 estimate of KL(π_θ ‖ π_ref) per sampled token: exp(ref − new) − (ref − new) − 1 [B, T],
+    ≥ 0; 0 where not ``valid`` (the log-ratio is zeroed there and clamped to ±``LOG_RATIO_CLAMP``)."""
+    ref_log_ratio = torch.where(valid, logp_ref - logp_new, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
+
+
 def _kl_rows(valid: torch.Tensor, modes: Sequence[str] | None) -> torch.Tensor:
     """[B, T]: the valid tokens of the rows whose KL term is an estimate of the KL on their training prompt (every
     row but ``off_tips``)."""
     if modes is None:
         return valid
-    on_prompt = torch.tensor([m != "off_tips" for m in modes], device=valid.device)  # [B]
+    on_prompt = torch.tensor([trains_on_rollout_prompt(m) for m in modes], device=valid.device)  # [B]
     return valid & on_prompt[:, None]
 
 
@@ -233,11 +201,6 @@ def _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3,
     }
 
 
-def _check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
-
-
 def _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes):
     if logp_new.dim() != 2:
         raise ValueError(f"logp_new must be [B, T], got {tuple(logp_new.shape)}")
@@ -251,7 +214,7 @@ def _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes):
         if len(modes) != logp_new.shape[0]:
             raise ValueError(f"modes has {len(modes)} entries for {logp_new.shape[0]} rows")
         for m in modes:
-            _check_mode(m)
+            check_mode(m)
 
 
 def micro_batch_share(algo: Any, valid_tokens: int, rows: int, mini_tokens: float, mini_rows: float) -> float:
@@ -266,21 +229,3 @@ def grpo_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) -> 
     """``grpo``: :func:`policy_loss` without the low-probability mask (``algo.low_prob_threshold`` is taken as 0)."""
     no_mask = dataclasses.replace(algo, low_prob_threshold=0.0)
     return policy_loss(logp_new, logp_old, advantages, response_mask, no_mask, **kwargs)
-
-
-
-@register_policy_loss("elpo")
-def elpo_loss(logp_new, logp_old, advantages, response_mask, algo, *, critical: torch.Tensor | None = None,
-              **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
-    """``elpo`` (Liang et al., 2026, Eq. 11–12): GRPO's clipped surrogate, without the low-probability mask or the
-    dual clip, whose lower bound is 1 − (ε_low + ε_elc) on rows in a searched failure's critical suffix
-    (``critical`` [B] bool) and 1 − ε_low elsewhere; ε_low = ``algo.epsilon``, ε_elc = ``algo.elpo_eps_elc``,
-    ε_high = ``algo.epsilon_high``. Metric ``critical_rows``: the rows with the wider bound."""
-    clip_low = None
-    if critical is not None:
-        clip_low = algo.epsilon + algo.elpo_eps_elc * critical.to(logp_new.device, torch.float64)  # [B]
-    loss, metrics = policy_loss(logp_new, logp_old, advantages, response_mask,
-                                dataclasses.replace(algo, low_prob_threshold=0.0, dual_clip=0.0), clip_low=clip_low,
-                                **kwargs)
-    metrics["critical_rows"] = float(critical.sum()) if critical is not None else 0.0
-    return loss, metrics

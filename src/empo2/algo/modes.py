@@ -1,9 +1,5 @@
-"""Rollout-mode sampling (the paper's three learning modes; docs/fidelity.md, *The loop*): ``on`` / ``on_tips`` /
-``off_tips`` with configured probabilities.
-
-- ``on``: roll out and train without memory.
-- ``on_tips``: roll out with retrieved tips and train on the same tip-conditioned prompt.
-- ``off_tips``: roll out with tips, train on the tip-free prompt (off-policy ratio, see ``empo2.algo.losses``).
+"""Rollout-mode sampling: the paper's three learning modes (``on`` / ``on_tips`` / ``off_tips``, defined with their
+probabilities in :mod:`empo2.algo.empo2`; docs/fidelity.md, *The loop*) drawn with configured probabilities.
 
 The sampler owns a seeded numpy ``PCG64`` stream; its :meth:`ModeSampler.state_dict` stores the stream position,
 so a resumed run draws exactly the modes the uninterrupted run would have drawn.
@@ -15,16 +11,16 @@ from typing import Any
 
 import numpy as np
 
-MODES = ("on", "on_tips", "off_tips")
+from empo2.algo.empo2 import MODES
 
 
 class ModeSampler:
     """Draw a mode per batch (one draw, repeated for every group) or per group (one draw each).
 
     ``probs``: mode -> probability, over a subset of :data:`MODES` (missing modes get 0); must sum to 1 (±1e-6,
-    then renormalised). Default config: ``{"on": 0.75, "on_tips": 0.08, "off_tips": 0.17}`` (the ``empo2`` entry of
-    ``empo2.algo.registry``). ``granularity`` is ``algo.mode_granularity``: ``group`` draws per group, anything else
-    once per batch.
+    then renormalised). Default config: ``{"on": 0.75, "on_tips": 0.08, "off_tips": 0.17}``
+    (:func:`empo2.algo.empo2.mode_probabilities`). ``granularity`` is ``algo.mode_granularity``: ``group`` draws per
+    group, anything else once per batch.
     """
 
     def __init__(self, probs: dict[str, float], seed: int = 0, granularity: str = "batch"):

@@ -21,7 +21,7 @@ from empo2.algo import (
     luffy,  # noqa: F401 - registers the "luffy" advantage estimator and LUFFY's losses
     proxmo,  # noqa: F401 - registers the "proxmo" advantage estimator
 )
-from empo2.algo.modes import MODES
+from empo2.algo.empo2 import MODES, mode_probabilities
 
 
 def on_policy_only(algo_cfg: Any) -> dict[str, float]:
@@ -31,8 +31,7 @@ def on_policy_only(algo_cfg: Any) -> dict[str, float]:
 
 def empo2_modes(algo_cfg: Any) -> dict[str, float]:
     """EMPO²'s three modes from ``algo.p_memory`` (on_tips + off_tips) and ``algo.p_off_policy`` (off_tips)."""
-    pm, po = algo_cfg.p_memory, algo_cfg.p_off_policy
-    return {"on": 1 - pm, "on_tips": pm - po, "off_tips": po}
+    return mode_probabilities(algo_cfg.p_memory, algo_cfg.p_off_policy)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,6 @@
-"""Intrinsic novelty reward (paper): r_int = 1/n over a store of distinct state embeddings, per namespace.
+"""The counts behind the intrinsic novelty reward: a store of distinct state embeddings with visit counts, per
+namespace. The reward itself, r_int = 1/n of the count n this store gives each visit, is
+:func:`empo2.algo.empo2.novelty_reward`.
 
 Definition used here. Each namespace (a task) holds distinct states s_1..s_M (unit-norm embeddings of observations)
 and a visit count n_j for each. A batch of visits x_1..x_N is counted as a whole, together with the counts from before
@@ -9,9 +11,9 @@ it:
    of their embedding values, and each joins the most similar new state found so far if it is within ``threshold``,
    else it starts a new state of its own (its embedding is the one stored).
 2. With n_before_j the count of state j before the batch (0 for a new state) and n_batch_j the number of this batch's
-   visits assigned to j, every visit assigned to j earns
+   visits assigned to j, every visit assigned to j counts n(x) = n_before_j + n_batch_j and earns
 
-       r(x) = 1 / (n_before_j + n_batch_j)
+       r(x) = 1 / n(x) = 1 / (n_before_j + n_batch_j)
 
    and the store's count becomes n_before_j + n_batch_j.
 
@@ -70,7 +72,8 @@ class _Store:
 
 
 class NoveltyReward:
-    """Per-namespace stores of distinct state embeddings with visit counts. Pure numpy; the caller embeds states."""
+    """Per-namespace stores of distinct state embeddings with visit counts, the state of the novelty reward. Pure
+    numpy; the caller embeds states and turns the counts into rewards."""
 
     def __init__(self, threshold: float = 0.9):
         self.threshold = float(threshold)
@@ -85,9 +88,10 @@ class NoveltyReward:
         store = self._stores.get(namespace)
         return store.counts.copy() if store else np.zeros(0, dtype=np.int64)
 
-    def reward(self, embs: np.ndarray, namespaces: Sequence[str] | None = None) -> np.ndarray:
-        """embs [N, d] (re-normalised here), namespaces N strings (default: one namespace) -> rewards [N] float64
-        in (0, 1]: 1 / (visits before this call + visits in this call) of the state each visit is assigned to."""
+    def visits(self, embs: np.ndarray, namespaces: Sequence[str] | None = None) -> np.ndarray:
+        """Count a batch of visits. embs [N, d] (re-normalised here), namespaces N strings (default: one namespace)
+        -> n [N] int64 ≥ 1: the visits before this call + the visits in this call of the state each visit is
+        assigned to (the n of r_int = 1/n)."""
         x = np.asarray(embs, dtype=np.float32)
         if x.ndim != 2:
             raise ValueError(f"embeddings must be [N, d], got shape {x.shape}")
@@ -96,20 +100,20 @@ class NoveltyReward:
         if len(names) != n:
             raise ValueError(f"{len(names)} namespaces for {n} embeddings")
         if n == 0:
-            return np.zeros((0,), dtype=np.float64)
+            return np.zeros((0,), dtype=np.int64)
         norms = np.linalg.norm(x, axis=1, keepdims=True)  # [N, 1]
         if not np.all(np.isfinite(x)) or np.any(norms == 0):
             raise ValueError("embeddings must be finite and non-zero")
         x = x / norms  # [N, d]
-        rewards = np.empty(n, dtype=np.float64)  # [N]
+        visits = np.empty(n, dtype=np.int64)  # [N]
         for name in dict.fromkeys(names):
             rows = np.array([i for i, ns in enumerate(names) if ns == name])
             store = self._stores.setdefault(name, _Store(np.zeros((0, d), np.float32), np.zeros(0, np.int64)))
             if store.embs.shape[1] != d:
                 raise ValueError(f"embedding dim {d} does not match the store's {store.embs.shape[1]}")
             state = store.count_batch(x[rows], self.threshold)  # [K]
-            rewards[rows] = 1.0 / store.counts[state]
-        return rewards
+            visits[rows] = store.counts[state]
+        return visits
 
     def state_dict(self) -> dict[str, Any]:
         """For a checkpoint: ``threshold`` and per namespace ``embeddings`` [M, d] float32 and ``counts`` [M] int64."""

@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from empo2.agent.prompts import PromptParts, hints_text
 from empo2.algo import elpo
 from empo2.envs.base import state_of
@@ -26,8 +24,8 @@ from empo2.train.rollout import ActionSource, RolloutContext, _play, _reset, mod
 
 
 def step_entropy(step: Step) -> float:
-    """Mean surprisal of the step's sampled tokens (an unbiased estimate of its mean token entropy, Eq. 3)."""
-    return float(-np.mean(step.logp_old)) if step.logp_old else 0.0
+    """The step's entropy (Eq. 3) estimated from its sampled tokens (:func:`empo2.algo.elpo.sampled_entropy`)."""
+    return elpo.sampled_entropy(step.logp_old)
 
 
 @dataclass

@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-MEMORY_MODES = ("on_tips", "off_tips")
-"""The modes whose rollouts retrieve tips (the paper's memory-augmented rollouts)."""
+from empo2.algo.empo2 import intrinsic_return
 
 
 @dataclass
@@ -85,11 +84,8 @@ class Episode:
         return float(sum(s.reward for s in self.steps))
 
     def intrinsic_return(self, aggregation: str = "mean") -> float:
-        """The episode's novelty reward: mean over its steps (a long episode is not paid for its length) or sum."""
-        values = [s.intrinsic for s in self.steps]
-        if not values:
-            return 0.0
-        return float(np.mean(values) if aggregation == "mean" else np.sum(values))
+        """The episode's novelty reward R_int (:func:`empo2.algo.empo2.intrinsic_return`): mean or sum."""
+        return intrinsic_return([s.intrinsic for s in self.steps], aggregation)
 
     @property
     def accepted_rate(self) -> float:

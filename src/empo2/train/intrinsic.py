@@ -7,15 +7,17 @@ import dataclasses
 
 import numpy as np
 
+from empo2.algo.empo2 import novelty_reward
 from empo2.train.distributed import Dist, gather_in_order
 from empo2.train.episode import Episode
 
 
 def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | None = None) -> list[Episode]:
     """``episodes`` again, as new episodes whose steps carry in ``Step.intrinsic`` the novelty reward of the state each
-    step reached (the given episodes and steps are left as they were), within its task's namespace:
-    1/(n_before + n_batch) for a state visited n_before times before this batch and n_batch times in it, all of this
-    batch's visits counted together (see :mod:`empo2.memory.novelty`). A state an episode loops in earns less at every
+    step reached (the given episodes and steps are left as they were), within its task's namespace: 1/n
+    (:func:`empo2.algo.empo2.novelty_reward`) with n = n_before + n_batch for a state visited n_before times before
+    this batch and n_batch times in it, all of this batch's visits counted together (:mod:`empo2.memory.novelty`). A
+    state an episode loops in earns less at every
     visit than one it sees once, and the rewards do not depend on the order of ``episodes``.
 
     With a data-parallel ``dist`` the counts are taken over every rank's episodes in global order
@@ -42,7 +44,8 @@ def _novelty_fn(novelty):
         if not sum(sizes):
             return [np.zeros(0) for _ in per_episode]
         tasks = [task for task, e in per_episode for _ in range(len(e))]
-        flat = np.asarray(novelty.reward(np.concatenate([e for _, e in per_episode if len(e)]), tasks), np.float64)
+        visits = novelty.visits(np.concatenate([e for _, e in per_episode if len(e)]), tasks)
+        flat = np.asarray(novelty_reward(visits), np.float64)
         bounds = np.cumsum([0] + sizes)
         return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
     return fn

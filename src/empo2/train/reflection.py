@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from empo2.agent.reflection import memory_entry, parse_tip, reflection_messages
+from empo2.algo.empo2 import MEMORY_MODES
 from empo2.config_sections import MemoryConfig
 from empo2.policy.sampling import Sampling
-from empo2.train.episode import MEMORY_MODES, Episode, namespace_of
+from empo2.train.episode import Episode, namespace_of
 from empo2.train.rollout import RolloutContext, generate, row_seeds
 
 

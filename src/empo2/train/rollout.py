@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from empo2.agent.prompts import PromptParts, hints_text, parse_action, render_prompt_ids
+from empo2.algo.empo2 import MEMORY_MODES, training_prompt_has_tips
 from empo2.config_sections import MemoryConfig, PolicyConfig
 from empo2.envs.base import state_of
 from empo2.envs.pool import WorkerError
@@ -23,7 +24,7 @@ from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions, HeadMemo
 from empo2.policy.sampling import Sampling
 from empo2.policy.seeded import row_seed
-from empo2.train.episode import MEMORY_MODES, Episode, Step, namespace_of
+from empo2.train.episode import Episode, Step, namespace_of
 from empo2.train.protocols import Embedder, EnvWorkers, MemorySync, TipStore, Tokenizer
 
 
@@ -196,7 +197,7 @@ def _render(ctx, episodes, parts, active, tips, stats) -> tuple[list[list[int]],
         ids = render_prompt_ids(ctx.tokenizer, p, pcfg.history_window, pcfg.max_prompt_length)
         stats["long_prompts"] += len(ids) > pcfg.max_prompt_length
         prompts.append(ids)
-        if episodes[i].mode == "off_tips" and p.tips:
+        if p.tips and not training_prompt_has_tips(episodes[i].mode):
             ids = render_prompt_ids(ctx.tokenizer, p.without_tips(), pcfg.history_window, pcfg.max_prompt_length)
         train_prompts.append(ids)
     return prompts, train_prompts

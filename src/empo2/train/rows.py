@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from empo2.algo.elpo import critical_steps
+
 
 @dataclass
 class UpdateRow:
@@ -31,10 +33,10 @@ def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]
     """One row per generated step of ``episodes``; ``step_advantages[i][t]`` is step t of episode i."""
     rows = []
     for ep, advs in zip(episodes, step_advantages):
-        t_crit = getattr(ep, "critical_step", None)
-        for t, (step, a) in enumerate(zip(ep.steps, advs), start=1):
+        critical = critical_steps(len(ep.steps), getattr(ep, "critical_step", None))  # ELPO's Eq. 11 scope
+        for step, a, crit in zip(ep.steps, advs, critical):
             if step.response_ids:
                 rows.append(UpdateRow(step.train_prompt_ids, step.response_ids, list(step.logp_old), float(a),
                                       ep.mode, rollout_prompt=step.prompt_ids, off_policy=ep.expert,
-                                      critical=t_crit is not None and t >= t_crit))
+                                      critical=bool(crit)))
     return rows

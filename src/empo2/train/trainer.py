@@ -36,9 +36,9 @@ from empo2.algo.advantages import (
     AdvantageInput,
     AdvantageOptions,
     compute_advantages,
-    intrinsic_weight,
     step_rewards,
 )
+from empo2.algo.empo2 import intrinsic_weight
 from empo2.envs.factory import env_label
 from empo2.policy.seeded import row_seed
 from empo2.train import checkpoint as ckpt

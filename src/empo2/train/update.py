@@ -12,7 +12,8 @@ from contextlib import nullcontext
 
 import torch
 
-from empo2.algo.losses import behaviour_logp_for_ratio, micro_batch_share
+from empo2.algo.empo2 import behaviour_logp_for_ratio, uses_tip_free_old_logp
+from empo2.algo.losses import micro_batch_share
 from empo2.config import Config
 from empo2.policy import prefix as px
 from empo2.policy.generate import scoring_temperature
@@ -218,14 +219,14 @@ class PolicyUpdate:
     def _tip_free_old_logp(self, rows: list[UpdateRow]) -> list[UpdateRow]:
         """Pre-release variant: ``rows`` with the old log-probs of off_tips rows with a gradient recomputed on the
         tip-free prompt (new rows; the others as they were)."""
-        out = []
+        out, variant = [], self.cfg.algo.off_policy_ratio
         for r in rows:
-            if r.mode == "off_tips" and _has_gradient(r, self.cfg.algo.beta):
+            if uses_tip_free_old_logp(r.mode, variant) and _has_gradient(r, self.cfg.algo.beta):
                 with autocast_context(self.model, self.cfg.policy.autocast):
                     lp, _ = response_logprobs(self.model, [r.train_prompt], [r.response], self.tokenizer.pad_token_id,
                                               temperature=self.temperature, options=self.options)
                 r = dataclasses.replace(r, logp_old=behaviour_logp_for_ratio(
-                    "off_tips", torch.tensor(r.logp_old), lp[0], variant="tip_free").tolist())
+                    r.mode, torch.tensor(r.logp_old), lp[0], variant=variant).tolist())
             out.append(r)
         return out
 
