@@ -64,9 +64,9 @@ def run_arm(name: str, args) -> dict:
     import torch
 
     from empo2.config import Config
+    from empo2.episodes.rollout import run_episodes
     from empo2.policy.sampling import Sampling
-    from empo2.train.metrics import peak_rss_gb
-    from empo2.train.rollout import run_episodes
+    from empo2.rundir.metrics import peak_rss_gb
     from empo2.train.trainer import Trainer
 
     overrides = [f"train.seed={args.seed}", "env.tasks=[find-animal]", f"env.max_steps={args.max_steps}",

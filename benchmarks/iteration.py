@@ -99,8 +99,8 @@ def make_trainer(tmp: Path, name: str, args, extra: list[str]):
 
 
 def bench_rollout(arms: Arms, args, log) -> tuple[dict, list]:
+    from empo2.episodes.rollout import run_episodes
     from empo2.policy.sampling import Sampling
-    from empo2.train.rollout import run_episodes
 
     out, last = {}, None
     # untimed: fetches the demonstration (into the cache every arm shares) and warms the allocator
@@ -142,7 +142,7 @@ def bench_update(arms: Arms, episodes, args, log) -> dict:
     for rnd in range(args.rounds):
         for arm in (("today", "shared") if rnd % 2 == 0 else ("shared", "today")):
             trainer = arms.get(arm == "shared")
-            from empo2.train.metrics import peak_rss_gb, reset_peak_rss
+            from empo2.rundir.metrics import peak_rss_gb, reset_peak_rss
 
             reset_peak_rss()
             t = time.perf_counter()
@@ -159,7 +159,7 @@ def bench_update(arms: Arms, episodes, args, log) -> dict:
 def bench_budgets(arms: Arms, episodes, budgets: list[int], log) -> dict:
     """Update peak RSS and tokens/s per ``train.micro_batch_tokens`` (shared path, float32). Smallest budget first:
     memory the allocator keeps after a bigger budget would otherwise count towards the next one's peak."""
-    from empo2.train.metrics import peak_rss_gb, reset_peak_rss
+    from empo2.rundir.metrics import peak_rss_gb, reset_peak_rss
 
     out = {}
     for budget in sorted(budgets):

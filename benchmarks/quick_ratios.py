@@ -62,7 +62,7 @@ def main() -> None:
     from empo2.policy.loader import load_model
     from empo2.policy.logprobs import micro_batches, response_logprobs, shared_micro_batches
     from empo2.policy.sampling import Sampling
-    from empo2.train.metrics import peak_rss_gb, reset_peak_rss
+    from empo2.rundir.metrics import peak_rss_gb, reset_peak_rss
 
     torch.set_num_threads(1)
     model, tok = load_model("smollm2-135m", device="cpu")

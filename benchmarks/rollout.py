@@ -207,7 +207,7 @@ class Probe:
     """Wraps (in this process only) run_episodes / reflect / the embedder to split the times further."""
 
     def __init__(self):
-        import empo2.train.drivers as drivers_mod
+        import empo2.episodes.drivers as drivers_mod
         import empo2.train.trainer as trainer_mod
 
         self.last: dict = {}

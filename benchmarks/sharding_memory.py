@@ -7,7 +7,7 @@ Each arm launches ``torchrun --nproc_per_node=N`` of this file on a randomly ini
 shapes by default: hidden 576, 30 layers, vocabulary 49,152, tied embeddings), float32 weights, AdamW, and runs
 ``--steps`` optimizer steps of one forward and backward each over a batch of random tokens. ``none`` is today's
 data-parallel replica (the N = 1 process), ``fsdp`` wraps the model with the project's own
-:func:`empo2.train.sharding.wrap`. Per rank it reports the bytes of the training state it holds (weights, gradients,
+:func:`empo2.parallel.sharding.wrap`. Per rank it reports the bytes of the training state it holds (weights, gradients,
 AdamW moments: its shards under FSDP, everything without), its RSS once the model is built (and sharded) and its
 peak RSS. Every rank builds the whole model before sharding it, and the allocator keeps what the full copy used, so
 RSS falls less than the state does; activations (the same per rank: every rank runs the same batch) come on top. The table prints next to the prediction 16 bytes × parameters / N.
@@ -44,8 +44,8 @@ def worker(args) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from empo2.config import Config
-    from empo2.train import distributed as dp
-    from empo2.train import sharding
+    from empo2.parallel import distributed as dp
+    from empo2.parallel import sharding
 
     torch.manual_seed(0)
     dist = dp.init_from_env("cpu")

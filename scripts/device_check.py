@@ -297,8 +297,8 @@ def _update_model(s: Step, shard: bool, cfg):
         enable_gradient_checkpointing(model, "device-check")
     model.train()
     if shard:
-        from empo2.train import sharding
-        from empo2.train.distributed import Dist
+        from empo2.parallel import sharding
+        from empo2.parallel.distributed import Dist
 
         model, _ = sharding.wrap(model, cfg, Dist())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3 if s.cpu else 1e-6)
@@ -309,9 +309,10 @@ def step_update(s: Step) -> None:
     import torch
 
     from empo2.config import Config
+    from empo2.parallel import sharding
     from empo2.policy.logprobs import response_logprobs
     from empo2.policy.prefix import ComputeOptions
-    from empo2.train import preflight, sharding
+    from empo2.train import preflight
 
     autocast = "none" if s.device.type == "cpu" else "bfloat16"
     cfg = Config.load(None, [f"policy.autocast={autocast}", "policy.lora=false",

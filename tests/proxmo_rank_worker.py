@@ -12,7 +12,7 @@ import sys
 import numpy as np
 
 from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
-from empo2.train import distributed as dp
+from empo2.parallel import distributed as dp
 
 TEXTS = ["You are in the kitchen. A fridge is here.", "You are in the hallway. A door leads north.",
          "A garden with an open gate.", "Search results: red shoes, blue shoes; page 1"]

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from empo2.config import Config
+from empo2.parallel import distributed as dp
+from empo2.parallel import sharding
 from empo2.policy import fsdp_save
 from empo2.policy.loader import load_model
-from empo2.train import distributed as dp
-from empo2.train import sharding
-from empo2.train.export import _with_adapter
+from empo2.rundir.export import _with_adapter
 
 
 def changed_model(model_name: str, lora: bool, cfg):

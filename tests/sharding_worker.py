@@ -16,10 +16,10 @@ from safetensors.torch import save_file
 
 from empo2.algo.losses import get_policy_loss
 from empo2.config import Config
+from empo2.parallel import distributed as dp
+from empo2.parallel import sharding
 from empo2.policy.loader import load_model
-from empo2.train import distributed as dp
-from empo2.train import sharding
-from empo2.train.export import _with_adapter
+from empo2.rundir.export import _with_adapter
 from empo2.train.rows import UpdateRow
 from empo2.train.update import PolicyUpdate
 

@@ -165,10 +165,10 @@ def test_rollout_and_reflection_call_a_backend_through_the_protocol(tmp_path, ti
     from empo2.config import EnvConfig, MemoryConfig, PolicyConfig
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
+    from empo2.episodes.reflection import reflect, tip_writers
+    from empo2.episodes.rollout import RolloutContext, run_episodes
     from empo2.memory.store import TipMemory
     from empo2.policy.loader import load_model
-    from empo2.train.reflection import reflect, tip_writers
-    from empo2.train.rollout import RolloutContext, run_episodes
 
     assert inspect.signature(ProtocolBackend.generate) == inspect.signature(RolloutBackend.generate)
     model, tok = load_model(tiny_model, device="cpu")

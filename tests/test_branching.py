@@ -9,9 +9,9 @@ import pytest
 from empo2.config_sections import MemoryConfig, PolicyConfig
 from empo2.envs.pool import EnvPool
 from empo2.envs.scienceworld import ANSWER
+from empo2.episodes.branching import prefix_commands, restore_branches, same_up_to_line_order
+from empo2.episodes.rollout import RolloutContext, run_episodes
 from empo2.policy.generate import Generation
-from empo2.train.branching import prefix_commands, restore_branches, same_up_to_line_order
-from empo2.train.rollout import RolloutContext, run_episodes
 
 pytestmark = pytest.mark.slow  # real simulators
 

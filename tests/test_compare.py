@@ -28,7 +28,7 @@ from empo2.experiments.compare import (
     start_eval_key,
 )
 from empo2.experiments.compare_summary import aggregate, summary_markdown
-from empo2.train import checkpoint as ckpt
+from empo2.rundir import checkpoint as ckpt
 
 WEBSHOP = ["--allow-unreachable", "--config", "configs/webshop_cpu.yaml"]  # 2-step caps: plumbing, not a measurement
 TINY = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "train.iterations=2",

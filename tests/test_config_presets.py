@@ -177,7 +177,7 @@ def test_a_run_saved_before_the_renames_resumes_and_its_checkpoint_is_still_comp
     let the resume through, and a value edited since is still named."""
     import hashlib
 
-    from empo2.train.resume import RESUME_SAFE, check_checkpoint_settings, check_same_run
+    from empo2.rundir.resume import RESUME_SAFE, check_checkpoint_settings, check_same_run
 
     old = BEFORE["scienceworld_cpu.yaml"]
     run = tmp_path / "run"

@@ -241,7 +241,7 @@ def test_registered_elpo_loss_widens_only_the_critical_rows():
 
     from empo2.algo.losses import get_policy_loss
     from empo2.config_sections import AlgoConfig
-    from empo2.train.episode import Episode, Step
+    from empo2.episodes.episode import Episode, Step
     from empo2.train.rows import update_rows
 
     algo = dataclasses.replace(AlgoConfig(), epsilon_high=0.315, dual_clip=0.0)

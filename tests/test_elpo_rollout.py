@@ -13,9 +13,9 @@ from empo2.algo import elpo
 from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
 from empo2.config_sections import MemoryConfig, PolicyConfig
 from empo2.envs.pool import EnvPool
+from empo2.episodes.elpo_rollout import ElpoOptions, run_elpo
+from empo2.episodes.rollout import RolloutContext
 from empo2.policy.generate import Generation
-from empo2.train.elpo_rollout import ElpoOptions, run_elpo
-from empo2.train.rollout import RolloutContext
 
 pytestmark = pytest.mark.slow
 

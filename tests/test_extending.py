@@ -135,7 +135,7 @@ def test_a_new_loss_reads_its_own_knob_through_the_algo_section(registered):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from empo2.train.distributed import Dist
+    from empo2.parallel.distributed import Dist
     from empo2.train.rows import UpdateRow
     from empo2.train.update import PolicyUpdate
 

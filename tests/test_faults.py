@@ -33,7 +33,7 @@ import pytest
 from empo2.cli import main
 from empo2.config import Config
 from empo2.memory.store import MemoryStoreError, TipMemory
-from empo2.train.runlock import LOCK_NAME, RunLock
+from empo2.rundir.runlock import LOCK_NAME, RunLock
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
@@ -196,8 +196,8 @@ def test_crash_during_demonstration_marks_the_episode_failed():
     """The worker-call path of every rollout phase: a JVM killed before ``demonstration()`` fails that episode only,
     the worker is restarted, and the pool keeps serving (the user saw a WorkerError traceback end the run)."""
     from empo2.envs.pool import EnvPool
-    from empo2.train.episode import Episode
-    from empo2.train.rollout import call_worker
+    from empo2.episodes.episode import Episode
+    from empo2.episodes.rollout import call_worker
 
     with EnvPool("scienceworld", {}, size=1) as pool:
         pool.reset([(0, "find-animal", 0)])
@@ -230,7 +230,7 @@ def test_lock_names_a_live_owner_and_takes_over_a_dead_ones(tmp_path, capsys):
     warning naming it; release clears it. A folder that held nothing but the lock is removed again."""
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from empo2.train.runlock import RunLock; lock = RunLock(sys.argv[1]).acquire(); "
+        "import sys, time; from empo2.rundir.runlock import RunLock; lock = RunLock(sys.argv[1]).acquire(); "
         "print('held', flush=True); time.sleep(600)"), str(run)], stdout=subprocess.PIPE, cwd=REPO)
     try:
         assert holder.stdout.readline().strip() == b"held"

@@ -30,9 +30,9 @@ import yaml
 from empo2.cli import main
 from empo2.config import Config
 from empo2.memory.schema import check_file
-from empo2.train import checkpoint as ckpt
-from empo2.train.resume import RESUME_SAFE, changed_keys, check_checkpoint_settings, memory_digest
-from empo2.train.runlock import LOCK_NAME
+from empo2.rundir import checkpoint as ckpt
+from empo2.rundir.resume import RESUME_SAFE, changed_keys, check_checkpoint_settings, memory_digest
+from empo2.rundir.runlock import LOCK_NAME
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = Path(__file__).with_name("phase_hold.py")
@@ -491,7 +491,7 @@ def test_a_pickle_in_a_checkpoint_never_runs(tmp_path, tiny_model):
     assert proc.finish(timeout=300) == 2
     assert proc.last_line() == (f"error: {folder} holds a pickled state.pt from an older empo2, which could run code "
                                 "when loaded, so it is not read; if you trust where it came from, convert it with: "
-                                f"python -m empo2.train.checkpoint --convert {folder}")
+                                f"python -m empo2.rundir.checkpoint --convert {folder}")
     assert not marker.exists() and proc.left_behind() == []
 
     ckpt.write_state(folder, {"iteration": 0})
@@ -515,7 +515,7 @@ def test_old_checkpoint_converts_and_restores_the_same_streams(tmp_path):
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     with pytest.raises(ckpt.CheckpointError, match="--convert"):
         ckpt.load_state(folder)
-    res = subprocess.run([sys.executable, "-m", "empo2.train.checkpoint", "--convert", str(folder)], cwd=REPO,
+    res = subprocess.run([sys.executable, "-m", "empo2.rundir.checkpoint", "--convert", str(folder)], cwd=REPO,
                          capture_output=True, text=True)
     assert res.returncode == 0 and res.stdout.strip() == f"converted {folder}", res.stderr
     state = ckpt.load_state(folder)

@@ -22,12 +22,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from empo2.train import checkpoint as ckpt
+from empo2.rundir import checkpoint as ckpt
 from test_faults import corrupt
 from test_faults_cluster import CONFIG, FAST, REPO, _unprefixed, iterations, resume, train
 from test_faults_input import empo2, one_line, read_only, tree  # noqa: F401  (read_only is a fixture)
 
-MANIFEST = "manifest.json"  # empo2.train.manifest.MANIFEST, spelled out so the file runs on older code
+MANIFEST = "manifest.json"  # empo2.rundir.manifest.MANIFEST, spelled out so the file runs on older code
 BIG_TIP = ("look around the room carefully and then " * 260_000)[:10_000_000]
 
 
@@ -265,7 +265,7 @@ def test_memory_linked_to_dev_null_on_a_fresh_run(tmp_path, tiny_model):
 def tiny_checkpoint_disk(tmp_path):
     """A run folder whose ``checkpoints/`` is a 64 KiB tmpfs (root only): smaller than one checkpoint. The folder is
     marked as an empo2 run's that owns ``checkpoints/``, as a user who mounts scratch space there would mark it."""
-    from empo2.train.runlock import RUN_LAYOUT, mark_run_folder
+    from empo2.rundir.runlock import RUN_LAYOUT, mark_run_folder
 
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)

@@ -27,7 +27,7 @@ from empo2.config import Config, ConfigError
 from empo2.config_bounds import check_machine_limits
 from empo2.memory.schema import create_schema, new_meta
 from empo2.memory.store import MemoryStoreError, TipMemory
-from empo2.train.runlock import LOCK_NAME, RUN_MARKER
+from empo2.rundir.runlock import LOCK_NAME, RUN_MARKER
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = "configs/scienceworld_cpu.yaml"

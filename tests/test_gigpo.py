@@ -158,7 +158,7 @@ NEAR_IDENTICAL = [
 def _episodes(first: str, second: str):
     """Three rollouts of one group: all start in "start"; the second step answers ``first`` (A, C) or ``second``
     (B) and pays 1, 0 and 0.5, so merging the two observations changes every second-step advantage."""
-    from empo2.train.episode import Episode, Step
+    from empo2.episodes.episode import Episode, Step
 
     def step(obs, reward):
         return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, obs)
@@ -194,7 +194,7 @@ def test_input_from_episodes_step_rewards_add_up_to_the_return(aggregation):
     """The trainer's conversion: step rewards (with the weighted novelty reward) sum to the episode's return, and
     the state keys are the states the steps answered, verbatim."""
     from empo2.algo.empo2 import combine_returns
-    from empo2.train.episode import Episode, Step
+    from empo2.episodes.episode import Episode, Step
 
     def step(obs, reward, intrinsic):
         return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, obs, intrinsic=intrinsic)
@@ -252,8 +252,8 @@ def test_rollout_records_the_state_each_action_answered():
     from empo2.config_sections import EnvConfig
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
+    from empo2.episodes.rollout import RolloutContext, run_episodes
     from empo2.policy.generate import Generation
-    from empo2.train.rollout import RolloutContext, run_episodes
 
     kwargs = make_env_kwargs(EnvConfig(name="webshop", max_steps=3))
     pool = EnvPool("webshop", kwargs, size=2)

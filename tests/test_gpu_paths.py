@@ -11,14 +11,14 @@ import torch
 
 from empo2.algo.losses import get_policy_loss
 from empo2.config import Config
+from empo2.parallel import sharding
+from empo2.parallel.distributed import Dist, process_group_backend
 from empo2.policy import fsdp_save
 from empo2.policy.backend import VLLM_LORA_RANKS, check_lora_rank
 from empo2.policy.errors import BackendError
 from empo2.policy.vllm_backend import _engine_kwargs
-from empo2.train import checkpoint as ckpt
-from empo2.train import sharding
+from empo2.rundir import checkpoint as ckpt
 from empo2.train import update as update_module
-from empo2.train.distributed import Dist, process_group_backend
 from empo2.train.overlap import BackgroundReflection
 from empo2.train.rows import UpdateRow
 from test_prefix_sharing import shared_rows, tiny_lm

@@ -220,7 +220,7 @@ def test_every_floor_is_checked_in_both_directions():
                 assert found == [], (low, high)
     assert upward_imports({"empo2.config_bounds": {"empo2.config"}, "empo2.cli": {"empo2.cli_parser"},
                            "empo2.envs.a": {"empo2.envs"}}) == []  # one room's own files
-    assert upward_imports({"empo2.signals": {"empo2.train.checkpoint"}}) == [("empo2.signals", "empo2.train.checkpoint")]
+    assert upward_imports({"empo2.signals": {"empo2.rundir.checkpoint"}}) == [("empo2.signals", "empo2.rundir.checkpoint")]
     assert unplaced({"empo2.newroom": set(), "empo2.config_new": set(), "empo2.cli": set()}) == ["empo2.config_new",
                                                                                                  "empo2.newroom"]
 

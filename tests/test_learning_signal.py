@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from empo2.config import MemoryConfig, PolicyConfig
+from empo2.episodes.episode import Episode, Step
+from empo2.episodes.reflection import reflect
+from empo2.episodes.rollout import RolloutContext
 from empo2.memory.store import TipMemory
 from empo2.policy.generate import generate_batch
 from empo2.policy.sampling import Sampling
-from empo2.train.episode import Episode, Step
-from empo2.train.reflection import reflect
-from empo2.train.rollout import RolloutContext
 
 
 def test_generation_ignores_the_models_own_sampling_defaults(smollm):

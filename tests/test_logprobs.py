@@ -262,9 +262,9 @@ def test_on_policy_update_ratio_is_one_at_the_sampling_temperature():
 
     from empo2.algo.losses import get_policy_loss
     from empo2.config import Config
+    from empo2.parallel.distributed import Dist
     from empo2.policy import prefix as px
     from empo2.policy.generate import generate_batch
-    from empo2.train.distributed import Dist
     from empo2.train.rows import UpdateRow
     from empo2.train.update import PolicyUpdate
 

@@ -1,4 +1,4 @@
-"""LUFFY (algo/luffy.py, train/expert.py): float64 references written out independently of the code under test,
+"""LUFFY (algo/luffy.py, episodes/expert.py): float64 references written out independently of the code under test,
 the expert member on real ScienceWorld (the gold path reaches the goal; the bare "0" trap), and a 1-iteration run on
 the WebShop fixture that logs its expert rows."""
 
@@ -14,7 +14,7 @@ from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_adva
 from empo2.algo.losses import get_policy_loss
 from empo2.config_sections import AlgoConfig
 from empo2.envs.scienceworld import replayable_gold
-from empo2.train.expert import ExpertPlayer, expert_generation
+from empo2.episodes.expert import ExpertPlayer, expert_generation
 
 AUTO_ANSWER = "0"  # how ScienceWorld's gold paths answer an ambiguity prompt
 
@@ -181,7 +181,7 @@ def test_expert_generation_and_gold_cleaning(smollm):
 
 
 def test_update_rows_mark_the_expert_off_policy():
-    from empo2.train.episode import Episode, Step
+    from empo2.episodes.episode import Episode, Step
     from empo2.train.rows import update_rows
 
     def ep(expert):
@@ -200,7 +200,7 @@ def test_update_rows_mark_the_expert_off_policy():
 def test_expert_plays_a_real_scienceworld_gold_path_to_the_goal(smollm):
     from empo2.config_sections import MemoryConfig, PolicyConfig
     from empo2.envs.pool import EnvPool
-    from empo2.train.rollout import RolloutContext
+    from empo2.episodes.rollout import RolloutContext
 
     _, tok = smollm
 
@@ -212,7 +212,7 @@ def test_expert_plays_a_real_scienceworld_gold_path_to_the_goal(smollm):
                              PolicyConfig(history_window=2, max_prompt_length=1024, few_shot=0), MemoryConfig())
         player = ExpertPlayer(group_size=1)
         actions = player.actions(never)
-        from empo2.train.rollout import run_episodes
+        from empo2.episodes.rollout import run_episodes
 
         episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on")], actions=actions)
         gold = replayable_gold(pool.call(0, "gold_actions"))

@@ -10,12 +10,12 @@ import torch
 
 from empo2.cli import main
 from empo2.config import Config, ConfigError, MemoryConfig, PolicyConfig
+from empo2.episodes.episode import Episode, Step
+from empo2.episodes.reflection import memory_ops, reflect, write_memory_ops
+from empo2.episodes.rollout import RolloutContext
 from empo2.memory.store import TipMemory
 from empo2.memory.validate import check_tip_text
 from empo2.policy.sampling import Sampling
-from empo2.train.episode import Episode, Step
-from empo2.train.reflection import memory_ops, reflect, write_memory_ops
-from empo2.train.rollout import RolloutContext
 
 
 def released(tip: str, action: str, score: str) -> str:
@@ -123,7 +123,7 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
     tip + the last step's action + the episode's score, keyed by the last step's state; the next memory rollout's
     prompt carries the stored text."""
     from empo2.envs.pool import EnvPool
-    from empo2.train.rollout import run_episodes
+    from empo2.episodes.rollout import run_episodes
 
     model, tok = smollm
     pcfg = PolicyConfig(reflection_max_tokens=32, max_completion_length=12, max_prompt_length=768, few_shot=0)

@@ -170,7 +170,7 @@ def test_episodes_through_the_trainer_hook(embedder):
     """The trainer's path (real embedder, real Episode objects): identical trajectories of a group earn identical
     intrinsic returns, a looping one earns less than an exploring one, the values are the float64 reference's on the
     embedder's vectors, and shuffling the episodes changes nothing."""
-    from empo2.train.episode import Episode, Step
+    from empo2.episodes.episode import Episode, Step
     from empo2.train.intrinsic import novelty_rewards
 
     rooms = ["This room is called the kitchen. In it, you see: a fridge, a sink, a stove.",

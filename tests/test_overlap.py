@@ -16,12 +16,12 @@ from peft import LoraConfig, get_peft_model
 
 from empo2.cli import main
 from empo2.config import MemoryConfig, PolicyConfig
+from empo2.episodes.episode import Episode, Step
+from empo2.episodes.reflection import reflect
+from empo2.episodes.rollout import RolloutContext
 from empo2.memory.store import TipMemory
 from empo2.policy.loader import load_model
-from empo2.train.episode import Episode, Step
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
-from empo2.train.reflection import reflect
-from empo2.train.rollout import RolloutContext
 
 ROOMS = ["This room is called the kitchen. In it, you see: a fridge, a stove, a sink.",
          "This area is called the outside. In it, you see: a fence, a frog, a tree, a bee hive.",

@@ -17,11 +17,11 @@ from peft import PeftModel
 
 from empo2 import Config, Trainer
 from empo2.cli import build_parser, main, policy_context
+from empo2.episodes.evaluate import EvalPlan, play_split
 from empo2.experiments import adapt
 from empo2.experiments.report import method_label
 from empo2.policy.loader import load_model
-from empo2.train.checkpoint import latest_checkpoint
-from empo2.train.evaluate import EvalPlan, play_split
+from empo2.rundir.checkpoint import latest_checkpoint
 from signal_env import ChecksumRoom, checksum_room
 
 WEBSHOP = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "policy.max_completion_length=8",

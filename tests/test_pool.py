@@ -45,8 +45,8 @@ def test_a_group_fetches_its_demonstration_once(pool):
     simulator's gold path can differ from one reset to the next, so a group's prompts could differ.)"""
     from types import SimpleNamespace
 
+    from empo2.episodes.rollout import RolloutContext, run_episodes
     from empo2.policy.generate import Generation
-    from empo2.train.rollout import RolloutContext, run_episodes
 
     asked = []
     real_call = pool.call

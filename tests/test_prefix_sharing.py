@@ -227,7 +227,7 @@ def test_compute_options_travel_as_arguments_and_nothing_is_set_on_the_model():
     config once (``compute_options``), and an update built from a config keeps its choice."""
     from empo2.algo.losses import get_policy_loss
     from empo2.config import Config
-    from empo2.train.distributed import Dist
+    from empo2.parallel.distributed import Dist
     from empo2.train.update import PolicyUpdate
 
     model = tiny_lm(1)
@@ -343,7 +343,7 @@ def test_peak_rss_resets_per_iteration():
     """In a fresh interpreter (a long test session's own peak would hide the 200 MB block)."""
     code = textwrap.dedent("""
         import numpy as np
-        from empo2.train.metrics import peak_rss_gb, reset_peak_rss
+        from empo2.rundir.metrics import peak_rss_gb, reset_peak_rss
         def rss_gb():
             line = next(x for x in open("/proc/self/status").read().splitlines() if x.startswith("VmRSS:"))
             return int(line.split()[1]) * 1024 / 1e9
@@ -386,8 +386,8 @@ def test_gradient_checkpointing_update_equals_stored_activations(lora):
     really run again in backward), although it gives up prefix sharing; with LoRA as the trainer wraps it."""
     from empo2.algo.losses import get_policy_loss
     from empo2.config import Config
+    from empo2.parallel.distributed import Dist
     from empo2.policy.loader import enable_gradient_checkpointing
-    from empo2.train.distributed import Dist
     from empo2.train.rows import UpdateRow
     from empo2.train.update import PolicyUpdate
 

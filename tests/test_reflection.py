@@ -49,10 +49,10 @@ def test_parse_tip(raw, tip):
 def test_reflection_caps_tips_at_the_configured_word_limit(smollm):
     """The memory's ``max_tip_words`` (not a fixed 100) bounds what the reflection keeps."""
     from empo2.config import MemoryConfig, PolicyConfig
+    from empo2.episodes.episode import Episode, Step
+    from empo2.episodes.reflection import reflection_job
+    from empo2.episodes.rollout import RolloutContext
     from empo2.policy.generate import Generation
-    from empo2.train.episode import Episode, Step
-    from empo2.train.reflection import reflection_job
-    from empo2.train.rollout import RolloutContext
 
     _, tok = smollm
     ep = Episode("find-animal", 0, 0, "on_tips", task_description="Find an animal.",

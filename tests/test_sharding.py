@@ -146,7 +146,7 @@ def _check_export(out: Path, checkpoint: Path, run: Path, tiny_model: str) -> No
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    from empo2.train.export import _with_adapter
+    from empo2.rundir.export import _with_adapter
 
     exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     cfg = Config.load(run / "config.yaml")

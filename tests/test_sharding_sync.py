@@ -1,7 +1,7 @@
 """A model sharded with FSDP2 (``train.sharding: fsdp``) written for the vLLM engine by :mod:`empo2.policy.fsdp_save`,
 one FSDP unit at a time, and synced into a real engine.
 
-Real pieces: torchrun with 2 gloo ranks, FSDP2's ``fully_shard`` through ``empo2.train.sharding.wrap``, the tiny
+Real pieces: torchrun with 2 gloo ranks, FSDP2's ``fully_shard`` through ``empo2.parallel.sharding.wrap``, the tiny
 random Llama of ``conftest.tiny_model`` (tied embeddings), ``from_pretrained`` and peft's loader as the readers, and,
 where vllm imports, a real vLLM engine on SmolLM2-135M. Where vllm does not import, the engine tests are SKIPPED: the
 sync into an engine is then NOT tested.
@@ -122,11 +122,11 @@ def engine():
     """As in the trainer: the model is sharded (over a group of one) before the engine starts. The engine has LoRA
     enabled, so it serves both the full-weight and the adapter syncs."""
     from empo2.config import Config
+    from empo2.parallel import distributed as dp
+    from empo2.parallel import sharding
     from empo2.policy.backend import BackendError
     from empo2.policy.loader import load_model, resolve_model_path
     from empo2.policy.vllm_backend import VLLMBackend
-    from empo2.train import distributed as dp
-    from empo2.train import sharding
 
     model, tok = load_model("smollm2-135m", device="cpu", dtype="float32")
     changed = copy.deepcopy(model)

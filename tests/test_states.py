@@ -13,12 +13,12 @@ from empo2.config_sections import EnvConfig
 from empo2.envs.factory import make_env_kwargs
 from empo2.envs.pool import EnvPool
 from empo2.envs.scienceworld import scienceworld_state
+from empo2.episodes.reflection import memory_ops, write_memory_ops
+from empo2.episodes.rollout import RolloutContext, run_episodes
 from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
 from empo2.policy.generate import Generation
 from empo2.train.intrinsic import novelty_rewards
-from empo2.train.reflection import memory_ops, write_memory_ops
-from empo2.train.rollout import RolloutContext, run_episodes
 
 LOOK = ("This room is called the kitchen. In it, you see: \n\tthe agent\n\ta substance called air\n\ta chair. On the "
         "chair is: nothing.\n\ta counter.\nYou also see:\n\tA door to the hallway (that is open)\n\tA door to the "

@@ -115,8 +115,8 @@ def test_tensorboard_and_wandb_hold_the_scalars_of_metrics_jsonl(tmp_path, tiny_
 
 def test_a_resumed_run_continues_its_wandb_run_unless_it_replays_iterations(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="wandb is a test extra (pip install -e '.[dev]')")
-    from empo2.train.metrics import MetricsLog
-    from empo2.train.runlock import clear_run_folder
+    from empo2.rundir.metrics import MetricsLog
+    from empo2.rundir.runlock import clear_run_folder
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -148,7 +148,7 @@ def test_a_resumed_run_continues_its_wandb_run_unless_it_replays_iterations(tmp_
 
 def test_mlflow_holds_the_same_scalars_as_tensorboard(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow", reason="mlflow is optional and not installed: untested here")
-    from empo2.train.metrics import MetricsLog
+    from empo2.rundir.metrics import MetricsLog
 
     run = tmp_path / "run"
     run.mkdir()
@@ -174,8 +174,8 @@ def test_mlflow_holds_the_same_scalars_as_tensorboard(tmp_path, monkeypatch):
 
 def test_a_resumed_run_continues_its_mlflow_run_unless_it_replays_iterations(tmp_path, monkeypatch):
     mlflow = pytest.importorskip("mlflow", reason="mlflow is optional and not installed: untested here")
-    from empo2.train.metrics import MetricsLog
-    from empo2.train.runlock import clear_run_folder
+    from empo2.rundir.metrics import MetricsLog
+    from empo2.rundir.runlock import clear_run_folder
 
     run = tmp_path / "run"
     run.mkdir()
@@ -216,7 +216,7 @@ def test_trackers_are_imported_only_when_named(tmp_path):
 import sys
 from pathlib import Path
 from empo2.config import Config
-from empo2.train.metrics import MetricsLog, check_trackers, trackers
+from empo2.rundir.metrics import MetricsLog, check_trackers, trackers
 for name, overrides in (("default", []), ("none", ["train.report_to=none"]), ("off", ["train.tensorboard=false"])):
     cfg = Config.load(None, overrides)
     check_trackers(cfg.train)

@@ -14,8 +14,8 @@ import torch
 
 from empo2.algo.losses import get_policy_loss
 from empo2.config import Config
+from empo2.parallel.distributed import Dist
 from empo2.policy.logprobs import shared_micro_batches
-from empo2.train.distributed import Dist
 from empo2.train.rows import UpdateRow
 from empo2.train.update import PolicyUpdate, token_batches
 from test_prefix_sharing import SHARED, Tok, shared_rows, tiny_lm

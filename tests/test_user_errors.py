@@ -18,7 +18,7 @@ from empo2.errors import UserError
 
 USER_ERRORS = [
     ("empo2.config", "ConfigError"),
-    ("empo2.train.checkpoint", "CheckpointError"),
+    ("empo2.rundir.checkpoint", "CheckpointError"),
     ("empo2.envs.base", "EnvError"),
     ("empo2.envs.failures", "EnvFailuresError"),
     ("empo2.policy.loader", "ModelLoadError"),
@@ -27,8 +27,8 @@ USER_ERRORS = [
     ("empo2.memory.validate", "DimensionMismatchError"),
     ("empo2.memory.embedder", "EmbedderError"),
     ("empo2.memory.cli", "MemoryCliError"),
-    ("empo2.train.runlock", "RunLockError"),
-    ("empo2.train.storage", "RunWriteError"),
+    ("empo2.rundir.runlock", "RunLockError"),
+    ("empo2.rundir.storage", "RunWriteError"),
 ]
 """Every user error type, by the module callers import it from."""
 

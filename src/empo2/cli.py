@@ -37,10 +37,11 @@ def cmd_train(args) -> int:
     from empo2.envs.gold import check_reachable, eval_plan_size
     from empo2.experiments.report import method_label
     from empo2.memory.schema import check_file
+    from empo2.parallel import distributed
     from empo2.progress import ProgressBar
-    from empo2.train import checkpoint, distributed
+    from empo2.rundir import checkpoint
+    from empo2.rundir.runlock import RUN_LAYOUT, RUN_MARKER, mark_run_folder, start_run_folder
     from empo2.train.compute import decide
-    from empo2.train.runlock import RUN_LAYOUT, RUN_MARKER, mark_run_folder, start_run_folder
     from empo2.train.trainer import Trainer
 
     main_rank = distributed.env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
@@ -94,7 +95,7 @@ def _train_config(args):
     """The run's config and folder: a resumed run's saved config with the flags' overrides (refused when they make it
     another run), or a new run's config file with its overrides."""
     from empo2.config import Config
-    from empo2.train.runlock import check_new_run_folder, check_run_to_resume
+    from empo2.rundir.runlock import check_new_run_folder, check_run_to_resume
 
     if args.resume:
         unused = [flag for flag, value in (("--config", args.config), ("--algo", args.algo),
@@ -106,7 +107,7 @@ def _train_config(args):
         check_run_to_resume(run_dir)
         saved = run_dir / "config.yaml"
         cfg = Config.load(saved, args.overrides)
-        from empo2.train.resume import check_checkpoint_settings, check_same_run
+        from empo2.rundir.resume import check_checkpoint_settings, check_same_run
 
         check_same_run(Config.load(saved), cfg, run_dir)  # another G, model, task list … is another run: exit 2
         check_checkpoint_settings(cfg, run_dir)  # … also when config.yaml itself was edited
@@ -132,7 +133,7 @@ def check_run_inputs(cfg) -> None:
     from empo2.envs.factory import resolve_tasks
     from empo2.memory.schema import check_seed_file
     from empo2.policy.loader import resolve_model_path
-    from empo2.train.metrics import check_trackers
+    from empo2.rundir.metrics import check_trackers
     cfg.check_training()
     check_trackers(cfg.train)
     resolve_tasks(cfg.env)
@@ -153,8 +154,8 @@ def _tasks_text(cfg) -> str:
 def _own_run_folder(args, run_dir: Path) -> None:
     """Take ``run_dir``'s lock (one train/adapt per folder) for the rest of the command; storage failures from here
     on end with one line naming the path."""
-    from empo2.train.runlock import RunLock
-    from empo2.train.storage import reported
+    from empo2.rundir.runlock import RunLock
+    from empo2.rundir.storage import reported
 
     args.exit_stack.enter_context(RunLock(run_dir))
     args.exit_stack.enter_context(reported(run_dir))
@@ -164,7 +165,7 @@ def _own_run_folder(args, run_dir: Path) -> None:
 def cmd_compare(args) -> int:
     """Algorithms × seeds on one config, each an ``empo2 train`` run folder, then summary.md/json and curves.png."""
     from empo2.experiments.compare import run_compare
-    from empo2.train.runlock import RunLock
+    from empo2.rundir.runlock import RunLock
 
     args.exit_stack.enter_context(RunLock(Path(args.out)))  # a second compare on this folder is refused, naming it
     return run_compare(args.config, args.algos, args.seeds, Path(args.out), list(args.overrides), check_run_inputs,
@@ -203,11 +204,11 @@ def policy_context(args, with_memory_path: Path | None):
     """Model (a run's last checkpoint, or a plain model), pool and embedder for eval/adapt."""
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
+    from empo2.episodes.rollout import RolloutContext
     from empo2.memory import open_tip_memory
     from empo2.memory.embedder import get_embedder
     from empo2.policy.loader import load_model
-    from empo2.train import checkpoint as ckpt
-    from empo2.train.rollout import RolloutContext
+    from empo2.rundir import checkpoint as ckpt
 
     cfg = policy_config(args)
     model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
@@ -249,8 +250,8 @@ def check_policy_source(args) -> None:
 def cmd_eval(args) -> int:
     from empo2.envs.factory import env_label, resolve_tasks
     from empo2.envs.gold import check_reachable
-    from empo2.train.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
-    from empo2.train.storage import check_writable
+    from empo2.episodes.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
+    from empo2.rundir.storage import check_writable
 
     check_policy_source(args)
     mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
@@ -278,7 +279,7 @@ def cmd_adapt(args) -> int:
     """Out-of-distribution adaptation (the paper's OOD test): trials with memory updates only, no parameter updates."""
     from empo2.envs.factory import resolve_tasks
     from empo2.experiments import adapt
-    from empo2.train.runlock import LOCK_NAME
+    from empo2.rundir.runlock import LOCK_NAME
 
     args.env, args.tasks = adapt.resolve_tasks(args.preset, args.tasks, args.max_tasks, args.env)
     check_policy_source(args)
@@ -319,7 +320,7 @@ def cmd_report(args) -> int:
 
 def cmd_export(args) -> int:
     """A run's last checkpoint as a Hugging Face model folder that ``from_pretrained`` loads."""
-    from empo2.train.export import export
+    from empo2.rundir.export import export
 
     last = export(Path(args.run), Path(args.out))
     print(json.dumps({"checkpoint": str(last), "out": str(args.out)}))

@@ -354,7 +354,7 @@ class TrainConfig:
     bfloat16``), for models whose full replica does not fit one GPU. Launched as ever (``torchrun``); one process
     runs the same sharded code on a group of one. With ``policy.backend: vllm`` each rank's engine takes the weights
     gathered one decoder layer at a time; the update runs without prefix sharing; checkpoints are sharded (``empo2
-    export RUN OUT`` writes Hugging Face weights). ``empo2.train.sharding``."""
+    export RUN OUT`` writes Hugging Face weights). ``empo2.parallel.sharding``."""
     memory_check: bool = True
     """Before the first rollout on a GPU, estimate one rank's peak memory (weights, gradients, AdamW state,
     activations, the vLLM engine's share) and stop with one line, and a setting that fits, when it exceeds the

@@ -15,8 +15,8 @@ def play(args) -> int:
 
     from empo2.envs.factory import make_env_kwargs, resolve_tasks
     from empo2.envs.pool import EnvPool
+    from empo2.episodes.rollout import RolloutContext, run_episodes
     from empo2.policy.sampling import Sampling
-    from empo2.train.rollout import RolloutContext, run_episodes
 
     console = Console(stderr=True, soft_wrap=True)
     overrides = [f"env.name={args.env}", f"env.seed={args.seed}"]

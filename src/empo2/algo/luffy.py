@@ -1,6 +1,6 @@
 """LUFFY: Learning to Reason under Off-Policy Guidance (Yan et al., NeurIPS 2025, arXiv 2504.14945), written as its
 equations. One member of each group plays the environment's gold path instead of sampling (the expert π_φ;
-:mod:`empo2.train.expert`), and the group learns from it and from its own samples at once (docs/fidelity.md, *LUFFY*).
+:mod:`empo2.episodes.expert`), and the group learns from it and from its own samples at once (docs/fidelity.md, *LUFFY*).
 
 Eq. 4, the mixed-policy advantage, with the expert INSIDE the group before normalisation::
 

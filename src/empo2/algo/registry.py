@@ -49,9 +49,9 @@ class AlgorithmSpec:
     """``False`` for memory-only baselines (no optimizer step is ever taken)."""
     expert_members: int = 0
     """Members of each group that play the environment's gold path instead of sampling (LUFFY's off-policy
-    guidance, :mod:`empo2.train.expert`); their rows are marked off-policy for the loss."""
+    guidance, :mod:`empo2.episodes.expert`); their rows are marked off-policy for the loss."""
     rollout: str = "episodes"
-    """Rollout driver (``empo2.train.drivers``): ``episodes`` (G independent episodes per group) or ``elpo``."""
+    """Rollout driver (``empo2.episodes.drivers``): ``episodes`` (G independent episodes per group) or ``elpo``."""
 
     def estimator(self, algo_cfg: Any) -> str:
         return self.advantage or algo_cfg.advantage

@@ -28,14 +28,14 @@ import torch
 
 from empo2.config import ConfigError
 from empo2.envs.factory import env_label
+from empo2.episodes.episode import Episode
+from empo2.episodes.evaluate import EvalPlan, play_split, summarise
+from empo2.episodes.reflection import reflect, write_tips
+from empo2.episodes.rollout import RolloutContext
 from empo2.experiments import ood_stats
 from empo2.experiments.report import method_label
 from empo2.memory.reflexion import REFLEXION_BUFFER, ReflexionBuffer
 from empo2.policy.seeded import row_seed
-from empo2.train.episode import Episode
-from empo2.train.evaluate import EvalPlan, play_split, summarise
-from empo2.train.reflection import reflect, write_tips
-from empo2.train.rollout import RolloutContext
 
 PRESETS: dict[str, tuple[str, str]] = {
     "bio1-to-bio2": ("biology1", "biology2"),

@@ -43,8 +43,8 @@ from empo2.config import Config, ConfigError
 from empo2.experiments import records
 from empo2.experiments.arms import ARMS
 from empo2.policy.precision import settle_autocast
+from empo2.rundir import checkpoint as ckpt
 from empo2.signals import set_phase
-from empo2.train import checkpoint as ckpt
 
 SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "algo.proxmo_psc", "algo.proxmo_psa",
                   "train.seed", "train.output_dir", "train.eval_at_start")
@@ -272,7 +272,7 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | 
     into this run's folder, so the trainer skips its own start eval. A fresh run's folder is first emptied of an
     earlier attempt's run files; a resumed run gets the copy only if it stopped before its start eval was written
     and before any checkpoint. Returns the donor's name, or ``None``: the run evaluates itself."""
-    from empo2.train.runlock import RunLock, clear_run_folder, is_run_file, mark_run_folder
+    from empo2.rundir.runlock import RunLock, clear_run_folder, is_run_file, mark_run_folder
 
     if status == "resume" and ((plan.folder / "eval" / "start.json").is_file()
                                or ckpt.latest_checkpoint(plan.folder) is not None):

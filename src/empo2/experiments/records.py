@@ -32,7 +32,7 @@ import yaml
 
 from empo2 import machine
 from empo2.config import ConfigError
-from empo2.train.metrics import read_metrics
+from empo2.rundir.metrics import read_metrics
 
 RECORD_FILE = "scores.jsonl.gz"
 PLAIN_RECORD_FILE = "scores.jsonl"

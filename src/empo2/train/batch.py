@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from empo2.algo.advantages import returns_of, step_rewards
-from empo2.train.episode import Episode, episode_record
-from empo2.train.metrics import peak_rss_gb
+from empo2.episodes.episode import Episode, episode_record
+from empo2.rundir.metrics import peak_rss_gb
 from empo2.train.overlap import PendingReflection
 
 
@@ -31,7 +31,7 @@ class Batch:
     from its own stream seeded by (this, group, member, turn); ``None``: unseeded."""
     episodes: list[Episode] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
-    """The rollout's times and token counts (:func:`~empo2.train.rollout.run_episodes`); the memory time includes
+    """The rollout's times and token counts (:func:`~empo2.episodes.rollout.run_episodes`); the memory time includes
     the reflection's."""
     pending: PendingReflection | None = None
     """Tips being generated beside the update (``memory.overlap_reflection``); written by the sync step."""

@@ -23,23 +23,24 @@ from empo2.config import Config, ConfigError
 from empo2.envs.factory import make_env_kwargs, resolve_tasks
 from empo2.envs.local_pool import LocalEnvPool
 from empo2.envs.pool import FailureStreak, make_pool
+from empo2.episodes.expert import ExpertPlayer
+from empo2.episodes.rollout import RolloutContext
 from empo2.memory import open_tip_memory
 from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
 from empo2.memory.store import TipMemory
+from empo2.parallel import distributed as dp
+from empo2.parallel import sharding
 from empo2.policy import loader
 from empo2.policy.backend import check_backend, make_backend
 from empo2.policy.loader import autocast_context, load_model
 from empo2.policy.sampling import Sampling
-from empo2.train import checkpoint as ckpt
-from empo2.train import distributed as dp
-from empo2.train import preflight, sharding
+from empo2.rundir import checkpoint as ckpt
+from empo2.rundir.metrics import MetricsLog, trackers
+from empo2.rundir.resume import align_memory, pick_checkpoint, truncate_samples
+from empo2.train import preflight
 from empo2.train.compute import decide
-from empo2.train.expert import ExpertPlayer
-from empo2.train.metrics import MetricsLog, trackers
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
-from empo2.train.resume import align_memory, pick_checkpoint, truncate_samples
-from empo2.train.rollout import RolloutContext
 from empo2.train.sampling import TaskSampler
 from empo2.train.update import PolicyUpdate
 

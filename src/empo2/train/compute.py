@@ -15,11 +15,11 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from empo2.config import Config
+from empo2.parallel import sharding
 from empo2.policy.engine_choice import resolve_backend
 from empo2.policy.loader import resolve_device, resolve_dtype
 from empo2.policy.precision import auto_precision, resolve_autocast
 from empo2.policy.prefix import ComputeOptions, compute_options
-from empo2.train import sharding
 
 
 @dataclass(frozen=True)

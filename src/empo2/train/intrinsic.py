@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 
 from empo2.algo.empo2 import novelty_reward
-from empo2.train.distributed import Dist, gather_in_order
-from empo2.train.episode import Episode
+from empo2.episodes.episode import Episode
+from empo2.parallel.distributed import Dist, gather_in_order
 
 
 def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | None = None) -> list[Episode]:
@@ -21,7 +21,7 @@ def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | Non
     visit than one it sees once, and the rewards do not depend on the order of ``episodes``.
 
     With a data-parallel ``dist`` the counts are taken over every rank's episodes in global order
-    (:func:`~empo2.train.distributed.gather_in_order`), so they see the whole batch and stay identical on every rank.
+    (:func:`~empo2.parallel.distributed.gather_in_order`), so they see the whole batch and stay identical on every rank.
     """
     texts = [state for ep in episodes for state in ep.reached_states()]
     # Each distinct text is embedded once, in sorted order: the same text then has bit-identical embeddings (a

@@ -23,10 +23,10 @@ from functools import partial
 
 import torch
 
+from empo2.episodes.episode import Episode
+from empo2.episodes.reflection import memory_ops, memory_plan, reflection_job, write_memory_ops
+from empo2.episodes.rollout import RolloutContext
 from empo2.policy.generate import generate_batch
-from empo2.train.episode import Episode
-from empo2.train.reflection import memory_ops, memory_plan, reflection_job, write_memory_ops
-from empo2.train.rollout import RolloutContext
 
 
 def overlap_wanted(setting: bool | None, model: torch.nn.Module, backend) -> bool:
@@ -57,7 +57,7 @@ class BackgroundReflection:
     def start(self, ctx: RolloutContext, episodes: list[Episode], writers: list[Episode],
               seed: int | None = None) -> PendingReflection:
         """Call before the update: takes the weights that played ``episodes`` and starts generating the tips of
-        ``writers`` (as :func:`~empo2.train.reflection.reflect`)."""
+        ``writers`` (as :func:`~empo2.episodes.reflection.reflect`)."""
         uses, writers = memory_plan(episodes, writers)
         job = reflection_job(ctx, writers, seed)  # prompts and seeds are read here, on the caller's thread
         with torch.no_grad():

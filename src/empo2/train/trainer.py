@@ -6,9 +6,9 @@ the Method section and its figure of the three learning modes), one call per ste
 1. sample (``_sample``): a batch of tasks u ~ p(U), each rolled out G times (the GRPO group), and a learning mode per
    batch or group, ``on`` / ``on_tips`` / ``off_tips`` (the three modes; ``TaskSampler``, ``ModeSampler``).
 2. roll out (``_roll_out``): a ~ π_θ(·|s_t, u), or a ~ π_θ(·|s_t, u, tips_t) with tips_t = Retr(s_t; M) in the
-   memory modes (the memory-augmented prompt; :func:`empo2.train.rollout.run_episodes`).
+   memory modes (the memory-augmented prompt; :func:`empo2.episodes.rollout.run_episodes`).
 3. reflect (``_reflect``): at an episode's end the policy writes a tip into the memory M, the non-parametric update
-   (:func:`empo2.train.reflection.reflect`; beside the update with :mod:`empo2.train.overlap`).
+   (:func:`empo2.episodes.reflection.reflect`; beside the update with :mod:`empo2.train.overlap`).
 4. novelty (``_novelty``): the intrinsic reward r_int = 1/n of each state reached, n the number of similar states
    seen (the state-novelty reward; :func:`empo2.train.intrinsic.novelty_rewards`).
 5. returns and advantages (``_advantages``): R = R_ext + w·R_int and GRPO's group-normalised advantage
@@ -18,7 +18,7 @@ the Method section and its figure of the three learning modes), one call per ste
 7. sync (``_sync``): tips generated beside the update are written, a separate rollout backend takes the new weights.
 8. record (``_record``): samples, warnings, one line of ``metrics.jsonl`` (:func:`empo2.train.batch.iteration_record`).
 
-:meth:`Trainer.train` evaluates without memory on held-out variations (:mod:`empo2.train.evaluate`);
+:meth:`Trainer.train` evaluates without memory on held-out variations (:mod:`empo2.episodes.evaluate`);
 ``docs/fidelity.md`` says where each step follows the paper, where the released code, and where neither.
 """
 
@@ -40,9 +40,15 @@ from empo2.algo.advantages import (
 )
 from empo2.algo.empo2 import intrinsic_weight
 from empo2.envs.factory import env_label
+from empo2.episodes.drivers import rollout_driver
+from empo2.episodes.evaluate import EvalPlan, evaluate, write_eval_tables
+from empo2.episodes.reflection import reflect, tip_writers
+from empo2.episodes.rollout import timed
+from empo2.parallel import sharding
 from empo2.policy.seeded import row_seed
-from empo2.train import checkpoint as ckpt
-from empo2.train import sharding
+from empo2.rundir import checkpoint as ckpt
+from empo2.rundir.metrics import iteration_line, plot_run, reset_peak_rss
+from empo2.rundir.resume import settings_digest
 from empo2.train.batch import (
     Batch,
     append_samples,
@@ -52,13 +58,7 @@ from empo2.train.batch import (
     no_signal_warnings,
 )
 from empo2.train.build import TrainerParts
-from empo2.train.drivers import rollout_driver
-from empo2.train.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.train.intrinsic import novelty_rewards
-from empo2.train.metrics import iteration_line, plot_run, reset_peak_rss
-from empo2.train.reflection import reflect, tip_writers
-from empo2.train.resume import settings_digest
-from empo2.train.rollout import timed
 from empo2.train.rows import update_rows
 
 

@@ -15,12 +15,12 @@ import torch
 from empo2.algo.empo2 import behaviour_logp_for_ratio, uses_tip_free_old_logp
 from empo2.algo.losses import micro_batch_share
 from empo2.config import Config
+from empo2.parallel import distributed as dp
+from empo2.parallel import sharding
 from empo2.policy import prefix as px
 from empo2.policy.generate import scoring_temperature
 from empo2.policy.loader import autocast_context
 from empo2.policy.logprobs import micro_batches, response_logprobs, shared_micro_batches
-from empo2.train import distributed as dp
-from empo2.train import sharding
 from empo2.train.compute import Compute, compute_dtype, decide, old_logprobs_source  # noqa: F401  (the last two: public here)
 from empo2.train.rows import UpdateRow
 

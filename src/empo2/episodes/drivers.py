@@ -1,6 +1,6 @@
 """Rollout drivers by name (``AlgorithmSpec.rollout``): how an iteration's groups are played. ``episodes`` plays G
-independent episodes per group (:func:`empo2.train.rollout.run_episodes`); ``elpo`` grows each group's tree by
-Algorithm 1 of ELPO (:func:`empo2.train.elpo_rollout.run_elpo`). Each is called as
+independent episodes per group (:func:`empo2.episodes.rollout.run_episodes`); ``elpo`` grows each group's tree by
+Algorithm 1 of ELPO (:func:`empo2.episodes.elpo_rollout.run_elpo`). Each is called as
 ``driver(ctx, specs, sampling, cfg, progress, seed) -> (episodes, stats)`` (``sampling``: the rollouts'
 :class:`~empo2.policy.sampling.Sampling`; ``seed``: the iteration's sampling seed or ``None``)."""
 
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from empo2.train.elpo_rollout import ElpoOptions, run_elpo
-from empo2.train.rollout import run_episodes
+from empo2.episodes.elpo_rollout import ElpoOptions, run_elpo
+from empo2.episodes.rollout import run_episodes
 
 
 def _episodes(ctx, specs, sampling, cfg, progress, seed=None):

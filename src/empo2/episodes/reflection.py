@@ -1,6 +1,6 @@
 """Reflection: when an episode ends the policy writes one tip about it, and the memory records which tips the
 episode used (the paper's non-parametric update of the memory buffer M). Memory operations are computed per rank and
-applied in global order (:mod:`empo2.train.distributed`), so every rank's copy of the memory stays the same.
+applied in global order (:mod:`empo2.parallel.distributed`), so every rank's copy of the memory stays the same.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Callable
 from empo2.agent.reflection import memory_entry, parse_tip, reflection_messages
 from empo2.algo.empo2 import MEMORY_MODES
 from empo2.config_sections import MemoryConfig
+from empo2.episodes.episode import Episode, namespace_of
+from empo2.episodes.rollout import RolloutContext, generate, row_seeds
 from empo2.policy.sampling import Sampling
-from empo2.train.episode import Episode, namespace_of
-from empo2.train.rollout import RolloutContext, generate, row_seeds
 
 
 def tip_writers(episodes: list[Episode], memory_cfg: MemoryConfig) -> list[Episode]:
@@ -96,7 +96,7 @@ def reflection_prompts(ctx: RolloutContext, episodes: list[Episode]) -> list[lis
 
 def reflection_job(ctx: RolloutContext, episodes: list[Episode], seed: int | None = None) -> Callable[..., list[str]]:
     """Everything a reflection needs from ``ctx`` now (prompts, per-row seeds), as a call that generates the tips
-    with the given ``generate`` (:func:`~empo2.train.rollout.generate`'s signature, minus ``ctx``)."""
+    with the given ``generate`` (:func:`~empo2.episodes.rollout.generate`'s signature, minus ``ctx``)."""
     if not episodes:
         return lambda generate: []
     sampling, prompts = Sampling.reflection(ctx.policy_cfg), reflection_prompts(ctx, episodes)

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
+from empo2.episodes.episode import Episode
+from empo2.episodes.reflection import reflect as reflect_into_memory
+from empo2.episodes.rollout import RolloutContext, run_episodes
+from empo2.parallel.distributed import Dist, gather_episodes
 from empo2.policy.sampling import Sampling
-from empo2.train.distributed import Dist, gather_episodes
-from empo2.train.episode import Episode
-from empo2.train.reflection import reflect as reflect_into_memory
-from empo2.train.rollout import RolloutContext, run_episodes
 
 
 @dataclass(frozen=True)

@@ -54,4 +54,4 @@ class TipStore(Protocol):
 
 MemorySync = Callable[[list, list, int], tuple[list, list, int]]
 """Data-parallel hook ``(uses, adds, step) -> (uses, adds, step)``: every rank's memory operations in global order
-(:func:`empo2.train.distributed.memory_sync`)."""
+(:func:`empo2.parallel.distributed.memory_sync`)."""

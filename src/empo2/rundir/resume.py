@@ -24,9 +24,9 @@ from urllib.parse import quote
 from empo2.config import Config, ConfigError
 from empo2.config_renames import forward_flat
 from empo2.memory.schema import check_file
-from empo2.train import checkpoint as ckpt
-from empo2.train import sharding
-from empo2.train.manifest import verify_manifest
+from empo2.parallel import sharding
+from empo2.rundir import checkpoint as ckpt
+from empo2.rundir.manifest import verify_manifest
 
 RESUME_SAFE = frozenset({
     "train.iterations", "train.output_dir", "train.progress", "train.tensorboard", "train.eval_every",

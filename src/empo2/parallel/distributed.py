@@ -53,7 +53,7 @@ class Dist:
     world_size: int = 1
     local_rank: int = 0
     sharded: bool = False
-    """The policy is sharded with FSDP (:mod:`empo2.train.sharding`): its gradients arrive reduce-scattered."""
+    """The policy is sharded with FSDP (:mod:`empo2.parallel.sharding`): its gradients arrive reduce-scattered."""
 
     @property
     def enabled(self) -> bool:

@@ -61,7 +61,7 @@ def _free(run_dir: Path) -> str:
 
 
 def _last_checkpoint(run_dir: Path) -> str:
-    from empo2.train.checkpoint import latest_checkpoint
+    from empo2.rundir.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(run_dir)
     if last is None:

@@ -1,7 +1,7 @@
 """LUFFY's expert member: in each group, the last ``expert_members`` rollouts play the environment's gold path
 instead of sampling (the off-policy guidance π_φ of Yan et al. 2025; the equations are :mod:`empo2.algo.luffy`).
 
-The expert plays through the same rollout code as the policy (:func:`empo2.train.rollout.run_episodes`): its prompts
+The expert plays through the same rollout code as the policy (:func:`empo2.episodes.rollout.run_episodes`): its prompts
 are rendered exactly as a sampled member's would be (task, demonstration, history of its own steps, hints, tips in
 the memory modes), and its "generation" is the gold action tokenised as the policy would have written it (the action's
 tokens, then the end-of-sequence token that ends a policy's turn). Its behaviour log-probs are log 1 = 0 (π_φ = 1,
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 from empo2.envs.actions import replayable_gold
 from empo2.envs.base import EnvError
+from empo2.episodes.episode import Episode
+from empo2.episodes.rollout import ActionSource, RolloutContext, call_worker, model_actions, run_episodes
 from empo2.policy.generate import Generation
 from empo2.policy.sampling import Sampling
-from empo2.train.episode import Episode
-from empo2.train.rollout import ActionSource, RolloutContext, call_worker, model_actions, run_episodes
 
 REFILL_GROUP_OFFSET = 1_000_003
 """Refill rollouts play under group ids shifted by this (then put back), so seeded sampling gives them their own

@@ -18,8 +18,8 @@ it runs, its gradients reduce-scattered after), so all ranks must run the same f
   prefix sharing: the shared heads are extra forwards whose number depends on this rank's rows.
 
 Checkpoints are ``torch.distributed.checkpoint`` folders (``sharded/``; every rank writes its shards, any number of
-ranks reads them), inside the same atomic checkpoint folder as unsharded ones (:func:`empo2.train.checkpoint.
-save_checkpoint`). ``empo2 export`` (:mod:`empo2.train.export`) turns one into full Hugging Face weights.
+ranks reads them), inside the same atomic checkpoint folder as unsharded ones (:func:`empo2.rundir.checkpoint.
+save_checkpoint`). ``empo2 export`` (:mod:`empo2.rundir.export`) turns one into full Hugging Face weights.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from empo2.config import ConfigError
-from empo2.train import checkpoint as ckpt
+from empo2.rundir import checkpoint as ckpt
 
 SHARDS = "sharded"
 """A sharded checkpoint's DCP folder inside ``checkpoints/iter_*/``."""

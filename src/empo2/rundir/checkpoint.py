@@ -4,12 +4,12 @@ A checkpoint folder ``checkpoints/iter_000007/`` holds the adapter (or full mode
 (tensors and numbers only: read with ``torch.load(weights_only=True)``), ``state.json`` (iteration, counters,
 task-sampler / mode-sampler state, Python and numpy RNG states), ``state.safetensors`` (the torch RNG state and the
 novelty counts), ``memory.sqlite`` and, written last, ``manifest.json`` (every file's sha256,
-:mod:`empo2.train.manifest`); under ``train.sharding: fsdp`` the weights and optimizer are a
-``sharded/`` folder of ``torch.distributed.checkpoint`` shards instead (:mod:`empo2.train.sharding`). A pickle is never unpickled, so a run folder from someone else cannot run
+:mod:`empo2.rundir.manifest`); under ``train.sharding: fsdp`` the weights and optimizer are a
+``sharded/`` folder of ``torch.distributed.checkpoint`` shards instead (:mod:`empo2.parallel.sharding`). A pickle is never unpickled, so a run folder from someone else cannot run
 code on ``--resume``. A crash while writing leaves only a ``.tmp-*`` folder that the next save removes.
 
 Older checkpoints kept their state in a pickled ``state.pt``; :func:`convert` rewrites one in this format, for a
-folder whose origin the user trusts (``python -m empo2.train.checkpoint --convert CHECKPOINT``).
+folder whose origin the user trusts (``python -m empo2.rundir.checkpoint --convert CHECKPOINT``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 
 from empo2.config import ConfigError
 from empo2.file_modes import share_tree
-from empo2.train.manifest import write_manifest
+from empo2.rundir.manifest import write_manifest
 
 PREFIX = "iter_"
 STATE = "state.json"
@@ -167,7 +167,7 @@ def load_state(ckpt: Path) -> dict[str, Any]:
     if not (ckpt / STATE).is_file() and (ckpt / OLD_STATE).is_file():
         raise CheckpointError(f"{ckpt} holds a pickled state.pt from an older empo2, which could run code when "
                               "loaded, so it is not read; if you trust where it came from, convert it with: "
-                              f"python -m empo2.train.checkpoint --convert {ckpt}")
+                              f"python -m empo2.rundir.checkpoint --convert {ckpt}")
     return _join(json.loads((ckpt / STATE).read_text()), load_file(str(ckpt / TENSORS)))
 
 
@@ -230,7 +230,7 @@ def _fsync_dir(folder: Path) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3 or sys.argv[1] != "--convert":
-        sys.exit("usage: python -m empo2.train.checkpoint --convert CHECKPOINT_FOLDER")
+        sys.exit("usage: python -m empo2.rundir.checkpoint --convert CHECKPOINT_FOLDER")
     for folder in [Path(sys.argv[2])] if (Path(sys.argv[2]) / OLD_STATE).is_file() else list_checkpoints(sys.argv[2]):
         convert(folder)
         print(f"converted {folder}")

@@ -17,8 +17,8 @@ import torch
 
 from empo2.config import Config, ConfigError
 from empo2.file_modes import share_tree
-from empo2.train import checkpoint as ckpt
-from empo2.train import sharding
+from empo2.parallel import sharding
+from empo2.rundir import checkpoint as ckpt
 
 
 def export(run_dir: Path, out: Path) -> Path:

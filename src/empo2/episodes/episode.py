@@ -67,7 +67,7 @@ class Episode:
     critical_step: int | None = None
     """A searched failure (ELPO): t_crit, the first irrecoverable step (1-based) the binary search localised."""
     expert: bool = False
-    """Played the environment's gold path instead of sampling (LUFFY's off-policy member, :mod:`empo2.train.expert`)."""
+    """Played the environment's gold path instead of sampling (LUFFY's off-policy member, :mod:`empo2.episodes.expert`)."""
     initial_observation: str = ""
     """The observation the episode started with (its prompts show it)."""
     final_state: str = ""

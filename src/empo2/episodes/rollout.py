@@ -1,6 +1,6 @@
 """The play loop: many episodes step together, one batched generation per step (the paper's rollouts, with
-tips retrieved in the memory modes). The episodes are plain data (:mod:`empo2.train.episode`); what an episode writes
-to memory when it ends is :mod:`empo2.train.reflection`.
+tips retrieved in the memory modes). The episodes are plain data (:mod:`empo2.episodes.episode`); what an episode writes
+to memory when it ends is :mod:`empo2.episodes.reflection`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from empo2.algo.empo2 import MEMORY_MODES, training_prompt_has_tips
 from empo2.config_sections import MemoryConfig, PolicyConfig
 from empo2.envs.base import state_of
 from empo2.envs.pool import WorkerError
+from empo2.episodes.episode import Episode, Step, namespace_of
+from empo2.episodes.protocols import Embedder, EnvWorkers, MemorySync, TipStore, Tokenizer
 from empo2.policy.backend import RolloutBackend
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions, HeadMemo
 from empo2.policy.sampling import Sampling
 from empo2.policy.seeded import row_seed
-from empo2.train.episode import Episode, Step, namespace_of
-from empo2.train.protocols import Embedder, EnvWorkers, MemorySync, TipStore, Tokenizer
 
 
 @dataclass
@@ -46,7 +46,7 @@ class RolloutContext:
     backend: RolloutBackend | None = None
     """A rollout backend (e.g. vLLM), called with the protocol's keywords; ``None`` = generate with ``model`` (HF)."""
     memory_sync: MemorySync | None = None
-    """Data-parallel hook: every rank's memory operations in global order (see :mod:`empo2.train.distributed`);
+    """Data-parallel hook: every rank's memory operations in global order (see :mod:`empo2.parallel.distributed`);
     ``None`` = apply this process's operations directly."""
     demonstrations: dict = field(default_factory=dict)
     """(task, variation, shots) → demonstration text, fetched once for all workers (a ScienceWorld worker plays the
@@ -86,7 +86,7 @@ def run_episodes(
 
     Each step: retrieve tips (memory modes) → render prompts → generate (or ask ``actions``) → step the environments.
     ``on_step(episode)`` is called after each step (``empo2 play`` prints with it). The end-of-episode reflection is
-    the caller's next step (:func:`empo2.train.reflection.reflect`). Returns the episodes and timing/token stats.
+    the caller's next step (:func:`empo2.episodes.reflection.reflect`). Returns the episodes and timing/token stats.
     """
     actions = actions or model_actions(sampling or Sampling.rollout(ctx.policy_cfg), seed)
     stats = {"gen_time": 0.0, "env_time": 0.0, "memory_time": 0.0, "gen_tokens": 0, "prompt_tokens": 0,

@@ -4,7 +4,7 @@ The trainer writes it last, into the temporary folder that one rename then makes
 name and rename too), so a checkpoint either has a manifest that covers all of it or none. ``--resume`` verifies it
 before it trusts a file that merely parses: an adapter with flipped bits still loads, and then trains on nonsense.
 A checkpoint without a manifest was written by an older empo2; it is loaded as before, on the checks its files'
-formats allow (:func:`empo2.train.resume.load_checkpoint`).
+formats allow (:func:`empo2.rundir.resume.load_checkpoint`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""ELPO's rollout (Algorithm 1 of Liang et al., 2026) beside :func:`empo2.train.rollout.run_episodes`: per group, full
+"""ELPO's rollout (Algorithm 1 of Liang et al., 2026) beside :func:`empo2.episodes.rollout.run_episodes`: per group, full
 trajectories until B_max failures are buffered, then a binary search for the first irrecoverable step of the failure
 with the largest entropy gap (Eq. 4), probing each anchor with X_m suffixes (Eq. 5) that branch off the failure by
-replaying its prefix (:mod:`empo2.train.branching`). Full trajectories and suffixes count against the group's budget
+replaying its prefix (:mod:`empo2.episodes.branching`). Full trajectories and suffixes count against the group's budget
 N, the same number of rollouts the other methods play. Groups advance together, wave by wave, so that every wave is
 one batched generation loop; a wave holds at most B_max episodes per group, which fits the pool (G per group).
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from empo2.agent.prompts import PromptParts, hints_text
 from empo2.algo import elpo
 from empo2.envs.base import state_of
+from empo2.episodes.branching import Branch, restore_branches
+from empo2.episodes.episode import Episode, Step
+from empo2.episodes.rollout import ActionSource, RolloutContext, _play, _reset, model_actions
 from empo2.policy.sampling import Sampling
-from empo2.train.branching import Branch, restore_branches
-from empo2.train.episode import Episode, Step
-from empo2.train.rollout import ActionSource, RolloutContext, _play, _reset, model_actions
 
 
 def step_entropy(step: Step) -> float:

@@ -1,5 +1,5 @@
 """Playing a recorded episode again from the middle: put a worker into the state after the first m steps of an
-:class:`~empo2.train.episode.Episode` (the environments' ``restore_prefix``, through the pool's ``restore``), and
+:class:`~empo2.episodes.episode.Episode` (the environments' ``restore_prefix``, through the pool's ``restore``), and
 check the replay against the record.
 
 Neither simulator has a state snapshot, so the way back is to reload the task and replay what the environment ran
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from empo2.train.episode import Episode
+from empo2.episodes.episode import Episode
 
 
 def prefix_commands(ep: Episode, m: int) -> list[list[str]]:

@@ -1,0 +1,1 @@
+"""Parallelism: data-parallel ranks (``torchrun``) and FSDP sharding."""
