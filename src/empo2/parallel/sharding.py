@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from empo2.config import ConfigError
-from empo2.rundir import checkpoint as ckpt
 
 SHARDS = "sharded"
 """A sharded checkpoint's DCP folder inside ``checkpoints/iter_*/``."""
@@ -185,19 +184,6 @@ def read_shards(folder: Path, model, optimizer=None) -> None:
     dcp.load(state, checkpoint_id=str(Path(folder) / SHARDS))
     sd.set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
                       options=options)
-
-
-def save(run_dir: Path, iteration: int, model, optimizer, state: dict, memory_copy, keep: int, dist) -> Path | None:
-    """A checkpoint written by all ranks: rank 0 makes the temporary folder and tells the others, every rank writes
-    its shards into it, rank 0 adds the state and memory and renames it (atomic, as an unsharded one)."""
-    if not dist.is_main:
-        write_shards(dist.broadcast_object(None), model, optimizer)
-        return None
-
-    def weights(tmp: Path) -> None:
-        write_shards(dist.broadcast_object(tmp), model, optimizer)
-
-    return ckpt.save_checkpoint(run_dir, iteration, model, optimizer, state, memory_copy, keep, weights=weights)
 
 
 def restore(model, optimizer, folder: Path, weights: dict | None, optimizer_state: dict | None, lora: bool) -> None:

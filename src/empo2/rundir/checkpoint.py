@@ -30,6 +30,7 @@ import torch
 
 from empo2.config import ConfigError
 from empo2.file_modes import share_tree
+from empo2.parallel import sharding
 from empo2.rundir.manifest import write_manifest
 
 PREFIX = "iter_"
@@ -120,6 +121,20 @@ def save_checkpoint(
     for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_sharded(run_dir: Path, iteration: int, model, optimizer, state: dict, memory_copy, keep: int,
+                 dist) -> Path | None:
+    """A checkpoint written by all ranks: rank 0 makes the temporary folder and tells the others, every rank writes
+    its shards into it, rank 0 adds the state and memory and renames it (atomic, as an unsharded one)."""
+    if not dist.is_main:
+        sharding.write_shards(dist.broadcast_object(None), model, optimizer)
+        return None
+
+    def weights(tmp: Path) -> None:
+        sharding.write_shards(dist.broadcast_object(tmp), model, optimizer)
+
+    return save_checkpoint(run_dir, iteration, model, optimizer, state, memory_copy, keep, weights=weights)
 
 
 # ------------------------------------------------------------------------------------------------ state format

@@ -276,8 +276,8 @@ class Trainer(TrainerParts):
                  "config": self.cfg.to_dict(), "settings_digest": settings_digest(self.cfg)}
         copy = self.memory.copy_to if self.memory is not None else None
         if self.dist.sharded:
-            return sharding.save(self.run_dir, it, self.model, self.optimizer, state, copy,
-                                 self.cfg.train.keep_checkpoints, self.dist)
+            return ckpt.save_sharded(self.run_dir, it, self.model, self.optimizer, state, copy,
+                                     self.cfg.train.keep_checkpoints, self.dist)
         return ckpt.save_checkpoint(self.run_dir, it, self.model, self.optimizer, state, copy,
                                     self.cfg.train.keep_checkpoints)
 
