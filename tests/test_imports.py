@@ -27,7 +27,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("policy", "envs", "memory", "algo"),  # components that know nothing of each other
     ("agent",),  # prompts and reflection over an environment's actions and memory's entries
     ("config",),
-    ("train", "machine"),  # the training loop and its run folder; the record of the machine a run used
+    ("parallel",),  # data-parallel ranks and FSDP sharding
+    ("episodes", "rundir"),  # playing episodes (for train, eval, adapt, play); the run folder (checkpoints, metrics)
+    ("train", "machine"),  # the training loop; the record of the machine a run used
     ("play", "experiments"),  # commands built on the loop: play episodes by hand; compare, adapt, report
     ("cli",),
     ("empo2",),  # the package's public names (Config, Trainer), re-exported from the rooms below
