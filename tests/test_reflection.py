@@ -60,7 +60,8 @@ def test_reflection_caps_tips_at_the_configured_word_limit(smollm):
     for limit in (5, 150):
         ctx = RolloutContext(None, tok, None, None, None, "scienceworld", PolicyConfig(),
                              MemoryConfig(max_tip_words=limit))
-        tips = reflection_job(ctx, [ep])(lambda prompts, n, **kw: [Generation([], [], "word " * 200)] * len(prompts))
+        job = reflection_job(ctx, [ep])
+        tips = job(lambda prompts, sampling, seeds: [Generation([], [], "word " * 200)] * len(prompts))
         assert len(tips[0].split()) == limit
 
 
