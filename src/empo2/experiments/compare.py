@@ -41,14 +41,13 @@ from typing import Any
 
 from empo2.config import Config, ConfigError
 from empo2.experiments import records
-from empo2.experiments.arms import ARMS
+from empo2.experiments.arms import ARMS, STD_SUFFIX, arm_overrides, split_arm
 from empo2.policy.precision import settle_autocast
 from empo2.rundir import checkpoint as ckpt
 from empo2.signals import set_phase
 
 SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "algo.proxmo_psc", "algo.proxmo_psa",
                   "train.seed", "train.output_dir", "train.eval_at_start")
-STD_SUFFIX = "-std"
 """``--algos gigpo-std``: GiGPO divided by the group std (``mean_std_norm``); report's ``method_label`` writes it so."""
 COSMETIC = ("train.output_dir", "train.progress")  # may differ between invocations without changing a run
 
@@ -122,7 +121,7 @@ def parse_algos(text: str) -> list[str]:
     if len(set(algos)) != len(algos):
         raise ConfigError(f"--algos names an algorithm twice: {text}")
     for algo in algos:
-        if algo not in ARMS and _split(algo)[0] not in ALGORITHMS:
+        if algo not in ARMS and split_arm(algo)[0] not in ALGORITHMS:
             raise ConfigError(f"--algos: unknown arm {algo!r}; valid: an algorithm (algo.name: "
                               f"{', '.join(sorted(ALGORITHMS))}, also NAME+ESTIMATOR and GiGPO's -std) or an "
                               f"ablation ({', '.join(ARMS)})")
@@ -180,28 +179,6 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
     return plans
 
 
-def _split(algo: str) -> tuple[str, str, bool]:
-    """``"empo2+gigpo"`` → ``("empo2", "gigpo", False)`` (EMPO² with GiGPO's advantage estimator);
-    ``"gigpo-std"`` → ``("gigpo", "", True)`` (GiGPO's ``mean_std_norm``); ``"grpo"`` → ``("grpo", "", False)``."""
-    std = algo.endswith(STD_SUFFIX)
-    name, _, estimator = algo.removesuffix(STD_SUFFIX).partition("+")
-    return name, estimator, std
-
-
-def arm_overrides(algo: str) -> list[str]:
-    """The ``algo`` overrides an arm name stands for, in ``compare --algos`` and ``train --algo`` alike: an ablation
-    arm's algorithm and settings (:data:`ARMS`), or ``NAME[+ESTIMATOR][-std]``'s algorithm, estimator and GiGPO
-    normalisation, with ``algo.arm`` emptied so a config file's arm cannot label a plain algorithm's run."""
-    if algo in ARMS:
-        chosen, std = ARMS[algo].overrides(), False
-    else:
-        name, estimator, std = _split(algo)
-        chosen = [f"algo.name={name}", "algo.arm="] + ([f"algo.advantage={estimator}"] if estimator else [])
-        chosen += ["algo.proxmo_psc=true", "algo.proxmo_psa=true"]  # ProxMO's parts are switched off by arms only
-    # always set, so that a config file's choice cannot run under a label that says the other one
-    return [*chosen, f"algo.gigpo_normalization={'mean_std_norm' if std else 'mean_norm'}"]
-
-
 def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
     return [*arm_overrides(algo), f"train.seed={seed}", f"train.output_dir={folder}", "train.eval_at_start=true"]
 
@@ -212,7 +189,7 @@ def check_estimator_used(algo: str, cfg: Config) -> None:
 
     if algo in ARMS:
         return
-    name, estimator, std = _split(algo)
+    name, estimator, std = split_arm(algo)
     used = ALGORITHMS[name].estimator(cfg.algo)
     if estimator and used != estimator:
         raise ConfigError(f"--algos {algo}: algorithm {name!r} always uses the {used!r} advantage; "
