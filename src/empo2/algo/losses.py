@@ -116,7 +116,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
         if beta > 0:
             token_loss = token_loss + beta * torch.where(_kl_rows(valid, modes), k3, 0.0)
 
-    loss = _aggregate(token_loss, valid, aggregation, algo.dr_grpo_length)  # []
+    loss = aggregate_token_loss(token_loss, valid, aggregation, algo.dr_grpo_length)  # []
 
     with torch.no_grad():
         metrics = _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip)
@@ -147,7 +147,7 @@ def _mode_losses(token_loss: torch.Tensor, valid: torch.Tensor, modes: Sequence[
     for mode in MODES if modes is not None else ():
         rows = torch.tensor([m == mode for m in modes], device=valid.device)  # [B]
         if rows.any():
-            out[f"loss_{mode}"] = float(_aggregate(token_loss[rows], valid[rows], aggregation))
+            out[f"loss_{mode}"] = float(aggregate_token_loss(token_loss[rows], valid[rows], aggregation))
     return out
 
 
@@ -163,7 +163,8 @@ def _skip_if_not_finite(loss: torch.Tensor, metrics: dict[str, float], logp_new:
     return loss, metrics
 
 
-def _aggregate(token_loss: torch.Tensor, valid: torch.Tensor, aggregation: str, length: int = 0) -> torch.Tensor:
+def aggregate_token_loss(token_loss: torch.Tensor, valid: torch.Tensor, aggregation: str,
+                         length: int = 0) -> torch.Tensor:
     """token_loss [B, T], valid [B, T] -> scalar; normaliser = valid tokens (masked-out tokens still count), or
     rows × ``length`` for ``dr_grpo`` (``length`` 0: the padded width T)."""
     counts = valid.sum(dim=1)  # [B]

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from empo2.algo.advantages import AdvantageInput, group_normalise, register_advantage
-from empo2.algo.losses import _aggregate, k3_kl, policy_loss, register_policy_loss
+from empo2.algo.losses import aggregate_token_loss, k3_kl, policy_loss, register_policy_loss
 
 
 @register_advantage("luffy")
@@ -93,7 +93,7 @@ def _loss(logp_new, logp_old, advantages, response_mask, algo, on_policy_algo, *
         token_loss = expert_token_loss(e_logp, adv, e_valid, algo)  # [E, T]
         if logp_ref is not None and algo.beta > 0:
             token_loss = token_loss + algo.beta * k3_kl(logp_ref[idx], e_logp, e_valid)
-        e_loss = _aggregate(token_loss, e_valid, algo.loss_type, algo.dr_grpo_length)
+        e_loss = aggregate_token_loss(token_loss, e_valid, algo.loss_type, algo.dr_grpo_length)
         bad = not bool(torch.isfinite(torch.where(e_valid, e_logp.detach(), 0.0)).all()) or \
             not bool(torch.isfinite(e_loss))
         parts.append((e_loss, idx))
