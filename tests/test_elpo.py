@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from empo2.algo import elpo
+from empo2.algo.advantages import AdvantageInput, compute_advantages
 
 W, L = 1.0, -1.1  # the worked example's rewards: right answer, wrong answer
 
@@ -270,3 +271,12 @@ def test_registered_elpo_loss_widens_only_the_critical_rows():
     for row in (0, 2, 3, 4):
         assert grad_elpo[row].tolist() == pytest.approx(logp_new.grad[row].tolist(), abs=1e-15)
     assert metrics["critical_rows"] == 2
+
+
+def test_groups_without_signal_are_counted_as_grpo_counts_them():
+    # group 0: every trajectory failed alike (A_hier 0 everywhere); group 1: one success among failures
+    inp = AdvantageInput.from_returns([0.0, 0.0, 0.0, 0.0, 1.0], [0, 0, 0, 1, 1], [3, 2, 4, 2, 3])
+    adv, metrics = compute_advantages("elpo", inp)
+    assert all(not a.any() for a in adv[:3]) and all(a.any() for a in adv[3:])
+    assert metrics["zero_adv_groups"] == 1.0
+    assert metrics["zero_adv_groups"] == compute_advantages("grpo", inp)[1]["zero_adv_groups"]

@@ -378,6 +378,7 @@ def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, fl
     o = inp.options
     tree = inp.tree or [(i, None) for i in range(len(inp.returns))]
     out: list[np.ndarray] = [np.zeros(len(r)) for r in inp.step_rewards]
+    silent = 0  # groups whose every node gets A_hier = 0: no learning signal, as GRPO's zero_adv_groups
     for g in np.unique(inp.group_ids):
         rows = [int(i) for i in np.flatnonzero(inp.group_ids == g)]
         local = {tree[i][0]: k for k, i in enumerate(rows)}
@@ -391,6 +392,7 @@ def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, fl
         for i, path in zip(rows, paths):
             own = len(inp.step_rewards[i])
             out[i] = hier[path[len(path) - own:]] if own else np.zeros(0)
+        silent += not np.any(hier)
     flat = np.concatenate(out) if out else np.zeros(0)
     return out, {"groups": float(len(np.unique(inp.group_ids))), "adv_abs_mean": float(np.abs(flat).mean())
-                 if flat.size else 0.0, "zero_adv_groups": 0.0}
+                 if flat.size else 0.0, "zero_adv_groups": float(silent)}
