@@ -88,13 +88,13 @@ def test_background_reflection_writes_the_tips_of_the_weights_that_played(tmp_pa
     episodes = _episodes()
     pending = reflection.start(overlap, episodes, episodes, seed)
     _perturb(model, 0.5)  # the update runs while the tips are written
-    reflection.finish(overlap, episodes, pending)
+    noted = reflection.finish(overlap, episodes, pending)
     reflection.close()
 
     expected = _memory_state(blocking.memory)
     assert len(expected) >= 2
     assert _memory_state(overlap.memory) == expected
-    assert [ep.tip_written for ep in episodes if ep.tip_written] == [t.text for t in overlap.memory.all_tips()]
+    assert [ep.tip_written for ep in noted if ep.tip_written] == [t.text for t in overlap.memory.all_tips()]
 
     # the check can fail: reflecting with the weights after the update writes other tips
     after = context("after")
