@@ -180,7 +180,7 @@ def test_rollout_and_reflection_call_a_backend_through_the_protocol(tmp_path, ti
         ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", policy, MemoryConfig(),
                              backend=backend)
         episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, Sampling.rollout(policy, 0.7), seed=3)
-        reflect(ctx, episodes, tip_writers(episodes, ctx.memory_cfg), seed=3)
+        episodes = reflect(ctx, episodes, tip_writers(episodes, ctx.memory_cfg), seed=3)
     assert all(not ep.failed and ep.steps for ep in episodes), [ep.error for ep in episodes]
     assert all(len(s.logp_old) == len(s.response_ids) for ep in episodes for s in ep.steps)
     actions = [c for c in backend.calls if c["max_new_tokens"] == 6]

@@ -57,7 +57,7 @@ def test_tips_are_keyed_by_the_state_where_each_episode_ended(tmp_path, smollm, 
     hallway = "This room is called the hallway. In it, you see: a picture, a door to the kitchen."
     episodes = [_episode("find-animal", [hallway, kitchen], 8.0), _episode("find-animal", [hallway, outside], 25.0)]
     torch.manual_seed(0)
-    reflect(ctx, episodes, episodes)
+    episodes = reflect(ctx, episodes, episodes)
     tips = {t.key_text: t for t in memory.all_tips()}
     assert set(tips) <= {kitchen, outside} and len(tips) == 2, [e.tip_rejected for e in episodes]
     # retrieval now ranks by the state: a query in the kitchen finds the kitchen tip first, outside the outside tip

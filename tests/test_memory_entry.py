@@ -5,6 +5,8 @@ Real embedder, real SQLite memory; the last test plays real ScienceWorld with Sm
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -70,10 +72,29 @@ def test_de_duplication_compares_the_tips(tmp_path, embedder, dedup):
     memory = TipMemory(tmp_path / "memory.sqlite", dim=embedder.dim, dedup_threshold=dedup)
     ctx = RolloutContext(None, None, None, embedder, memory, "scienceworld", PolicyConfig(),
                          MemoryConfig(entry_format="released", dedup_threshold=dedup))
-    write_memory_ops(ctx, episodes, memory_ops(ctx, [], episodes, tips))
-    assert [ep.tip_rejected for ep in episodes] == [None, "duplicate", None]
+    writes = write_memory_ops(ctx, episodes, memory_ops(ctx, [], episodes, tips))
+    assert [ep.tip_rejected for ep in writes.noted_on(episodes)] == [None, "duplicate", None]
     assert sorted(t.text for t in memory.all_tips()) == [entries[0], entries[2]]
     assert {t.key_text for t in memory.all_tips()} == {episodes[0].steps[-1].state_text}
+    memory.close()
+
+
+def test_writing_memory_returns_what_it_did_and_leaves_its_inputs(tmp_path, embedder):
+    """The episodes given to ``write_memory_ops`` and its context read the same after the call; what happened comes
+    back: the tip written by (group, member), the duplicate's rejection, and the memory clock. Fails when the
+    outcome is noted on the episodes in place."""
+    episodes = [_episode(0, "open fridge", 0.0), _episode(1, "look around", 8.0)]
+    before = copy.deepcopy(episodes)
+    memory = TipMemory(tmp_path / "memory.sqlite", dim=embedder.dim, dedup_threshold=0.95)
+    ctx = RolloutContext(None, None, None, embedder, memory, "scienceworld", PolicyConfig(),
+                         MemoryConfig(dedup_threshold=0.95), step_counter=7)
+    writes = write_memory_ops(ctx, episodes, memory_ops(ctx, [], episodes, ["Check the fridge.", "Check the fridge."]))
+    assert episodes == before and ctx.step_counter == 7
+    assert (writes.written, writes.rejected, writes.step) == ({(0, 0): "Check the fridge."}, {(0, 1): "duplicate"}, 7)
+    noted = writes.noted_on(episodes)
+    assert [(ep.tip_written, ep.tip_rejected) for ep in noted] == [("Check the fridge.", None), (None, "duplicate")]
+    assert noted[0].steps == episodes[0].steps and episodes == before
+    assert [t.step for t in memory.all_tips()] == [7]
     memory.close()
 
 
@@ -85,9 +106,9 @@ def test_what_each_format_stores(tmp_path, embedder, entry_format):
     ctx = RolloutContext(None, None, None, embedder, memory, "scienceworld", PolicyConfig(),
                          MemoryConfig(entry_format=entry_format))
     episodes = [_episode(0, "open fridge", 25.0)]
-    write_memory_ops(ctx, episodes, memory_ops(ctx, [], episodes, ["Check the fridge."]))
+    writes = write_memory_ops(ctx, episodes, memory_ops(ctx, [], episodes, ["Check the fridge."]))
     want = "Check the fridge." if entry_format == "tip" else released("Check the fridge.", "open fridge", "25.0")
-    assert [t.text for t in memory.all_tips()] == [want] == [ep.tip_written for ep in episodes]
+    assert [t.text for t in memory.all_tips()] == [want] == [ep.tip_written for ep in writes.noted_on(episodes)]
     assert [s.state_embedding for s in episodes[0].steps] == [None, None]  # the key is embedded, the step left as it was
     memory.close()
 
@@ -133,7 +154,7 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
         ctx = RolloutContext(model, tok, pool, embedder, memory, "scienceworld", pcfg, mcfg)
         torch.manual_seed(0)
         episodes, _ = run_episodes(ctx, [("find-animal", 0, 0, "on_tips")] * 2, Sampling.rollout(pcfg, 1.0), seed=0)
-        reflect(ctx, episodes, episodes, seed=0)
+        episodes = reflect(ctx, episodes, episodes, seed=0)
         written = [ep for ep in episodes if ep.tip_written]
         assert written, [ep.tip_rejected for ep in episodes]
         stored = {t.text: t for t in memory.all_tips()}

@@ -88,13 +88,13 @@ def test_background_reflection_writes_the_tips_of_the_weights_that_played(tmp_pa
     episodes = _episodes()
     pending = reflection.start(overlap, episodes, episodes, seed)
     _perturb(model, 0.5)  # the update runs while the tips are written
-    reflection.finish(overlap, episodes, pending)
+    noted = reflection.finish(overlap, episodes, pending)
     reflection.close()
 
     expected = _memory_state(blocking.memory)
     assert len(expected) >= 2
     assert _memory_state(overlap.memory) == expected
-    assert [ep.tip_written for ep in episodes if ep.tip_written] == [t.text for t in overlap.memory.all_tips()]
+    assert [ep.tip_written for ep in noted if ep.tip_written] == [t.text for t in overlap.memory.all_tips()]
 
     # the check can fail: reflecting with the weights after the update writes other tips
     after = context("after")
@@ -122,7 +122,7 @@ def test_a_run_with_overlap_ends_with_the_blocking_runs_memory(tmp_path, tiny_mo
             "train.progress=false", "train.iterations=2", "algo.p_memory=1.0", "policy.seeded_sampling=true",
             "train.learning_rate=0.05", "algo.low_prob_threshold=0", "algo.intrinsic_weight=1.0",
             "memory.dedup_threshold=1.01", "train.eval_at_start=false", f"policy.model={tiny_model}"]
-    states, losses = {}, {}
+    states, losses, added, written = {}, {}, {}, {}
     for overlap in ("false", "true"):
         run = tmp_path / overlap
         assert main(["train", "--config", "configs/scienceworld_cpu.yaml", f"train.output_dir={run}",
@@ -131,12 +131,19 @@ def test_a_run_with_overlap_ends_with_the_blocking_runs_memory(tmp_path, tiny_mo
         with TipMemory(last / "memory.sqlite") as memory:  # the checkpoint holds the iteration's tips
             stats = {k: v for k, v in memory.stats().items() if k != "path"}  # uses, utilities, rejections
             states[overlap] = _memory_state(memory) + [json.dumps(stats, sort_keys=True)]
-        losses[overlap] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[overlap] = [r["loss"] for r in records]
+        added[overlap] = ([r["memory"]["added"] for r in records], stats["tips"])
+        samples = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+        written[overlap] = [s["tip_written"] for s in samples]
     assert len(states["false"]) > 4  # tips were written in both iterations
     assert all(r["optimizer_steps"] >= 1 for r in losses["false"])
     # the first update moves the weights, so the second iteration's rollouts and tips depend on when it ran
     assert losses["false"][0]["computed_rows"] > 0 and losses["false"][0]["masked_frac"] < 1
     assert states["true"] == states["false"]
+    # the metrics line and the samples see the tips of both paths (the overlapped ones land in the sync step)
+    assert added["true"] == added["false"] and sum(added["false"][0]) == added["false"][1] > 4
+    assert written["true"] == written["false"] and sum(w is not None for w in written["false"]) > 4
     assert [sorted(r) for r in losses["true"]] == [sorted(r) for r in losses["false"]]
     for ours, theirs in zip(losses["true"], losses["false"]):
         np.testing.assert_allclose([ours[k] for k in sorted(ours)], [theirs[k] for k in sorted(theirs)], rtol=1e-5)

@@ -49,6 +49,7 @@ def test_one_iteration_in_process_moves_every_lora_matrix(tiny_model, embedder):
             records.append(trainer.iteration())
             snapshots.append(_lora(trainer))
         assert trainer.next_iteration == 2 and trainer.memory.stats()["tips"] >= 1  # the reflection wrote tips
+        assert sum(r["memory"]["added"] for r in records) == trainer.memory.stats()["tips"]  # and the records count them
     assert {n.split("lora_")[1][0] for n in snapshots[0]} == {"A", "B"}
     assert [r["iteration"] for r in records] == [0, 1]
     for r in records:

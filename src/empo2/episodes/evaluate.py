@@ -78,7 +78,7 @@ def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: b
         overall = None if progress is None else partial(_overall_progress, progress, start, ranks, len(specs))
         eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, sampling, progress=overall, seed=seed)
         if ctx.memory is not None and update_memory:
-            reflect_into_memory(ctx, eps, eps if reflect else [], seed)
+            eps = reflect_into_memory(ctx, eps, eps if reflect else [], seed)
         episodes += eps
     if ranks > 1:
         episodes = gather_episodes(dist, episodes)

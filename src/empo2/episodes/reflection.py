@@ -6,6 +6,7 @@ applied in global order (:mod:`empo2.parallel.distributed`), so every rank's cop
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 from empo2.agent.reflection import memory_entry, parse_tip, reflection_messages
 from empo2.algo.empo2 import MEMORY_MODES
@@ -21,12 +22,18 @@ def tip_writers(episodes: list[Episode], memory_cfg: MemoryConfig) -> list[Episo
     return [ep for ep in episodes if ep.mode in MEMORY_MODES or memory_cfg.reflect_in_on_mode]
 
 
-def reflect(ctx: RolloutContext, episodes: list[Episode], writers: list[Episode], seed: int | None = None) -> None:
+def reflect(ctx: RolloutContext, episodes: list[Episode], writers: list[Episode],
+            seed: int | None = None) -> list[Episode]:
     """The memory step after ``episodes`` end: each of ``writers`` (a subset of ``episodes``; failed or empty ones
     are skipped) writes one tip (one batched generation; per-row streams from ``seed`` where set), and every episode
-    updates the count, recency and utility of the tips it used."""
+    updates the count, recency and utility of the tips it used.
+
+    Returns ``episodes`` as new values that note the tip each wrote or had rejected (the given ones stay as they
+    were), and moves ``ctx``'s memory clock to the step the operations were applied at."""
     uses, writers = memory_plan(episodes, writers)
-    write_memory_ops(ctx, episodes, memory_ops(ctx, uses, writers, write_tips(ctx, writers, seed)))
+    writes = write_memory_ops(ctx, episodes, memory_ops(ctx, uses, writers, write_tips(ctx, writers, seed)))
+    ctx.step_counter = writes.step
+    return writes.noted_on(episodes)
 
 
 def memory_plan(episodes: list[Episode], writers: list[Episode]) -> tuple[list, list[Episode]]:
@@ -55,19 +62,41 @@ def memory_ops(ctx: RolloutContext, uses: list, writers: list[Episode], tips: li
     }) for ep, tip, key, kemb, temb in zip(writers, tips, last, key_embs, tip_embs)]
 
 
-def write_memory_ops(ctx: RolloutContext, episodes: list[Episode], ops: tuple[list, list]) -> None:
-    """Apply the operations (``memory_ops``) to memory and note on each episode the tip it wrote or had rejected."""
+@dataclass(frozen=True)
+class MemoryWrites:
+    """What one memory step did to this rank's episodes, by (group, member): the tip each wrote (its stored text)
+    or the reason its tip was rejected; and ``step``, the memory clock the operations were applied at (data
+    parallel: the largest of the ranks' clocks, the count a one-rank run would have)."""
+
+    written: dict[tuple[int, int], str]
+    rejected: dict[tuple[int, int], str]
+    step: int
+
+    def noted_on(self, episodes: list[Episode]) -> list[Episode]:
+        """``episodes`` as new values with ``tip_written`` / ``tip_rejected`` set where this step names them."""
+        def noted(ep: Episode) -> Episode:
+            key = (ep.group, ep.member)
+            if key in self.written:
+                return replace(ep, tip_written=self.written[key])
+            return replace(ep, tip_rejected=self.rejected[key]) if key in self.rejected else ep
+        return [noted(ep) for ep in episodes]
+
+
+def write_memory_ops(ctx: RolloutContext, episodes: list[Episode], ops: tuple[list, list]) -> MemoryWrites:
+    """Apply the operations (``memory_ops``) to memory; returns what became of the tips of ``episodes`` (this
+    rank's), and leaves the episodes and ``ctx`` as they were."""
     uses, adds = ops
     step = ctx.step_counter
     if ctx.memory_sync is not None:  # data parallel: every rank applies all ranks' operations, in global order
         uses, adds, step = ctx.memory_sync(uses, adds, step)
-        ctx.step_counter = step
-    mine = {(ep.group, ep.member): ep for ep in episodes}
+    mine = {(ep.group, ep.member) for ep in episodes}
+    written, rejected = {}, {}
     for (key, op), result in zip(adds, apply_memory_ops(ctx.memory, uses, adds, step)):
         if key in mine and result.id is not None:
-            mine[key].tip_written = op["tip_text"]
+            written[key] = op["tip_text"]
         elif key in mine:
-            mine[key].tip_rejected = result.reason
+            rejected[key] = result.reason
+    return MemoryWrites(written, rejected, step)
 
 
 def apply_memory_ops(memory, uses: list, adds: list, step: int) -> list:

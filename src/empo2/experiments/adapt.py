@@ -109,7 +109,7 @@ def run_trials(ctx: RolloutContext, tasks: list[str], trials: int, split: str, v
         if baseline == "reflexion":
             _remember_failures(ctx, episodes)
         elif baseline == "memory":
-            reflect(ctx, episodes, episodes, trial_seed)  # one tip per episode, and the uses of the tips it retrieved
+            episodes = reflect(ctx, episodes, episodes, trial_seed)  # a tip per episode; the uses of those it retrieved
         result = summarise(episodes, tasks, plan)
         remembered = ctx.memory.stats()["tips"] if ctx.memory is not None else 0
         out.append({"trial": trial, **result["summary"], "per_task": result["per_task"],

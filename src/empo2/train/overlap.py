@@ -71,10 +71,13 @@ class BackgroundReflection:
         with self.autocast():  # autocast is per thread: the blocking path reflects inside the rollout's
             return job(generate)
 
-    def finish(self, ctx: RolloutContext, episodes: list[Episode], pending: PendingReflection) -> None:
-        """Wait for the tips and write them (and the tip uses) to memory; a failed reflection raises here."""
+    def finish(self, ctx: RolloutContext, episodes: list[Episode], pending: PendingReflection) -> list[Episode]:
+        """Wait for the tips and write them (and the tip uses) to memory; a failed reflection raises here. Returns
+        ``episodes`` as new values noting their tips, as :func:`~empo2.episodes.reflection.reflect` does."""
         tips = pending.tips.result()
-        write_memory_ops(ctx, episodes, memory_ops(ctx, pending.uses, pending.writers, tips))
+        writes = write_memory_ops(ctx, episodes, memory_ops(ctx, pending.uses, pending.writers, tips))
+        ctx.step_counter = writes.step
+        return writes.noted_on(episodes)
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)

@@ -203,7 +203,7 @@ class Trainer(TrainerParts):
                 return
             with timed(batch.stats, "memory_time"), sharding.generating(self.model, self.cfg.policy.autocast,
                                                                         self.ctx.backend):
-                reflect(self.ctx, batch.episodes, writers, batch.sampling_seed)
+                batch.episodes = reflect(self.ctx, batch.episodes, writers, batch.sampling_seed)
 
     def _novelty(self, batch: Batch) -> None:
         """The intrinsic weight of this iteration and, where it is on, every step's novelty reward."""
@@ -235,7 +235,7 @@ class Trainer(TrainerParts):
         separate backend (vLLM) takes the new weights, so the next rollouts sample from the updated policy."""
         if batch.pending is not None:
             with timed(batch.stats, "memory_time"):
-                self.reflection.finish(self.ctx, batch.episodes, batch.pending)
+                batch.episodes = self.reflection.finish(self.ctx, batch.episodes, batch.pending)
         if self.ctx.backend is not None and batch.losses.get("optimizer_steps"):
             with timed(batch.seconds, "sync"):
                 self.ctx.backend.sync_weights(self.model)
