@@ -31,7 +31,13 @@ def reflect(ctx: RolloutContext, episodes: list[Episode], writers: list[Episode]
     Returns ``episodes`` as new values that note the tip each wrote or had rejected (the given ones stay as they
     were), and moves ``ctx``'s memory clock to the step the operations were applied at."""
     uses, writers = memory_plan(episodes, writers)
-    writes = write_memory_ops(ctx, episodes, memory_ops(ctx, uses, writers, write_tips(ctx, writers, seed)))
+    return land_memory_ops(ctx, episodes, memory_ops(ctx, uses, writers, write_tips(ctx, writers, seed)))
+
+
+def land_memory_ops(ctx: RolloutContext, episodes: list[Episode], ops: tuple[list, list]) -> list[Episode]:
+    """Apply ``ops`` (:func:`write_memory_ops`), move ``ctx``'s memory clock to the step they were applied at, and
+    return ``episodes`` as new values noting their tips."""
+    writes = write_memory_ops(ctx, episodes, ops)
     ctx.step_counter = writes.step
     return writes.noted_on(episodes)
 

@@ -24,7 +24,7 @@ from functools import partial
 import torch
 
 from empo2.episodes.episode import Episode
-from empo2.episodes.reflection import memory_ops, memory_plan, reflection_job, write_memory_ops
+from empo2.episodes.reflection import land_memory_ops, memory_ops, memory_plan, reflection_job
 from empo2.episodes.rollout import RolloutContext
 from empo2.policy.generate import generate_batch
 
@@ -75,9 +75,7 @@ class BackgroundReflection:
         """Wait for the tips and write them (and the tip uses) to memory; a failed reflection raises here. Returns
         ``episodes`` as new values noting their tips, as :func:`~empo2.episodes.reflection.reflect` does."""
         tips = pending.tips.result()
-        writes = write_memory_ops(ctx, episodes, memory_ops(ctx, pending.uses, pending.writers, tips))
-        ctx.step_counter = writes.step
-        return writes.noted_on(episodes)
+        return land_memory_ops(ctx, episodes, memory_ops(ctx, pending.uses, pending.writers, tips))
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
