@@ -12,7 +12,9 @@ from hypothesis import settings
 settings.register_profile("ci", derandomize=True, database=None, deadline=None, print_blob=True)
 settings.load_profile("ci")
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist each worker takes its share of the cores, so that two workers on two cores do not spin four
+# OpenMP threads.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 # policy.autocast=auto picks bfloat16 on CPUs with AMX/AVX512-BF16: the suite pins float32, so every machine of a kind
 # whose CPUs differ computes the same numbers (the detection itself is tested in test_precision.py).
 os.environ.setdefault("EMPO2_NATIVE_BF16", "0")

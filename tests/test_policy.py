@@ -17,10 +17,11 @@ from empo2.policy.sampling import Sampling
 
 def test_cached_load_is_fast_and_chats(smollm):
     cached_model_dir("smollm2-135m")  # the session fixture already built the cache
-    start = time.perf_counter()
+    # CPU time, not wall time: the suite's other worker shares the cores; converting the GGUF again would take ~20 s
+    start = time.process_time()
     model, tok = load_model("smollm2-135m", device="cpu")
-    elapsed = time.perf_counter() - start
-    assert elapsed < 2.0, f"cached load took {elapsed:.2f} s"
+    elapsed = time.process_time() - start
+    assert elapsed < 2.0, f"cached load took {elapsed:.2f} s of CPU"
     msgs = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
     ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert "<|im_start|>assistant" in tok.decode(ids)
