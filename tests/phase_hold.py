@@ -18,7 +18,7 @@ def hold_in(phase: str) -> None:
 
     def set_phase(*args, **kwargs):
         original(*args, **kwargs)
-        if signals._state["phase"] == phase:
+        if signals.current_phase() == phase:
             while not signals.stop_requested():
                 time.sleep(0.01)
 

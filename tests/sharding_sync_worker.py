@@ -23,7 +23,7 @@ from empo2.parallel import distributed as dp
 from empo2.parallel import sharding
 from empo2.policy import fsdp_save
 from empo2.policy.loader import load_model
-from empo2.rundir.export import _with_adapter
+from empo2.rundir.export import with_adapter
 
 
 def changed_model(model_name: str, lora: bool, cfg):
@@ -38,7 +38,7 @@ def changed_model(model_name: str, lora: bool, cfg):
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=gen) * 0.01)
             return model
-        model = _with_adapter(model, cfg.policy)
+        model = with_adapter(model, cfg.policy)
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
@@ -50,7 +50,7 @@ class GatheredBytes:
 
     def __init__(self):
         self.alive = self.peak = self.total = 0
-        gather = fsdp_save._gathered
+        gather = fsdp_save.gathered_tensor
 
         def counted(tensor: torch.Tensor) -> torch.Tensor:
             full = gather(tensor)
@@ -61,7 +61,7 @@ class GatheredBytes:
             weakref.finalize(full, self._freed, size)
             return full
 
-        fsdp_save._gathered = counted
+        fsdp_save.gathered_tensor = counted
 
     def _freed(self, size: int) -> None:
         self.alive -= size

@@ -19,7 +19,7 @@ from empo2.config import Config
 from empo2.parallel import distributed as dp
 from empo2.parallel import sharding
 from empo2.policy.loader import load_model
-from empo2.rundir.export import _with_adapter
+from empo2.rundir.export import with_adapter
 from empo2.train.rows import UpdateRow
 from empo2.train.update import PolicyUpdate
 
@@ -50,7 +50,7 @@ def main(model_name: str, out: str, mode: str, lora: str, *overrides: str) -> No
     torch.manual_seed(cfg.train.seed)
     dist = dp.init_from_env("cpu")
     model, tokenizer = load_model(cfg.policy.model, "cpu", cfg.policy.dtype)
-    model = _with_adapter(model, cfg.policy) if cfg.policy.lora else model
+    model = with_adapter(model, cfg.policy) if cfg.policy.lora else model
     for p in model.parameters() if not cfg.policy.lora else ():  # full fine-tuning, as the trainer sets it
         p.requires_grad_(True)
     if sharding.wanted(cfg):

@@ -141,12 +141,12 @@ class _Simulator:
 
 
 def test_an_answer_is_replayed_by_its_reading_not_its_position():
-    from empo2.envs.scienceworld import ScienceWorldEnv, _readings
+    from empo2.envs.scienceworld import ScienceWorldEnv, readings_of
 
     head = "Ambiguous request: Please enter the number for the action you intended (or blank to cancel):\n"
     first = head + "0:\topen drawer (in cupboard, in kitchen)\n1:\topen drawer (in counter, in kitchen)\n"
     later = head + "0:\topen drawer (in counter, in kitchen)\n1:\topen drawer (in cupboard, in kitchen)\n"
-    assert _readings(first) == ["open drawer (in cupboard, in kitchen)", "open drawer (in counter, in kitchen)"]
+    assert readings_of(first) == ["open drawer (in cupboard, in kitchen)", "open drawer (in counter, in kitchen)"]
     env = ScienceWorldEnv.__new__(ScienceWorldEnv)
     env._sim = _Simulator(later)
     question = env._run("open drawer", "")

@@ -16,7 +16,7 @@ from empo2.parallel.distributed import Dist, process_group_backend
 from empo2.policy import fsdp_save
 from empo2.policy.backend import VLLM_LORA_RANKS, check_lora_rank
 from empo2.policy.errors import BackendError
-from empo2.policy.vllm_backend import _engine_kwargs
+from empo2.policy.vllm_backend import engine_kwargs
 from empo2.rundir import checkpoint as ckpt
 from empo2.train import update as update_module
 from empo2.train.overlap import BackgroundReflection
@@ -25,11 +25,11 @@ from test_prefix_sharing import shared_rows, tiny_lm
 
 
 def test_each_rank_engine_runs_on_its_own_gpu_under_a_launcher():
-    one = _engine_kwargs(0.4, None, env={}, cuda=True)
+    one = engine_kwargs(0.4, None, env={}, cuda=True)
     assert one == {"gpu_memory_utilization": 0.4, "dtype": "bfloat16"}  # one process: vLLM's own executor
-    ranks = _engine_kwargs(0.4, "bfloat16", env={"WORLD_SIZE": "2", "LOCAL_RANK": "1", "RANK": "1"}, cuda=True)
+    ranks = engine_kwargs(0.4, "bfloat16", env={"WORLD_SIZE": "2", "LOCAL_RANK": "1", "RANK": "1"}, cuda=True)
     assert ranks["distributed_executor_backend"] == "external_launcher"
-    cpu = _engine_kwargs(0.4, None, env={"WORLD_SIZE": "2"}, cuda=False)
+    cpu = engine_kwargs(0.4, None, env={"WORLD_SIZE": "2"}, cuda=False)
     assert "distributed_executor_backend" not in cpu and cpu["dtype"] == "float32"
 
 

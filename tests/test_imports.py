@@ -238,6 +238,33 @@ def test_no_import_runs_up_a_floor():
         "\n".join(describe_edge(m, t) for m, t in found)
 
 
+def private_names_used(source: str) -> list[str]:
+    """The package's private names (``_x``) a file of tests reaches: imported from an ``empo2`` module, or read as an
+    attribute of a name bound to one (``import empo2.signals as s; s._state``, ``from empo2 import machine;
+    machine._commit``). Attributes of objects are not seen: an object's private state is its class's business."""
+    tree, modules, found = ast.parse(source), set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == PACKAGE:
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+            modules |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name.split(".")[0] == PACKAGE}
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and isinstance(node.value, ast.Name) and node.value.id in modules):
+            found.append(f"{node.value.id}.{node.attr}")
+    return found
+
+
+def test_tests_reach_the_package_through_public_names_only():
+    sample = ("from empo2.machine import _commit, record\nfrom empo2 import signals\nimport empo2.cli as cli\n"
+              "signals._state['x']\ncli.main\ncli._train_config\nrecord.__doc__\nobj._hidden\n")
+    assert sorted(private_names_used(sample)) == ["cli._train_config", "empo2.machine._commit", "signals._state"]
+    tests = Path(__file__).resolve().parent
+    found = {f.name: names for f in sorted(tests.glob("*.py")) if (names := private_names_used(f.read_text()))}
+    assert not found, f"tests reaching private names (make them public or test through a public one): {found}"
+
+
 if __name__ == "__main__":
     problems = report(import_graph())
     print("\n".join(problems) or f"no circles, no upward imports ({len(module_files())} modules)")

@@ -278,30 +278,30 @@ def test_expert_algorithms_need_a_sampled_member(tmp_path, capsys):
 
 
 def test_compare_summary_counts_expert_steps_apart():
-    from empo2.experiments.compare_summary import _expert_steps_text
+    from empo2.experiments.compare_summary import expert_steps_text
 
     runs = [{"name": "grpo-s0", "algo": "grpo", "expert_env_steps": 0},
             {"name": "luffy-s0", "algo": "luffy", "expert_env_steps": 37}]
-    [text] = _expert_steps_text(runs)
+    [text] = expert_steps_text(runs)
     assert "luffy-s0 37" in text and "grpo" not in text and "counted apart" in text
-    assert _expert_steps_text(runs[:1]) == []
+    assert expert_steps_text(runs[:1]) == []
 
 
 def test_train_algo_names_what_compare_algos_names(tmp_path, capsys):
     """``train --algo luffy`` runs the ``luffy`` arm (LUFFY as its script runs it), as ``compare --algos luffy`` does;
     an override that contradicts the arm is refused at load; ``--algo NAME+ESTIMATOR`` sets the estimator."""
-    from empo2.cli import _train_config, main
+    from empo2.cli import main, train_config
     from empo2.cli_parser import parse_cli
     from empo2.experiments.arms import arm_overrides
 
     args = parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo", "luffy",
                       "--output-dir", str(tmp_path / "a")])
-    cfg, _ = _train_config(args)
+    cfg, _ = train_config(args)
     a = cfg.algo
     assert (a.name, a.arm, a.loss_type, a.intrinsic_weight, a.luffy_shaping, a.luffy_clip) == \
         ("luffy", "luffy", "dr_grpo", 0.0, True, False)
     assert arm_overrides("luffy")[0] == "algo.name=luffy"
-    cfg, _ = _train_config(parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo",
+    cfg, _ = train_config(parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo",
                                       "empo2+gigpo", "--output-dir", str(tmp_path / "b")]))
     assert (cfg.algo.name, cfg.algo.advantage, cfg.algo.arm) == ("empo2", "gigpo", None)
     assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "luffy", "algo.loss_type=token_mean",

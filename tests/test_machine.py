@@ -57,11 +57,11 @@ def _git_repo(root, package_dir):
 def test_the_commit_is_recorded_only_for_this_projects_own_checkout(tmp_path):
     own = tmp_path / "checkout"
     head = _git_repo(own, own / "src" / "empo2")
-    assert machine._commit(own / "src" / "empo2") == head
+    assert machine.source_commit(own / "src" / "empo2") == head
     (own / "src" / "empo2" / "new.py").write_text("")
-    assert machine._commit(own / "src" / "empo2") == head + "+changes"
+    assert machine.source_commit(own / "src" / "empo2") == head + "+changes"
     # A wheel installed into a virtual environment that lives inside some other project's checkout.
     other = tmp_path / "project"
     _git_repo(other, other / ".venv" / "lib" / "python3.11" / "site-packages" / "empo2")
-    assert machine._commit(other / ".venv" / "lib" / "python3.11" / "site-packages" / "empo2") is None
-    assert machine._commit(tmp_path / "checkout" / "src") is None
+    assert machine.source_commit(other / ".venv" / "lib" / "python3.11" / "site-packages" / "empo2") is None
+    assert machine.source_commit(tmp_path / "checkout" / "src") is None

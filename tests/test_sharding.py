@@ -146,11 +146,11 @@ def _check_export(out: Path, checkpoint: Path, run: Path, tiny_model: str) -> No
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
 
-    from empo2.rundir.export import _with_adapter
+    from empo2.rundir.export import with_adapter
 
     exported = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
     cfg = Config.load(run / "config.yaml")
-    reference = _with_adapter(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), cfg.policy)
+    reference = with_adapter(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), cfg.policy)
     dcp_to_torch_save(str(checkpoint / "sharded"), str(out.parent / "flat.pt"))  # DCP's own reader, one file
     adapter = torch.load(out.parent / "flat.pt", weights_only=True)["model"]
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # it trained

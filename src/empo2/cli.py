@@ -46,7 +46,7 @@ def cmd_train(args) -> int:
 
     main_rank = distributed.env_rank() == 0  # under torchrun/accelerate only rank 0 writes and prints
     console = Console(soft_wrap=True, quiet=not main_rank)  # one line per message in logs, whatever the width
-    cfg, run_dir = _train_config(args)
+    cfg, run_dir = train_config(args)
     check_run_inputs(cfg)
     if main_rank:  # the ranks of one data-parallel run are one owner: rank 0 holds the folder's lock
         _own_run_folder(args, run_dir)
@@ -91,7 +91,7 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _train_config(args):
+def train_config(args):
     """The run's config and folder: a resumed run's saved config with the flags' overrides (refused when they make it
     another run), or a new run's config file with its overrides."""
     from empo2.config import Config

@@ -32,7 +32,7 @@ def describe() -> dict[str, Any]:
             "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "empo2": __version__, "commit": _commit()}
+            "empo2": __version__, "commit": source_commit()}
 
 
 def record(run_dir: Path, event: str) -> dict[str, Any]:
@@ -67,7 +67,7 @@ def _cpu_model() -> str | None:
     return None
 
 
-def _commit(package: Path = Path(__file__).parent) -> str | None:
+def source_commit(package: Path = Path(__file__).parent) -> str | None:
     """The commit of the checkout this package runs from, ``+changes`` when the package's own files differ from it
     (not the rest of the tree: a comparison continued in a checkout changes its tracked results); ``None`` for an
     installed wheel, also one installed into a virtual environment inside some other git checkout."""

@@ -172,6 +172,11 @@ def set_phase(phase: str, where: str | None = None, keep_where: bool = False) ->
     safe_point()
 
 
+def current_phase() -> str:
+    """What the process does now, as the last :func:`set_phase` named it (``the update of iteration 1``)."""
+    return _state["phase"]
+
+
 def set_run_dir(run_dir: Path | str | None, latest_checkpoint: Callable[[Path], Path | None] | None = None) -> None:
     """The run a stop names; ``latest_checkpoint`` finds its newest checkpoint (the run folder's layout is the
     trainer's, above this module, so the caller hands it in)."""

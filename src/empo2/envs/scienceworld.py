@@ -196,7 +196,7 @@ class ScienceWorldEnv:
                 if not obs.startswith(UNPARSED):
                     break
         if obs.startswith(AMBIGUOUS):  # the simulator asks which object was meant: take the first reading
-            readings = _readings(obs)
+            readings = readings_of(obs)
             obs, completed = self._send(ANSWER + readings[0] if readings else "0", obs)
         accepted = not obs.startswith(UNPARSED)
         score = self._read_score()
@@ -249,7 +249,7 @@ class ScienceWorldEnv:
     def _run(self, command: str, previous: str) -> str:
         """Send a recorded command; an answer goes as the index its reading has in ``previous``, the question."""
         if command.startswith(ANSWER):
-            readings = _readings(previous)
+            readings = readings_of(previous)
             reading = command[len(ANSWER):]
             command = str(readings.index(reading)) if reading in readings else "0"
         return self._sim.server.step(command)
@@ -398,7 +398,7 @@ def scienceworld_state(look: str, inventory: str) -> str:
     return "\n".join(lines + sorted(listing))
 
 
-def _readings(question: str) -> list[str]:
+def readings_of(question: str) -> list[str]:
     """The readings the simulator offers in an ambiguity question (``0:\topen drawer (in cupboard, in kitchen)``)."""
     return [line.split(":", 1)[1].strip() for line in question.splitlines()[1:] if line.split(":", 1)[0].isdigit()]
 

@@ -120,7 +120,7 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
              + ".", *(_protocol_text(meta["protocol"], results) if "protocol" in meta else []),
              *arms.describe(meta.get("algos", [])),
              f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
-             *_expert_steps_text(results),
+             *expert_steps_text(results),
              ("Learning curves: `curves.png` (eval success rate and eval score vs environment steps; line = mean over "
               f"seeds, band = 95% t interval over seeds, drawn from {stats.MIN_CI} seeds on)."), ""]
     if summary_stats is not None:
@@ -145,7 +145,7 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
     return "\n".join(lines) + "\n"
 
 
-def _expert_steps_text(results: list[dict]) -> list[str]:
+def expert_steps_text(results: list[dict]) -> list[str]:
     """Where runs had expert members (LUFFY): their environment steps, which the env steps column leaves out."""
     expert = [r for r in results if r.get("expert_env_steps")]
     if not expert:

@@ -40,7 +40,7 @@ def save_pretrained(model: torch.nn.Module, folder: str | Path) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with torch.no_grad():
         if hasattr(model, "peft_config"):
-            adapter = {name: _gathered(p) for name, p in model.named_parameters() if p.requires_grad}
+            adapter = {name: gathered_tensor(p) for name, p in model.named_parameters() if p.requires_grad}
             model.save_pretrained(str(folder), state_dict=adapter)  # PEFT names and filters the keys, writes its config
         else:
             _write_weights(model, folder)
@@ -56,7 +56,7 @@ def _write_weights(model: torch.nn.Module, folder: Path) -> None:
     weight_map, total = {}, 0
     for i, names in enumerate(files):
         file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
-        tensors = _reverted(model, {name: _gathered(state[name]) for name in names})
+        tensors = _reverted(model, {name: gathered_tensor(state[name]) for name in names})
         save_file(tensors, str(folder / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         total += sum(t.numel() * t.element_size() for t in tensors.values())
@@ -85,7 +85,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
 
 
-def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+def gathered_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The full tensor of a shard (a collective), in host memory: a GPU holds one gathered tensor at a time."""
     return _full(tensor).cpu().contiguous()
 

@@ -49,7 +49,7 @@ def _import_vllm():
     return vllm
 
 
-def _engine_kwargs(memory_fraction: float, dtype: str | None, env=os.environ, cuda: bool | None = None) -> dict:
+def engine_kwargs(memory_fraction: float, dtype: str | None, env=os.environ, cuda: bool | None = None) -> dict:
     """The engine's arguments on this machine. Under a launcher with several ranks each rank's engine runs on the
     rank's own GPU (``LOCAL_RANK``): vLLM's default single-process executor would take GPU 0 on every rank and make it
     the process's current device, under the trainer's collectives; ``external_launcher`` reads the rank from the
@@ -103,7 +103,7 @@ class VLLMBackend:
                 ranks = int(os.environ.get("WORLD_SIZE", "1")) > 1
                 rank_seed = seed + (int(os.environ.get("RANK", "0")) if ranks else 0)
                 self.llm = vllm.LLM(model=model_path, enable_prefix_caching=True, seed=rank_seed,
-                                    logprobs_mode="processed_logprobs", **_engine_kwargs(memory_fraction, dtype),
+                                    logprobs_mode="processed_logprobs", **engine_kwargs(memory_fraction, dtype),
                                     **extra)
         except TypeError as exc:  # a vLLM without logprobs_mode returns untempered log-probs: wrong at T != 1
             raise BackendError(f"policy.backend=vllm needs a vLLM with LLM(logprobs_mode=...): pip install -U vllm "

@@ -36,7 +36,7 @@ def export(run_dir: Path, out: Path) -> Path:
     cfg = Config.load(run_dir / "config.yaml")
     model, tokenizer = load_model(cfg.policy.model, "cpu", cfg.policy.dtype, cfg.policy.trust_remote_code)
     if cfg.policy.lora:
-        model = _with_adapter(model, cfg.policy)
+        model = with_adapter(model, cfg.policy)
     if sharding.is_sharded(last):
         sharding.read_shards(last, model)
     else:
@@ -47,7 +47,7 @@ def export(run_dir: Path, out: Path) -> Path:
     return last
 
 
-def _with_adapter(model, pc):
+def with_adapter(model, pc):
     """The run's LoRA adapter on ``model``, as the trainer builds it (its weights come from the checkpoint)."""
     from peft import LoraConfig, get_peft_model
 
