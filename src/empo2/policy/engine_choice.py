@@ -12,8 +12,12 @@ from empo2.policy.precision import ISA_FLAGS
 
 MEASURED: dict[str, tuple[str, str]] = {
     "avx2": ("hf", "vLLM 0.56× HF env-steps/s, 0.38× iteration speed (engines.py, AMD EPYC AVX2, 2026-12-01)"),
+    "avx512_bf16": ("hf", "vLLM bf16 2.24× HF bf16 env-steps/s, 0.86× iteration speed "
+                          "(engines.py, AMD EPYC AVX512-BF16, 2026-12-05)"),
 }
-"""Widest CPU feature → (faster engine, the measurement)."""
+"""Widest CPU feature → (the engine with the shorter training iteration, the measurement). A training run pays for
+whole iterations, so the iteration decides where the engines differ: vLLM rolls out faster on a CPU with AVX512-BF16
+but its process updates slower."""
 
 
 def choose(device_type: str, flags: set[str] | None) -> tuple[str, str]:
