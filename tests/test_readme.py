@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 MAX_LINES = 160
 MAX_WIDTH = 160  # characters per line, code blocks included: the page reads without side-scrolling
-MAIN_JOB = ("bash scripts/setup.sh && .venv/bin/empo2 train --config configs/scienceworld_learn_cpu.yaml "
-            "train.iterations=2 --overwrite")
+MAIN_JOB = ("bash scripts/setup.sh && .venv/bin/empo2 train --config configs/scienceworld_reach_cpu.yaml "
+            "train.iterations=2 env.eval_variations=10 --overwrite")
 TESTS_COMMAND = "bash scripts/test.sh"
 # A commit hash: 7-40 lowercase hex characters with a digit among them (English words such as "defaced" have none).
 COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
