@@ -16,8 +16,7 @@ MEASURED: dict[str, tuple[str, str]] = {
                           "(engines.py, AMD EPYC AVX512-BF16, 2026-12-05)"),
 }
 """Widest CPU feature → (the engine with the shorter training iteration, the measurement). A training run pays for
-whole iterations, so the iteration decides where the engines differ: vLLM rolls out faster on a CPU with AVX512-BF16
-but its process updates slower."""
+whole iterations, so the iteration decides where one engine rolls out faster and the other updates faster."""
 
 
 def choose(device_type: str, flags: set[str] | None) -> tuple[str, str]:
