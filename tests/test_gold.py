@@ -57,6 +57,37 @@ def test_gold_lengths_match_the_simulator_and_a_second_call_starts_no_jvm(tmp_pa
         gold.reachability(env_cfg, ["find-animal"], "test", 2)
 
 
+def test_a_gold_path_does_not_depend_on_what_the_jvm_played_before(tmp_path, monkeypatch):
+    """The simulator chooses a find task's object by shuffling a set ordered by Java identity hashes, so its own gold
+    path of a variation changes after other episodes in the same JVM (shown here on the package alone). Ours is the
+    one a fresh JVM computes, whatever our environment's JVM played before: as gold actions and as a demonstration."""
+    from scienceworld import ScienceWorldEnv as Simulator
+
+    from empo2.envs.scienceworld import DEFAULT_JAVA_OPTIONS, ScienceWorldEnv
+
+    monkeypatch.setenv("EMPO2_HOME", str(tmp_path))  # nothing cached: computed in this test
+    task = "find-non-living-thing"
+    with ScienceWorldEnv(simplification="easy") as env:
+        shown, other = env.variations(task, "train")[:2]
+        # the JVM's options change its threads, and so its identity hashes: the reference runs under our options
+        monkeypatch.setenv("JAVA_TOOL_OPTIONS", DEFAULT_JAVA_OPTIONS)
+        sim = Simulator("", envStepLimit=10**9)
+        try:
+            sim.load(task, shown, "easy", generateGoldPath=True)  # the first load of a fresh JVM
+            fresh = list(sim.get_gold_action_sequence())
+            sim.load(task, shown, "easy", generateGoldPath=True)
+            assert list(sim.get_gold_action_sequence()) != fresh  # the same JVM asked again chooses another object
+        finally:
+            sim.close()
+        for variation in env.variations(task, "test")[:3]:
+            env.reset(task, variation)
+            env.step("look around")
+        env.reset(task, shown)
+        assert env.gold_actions() == fresh
+        demo = env.demonstration(task, other)  # the gold path of the first other train variation: ``shown``
+        assert [line[2:] for line in demo.splitlines() if line.startswith("> ")] == fresh
+
+
 @pytest.mark.slow  # grow-plant's gold path is 70 actions long
 def test_ambiguity_answers_and_steps_after_success_are_not_counted(tmp_path, monkeypatch):
     monkeypatch.setenv("EMPO2_HOME", str(tmp_path))

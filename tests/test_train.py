@@ -114,6 +114,26 @@ def test_grpo_run_has_no_memory(tmp_path, tiny_model, capsys):
 
 
 
+def test_a_start_evaluation_leaves_the_training_after_it_as_it_was(tmp_path, tiny_model):
+    """The start evaluation plays held-out variations on the workers that the training then uses; nothing it leaves
+    there may reach the training. With and without it, iteration 0 plays the same prompts (the demonstration in them
+    included, a gold path the simulator would choose differently after other episodes) and the same actions. The one
+    train variation's demonstration shows the second train variation, which the evaluation's demonstrations (the
+    first train variation) never showed: it is written after the evaluation's episodes."""
+    played = {}
+    for start in ("true", "false"):
+        run = tmp_path / f"start-{start}"
+        assert main(["train", "--config", "configs/scienceworld_cpu.yaml", "--algo", "grpo", f"train.output_dir={run}",
+                     "train.iterations=1", f"policy.model={tiny_model}", *FAST, "env.tasks=[find-non-living-thing]",
+                     "env.train_variations=1", "env.eval_variations=2", "env.max_steps=3", "policy.few_shot=1",
+                     f"train.eval_at_start={start}"]) == 0
+        played[start] = [json.loads(line) for line in (run / "trajectories.jsonl").read_text().splitlines()]
+    assert (tmp_path / "start-true" / "eval" / "start.json").is_file()
+    assert not (tmp_path / "start-false" / "eval" / "start.json").exists()
+    assert "Example of a solved episode" in played["true"][0]["steps"][0]["prompt"]
+    assert played["true"] == played["false"]
+
+
 def test_progress_lines_come_at_a_stages_start_and_end_and_at_most_once_a_minute_between():
     from rich.console import Console
 

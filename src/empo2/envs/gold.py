@@ -8,14 +8,15 @@ The length is the number of our environment's steps that the gold path takes to 
 through the environment itself with no step cap, and the count stops when the episode ends with success. ``None`` means
 the gold path did not succeed when played so (it counts as unreachable at any cap).
 
-* ScienceWorld: the simulator's gold path (``generateGoldPath=True``) played through
-  :class:`~empo2.envs.scienceworld.ScienceWorldEnv`. Bare ``0`` actions in the gold path (grow-fruit, grow-plant,
+* ScienceWorld: the simulator's gold path (``generateGoldPath=True``, computed by a fresh JVM:
+  :func:`scienceworld_gold_actions`) played through :class:`~empo2.envs.scienceworld.ScienceWorldEnv`. Bare ``0`` actions in the gold path (grow-fruit, grow-plant,
   mendelian-genetics) answer the simulator's "Ambiguous request" prompt; our environment answers that prompt with
   ``0`` itself inside the step that raised it, so these actions are not played and not counted. A gold path may also
-  succeed before its last action (grow-plant's trailing waits), and the count stops there. Computing starts one JVM for
-  every variation not yet known; the lengths and the task splits are cached per (task, variation, simplification) in
-  ``$EMPO2_HOME/gold/scienceworld-<package version>.json``, so a second call starts no JVM. Gold paths can differ
-  between JVMs and package versions: each entry records the raw gold length and the version of the JVM it was computed on.
+  succeed before its last action (grow-plant's trailing waits), and the count stops there. Computing starts one JVM per
+  variation not yet known (its gold path) and one that plays them all; the gold actions, the lengths and the task
+  splits are cached per (task, variation, simplification) in ``$EMPO2_HOME/gold/scienceworld-<package
+  version>-fresh-jvm.json``, so a second call starts no JVM. Gold paths can differ between package versions and JVMs:
+  each length records the raw gold length and the version of the JVM it was computed on.
 * WebShop: the environment's own gold path (search, result pages, product, options, buy now), played through
   :class:`~empo2.envs.webshop.env.WebShopEnv` in process (its ``gold_paths``; no cache: no JVM, and a fixture catalog
   loads in a second).
@@ -40,6 +41,7 @@ shrinks with it (at a share of 0.1, success is 0 by construction in nine episode
 would refuse settings whose few long variations still leave success measurable."""
 UNCAPPED = 10**6  # the step cap while a gold path is measured: the path runs to its end or its success
 SAVE_EVERY = 50  # computed gold paths between cache writes
+CACHE_SECTIONS = ("splits", "paths", "actions")  # task splits; lengths; gold actions (the cache file's sections)
 
 
 @dataclass(frozen=True)
@@ -128,17 +130,30 @@ def check_reachable(cfg, split: str, per_task: int, what: str, allow: bool, refu
 def scienceworld_cache_path() -> Path:
     from importlib.metadata import version
 
-    return gold_home() / f"scienceworld-{version('scienceworld')}.json"
+    return gold_home() / f"scienceworld-{version('scienceworld')}-fresh-jvm.json"
+
+
+def scienceworld_gold_actions(task: str, variation: int, simplification: str, fresh_gold_path) -> list[str]:
+    """The simulator's gold path of (``task``, ``variation``) as a fresh JVM computes it (``fresh_gold_path(task,
+    variation, simplification)``: :func:`empo2.envs.scienceworld.fresh_gold_path`), cached: every run, worker and
+    evaluation that shows or plays it (demonstrations, LUFFY's expert, the lengths here) gets the same path, whatever
+    its JVM ran before."""
+    path, key = scienceworld_cache_path(), _path_key(task, variation, simplification)
+    actions = _read_cache(path)["actions"].get(key)
+    if actions is None:
+        actions = fresh_gold_path(task, variation, simplification)
+        _write_cache(path, {"actions": {key: actions}})
+    return list(actions)
 
 
 def _read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):  # absent or damaged: computed again
-        return {"splits": {}, "paths": {}}
-    if not isinstance(data, dict) or not isinstance(data.get("splits"), dict) or not isinstance(data.get("paths"), dict):
-        return {"splits": {}, "paths": {}}
-    return data
+        data = None
+    if not isinstance(data, dict) or not all(isinstance(data.get(k, {}), dict) for k in CACHE_SECTIONS):
+        data = {}
+    return {k: data.get(k, {}) for k in CACHE_SECTIONS}
 
 
 def _write_cache(path: Path, found: dict) -> None:
@@ -147,8 +162,8 @@ def _write_cache(path: Path, found: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_cache(path)
-        for key in ("splits", "paths"):
-            data[key].update(found[key])
+        for key, entries in found.items():
+            data[key].update(entries)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gold-", suffix=".json")
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, sort_keys=True)

@@ -117,7 +117,6 @@ class ScienceWorldEnv:
         self._task: str | None = None
         self._variation = -1
         self._history: list[str] = []  # simulator commands of the current episode, for restoring it
-        self._gold: list[str] | None = None  # None = not generated yet for this episode (it is costly)
         self._desc = ""
         self._targets: list[str] = []
         self._valid: list[str] | None = None  # None = not fetched for the current state yet
@@ -146,7 +145,7 @@ class ScienceWorldEnv:
         if split not in SPLITS:
             raise EnvError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
         if task not in self._splits:
-            self._scratch(lambda: self._load(task, 0, gold=False))
+            self._scratch(lambda: self._load(task, 0))
         return list(self._splits[task][SPLITS[split]])
 
     def _check_task(self, task: str) -> None:
@@ -166,11 +165,10 @@ class ScienceWorldEnv:
         if not 0 <= variation < n:
             raise EnvError(f"variation {given!r} out of range for {task!r}: valid 0..{n - 1} "
                            f"(train/dev/test splits: see variations())")
-        obs = self._load(task, variation, gold=False)
+        obs = self._load(task, variation)
         self._task, self._variation = task, variation
         self._history, self._steps, self._done = [], 0, False
         self._score = self._read_score()  # a few tasks start above 0 (find-animal: 8)
-        self._gold = None
         self._desc = self._sim.get_task_description()
         self._targets = parse_focus_targets(self._desc)
         info = self._info(raw="", action="")
@@ -261,10 +259,10 @@ class ScienceWorldEnv:
                 "state": scienceworld_state(look, inventory), "valid_actions": valid, "raw_action": raw,
                 "action": action, "steps": self._steps, "task": self._task, "variation": self._variation}
 
-    def _load(self, task: str, variation: int, gold: bool) -> str:
+    def _load(self, task: str, variation: int) -> str:
         """Load and reset the simulator; cache the task's splits; return the first observation."""
         try:
-            self._sim.load(task, variation, self.simplification, generateGoldPath=gold)
+            self._sim.load(task, variation, self.simplification, generateGoldPath=False)
         except ValueError as exc:  # the package validates the simplification string
             raise EnvError(str(exc)) from None
         self._sim.server.reset()
@@ -281,13 +279,11 @@ class ScienceWorldEnv:
             return fn()
         finally:
             if self._task is not None:
-                self._restore(gold=self._gold is not None)
+                self._restore()
 
-    def _restore(self, gold: bool) -> None:
-        """Reload the current episode (with its gold path if ``gold``) and replay its commands (deterministic)."""
-        obs = self._load(self._task, self._variation, gold=gold)
-        if gold:
-            self._gold = list(self._sim.get_gold_action_sequence())
+    def _restore(self) -> None:
+        """Reload the current episode and replay its commands (deterministic)."""
+        obs = self._load(self._task, self._variation)
         for command in self._history:
             obs = self._run(command, obs)
 
@@ -316,12 +312,13 @@ class ScienceWorldEnv:
         return self._sim.inventory()
 
     def gold_actions(self) -> list[str]:
-        """The current episode's gold action sequence (generated on first request; ``[]`` before any reset)."""
+        """The current episode's gold action sequence (``[]`` before any reset): the one a fresh JVM computes
+        (:func:`fresh_gold_path`), read from the gold cache after the first time."""
         if self._task is None:
             return []
-        if self._gold is None:
-            self._restore(gold=True)
-        return list(self._gold)
+        from empo2.envs.gold import scienceworld_gold_actions
+
+        return scienceworld_gold_actions(self._task, self._variation, self.simplification, fresh_gold_path)
 
     def java_version(self) -> str:
         """The JVM's ``java.version`` (gold paths can differ between JVMs)."""
@@ -342,9 +339,11 @@ class ScienceWorldEnv:
         return "\n\n".join(self._demo_cache[(task, v)] for v in others)
 
     def _demo_text(self, task: str, variation: int) -> str:
-        obs = self._load(task, variation, gold=True)
+        from empo2.envs.gold import scienceworld_gold_actions
+
+        obs = self._load(task, variation)
         lines = [f"Task: {self._sim.get_task_description()}", _short(obs)]
-        for action in self._sim.get_gold_action_sequence():
+        for action in scienceworld_gold_actions(task, variation, self.simplification, fresh_gold_path):
             obs = self._sim.server.step(action)
             lines += [f"> {action}", _short(obs)]
             if self._sim.server.getCompleted():
@@ -373,6 +372,21 @@ class ScienceWorldEnv:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def fresh_gold_path(task: str, variation: int, simplification: str) -> list[str]:
+    """The simulator's gold path of (``task``, ``variation``), computed by a JVM started for it alone.
+
+    The simulator makes some of a gold path's choices (which object a find task moves, say) by shuffling sets whose
+    order follows Java identity hashes, and those depend on everything the JVM ran before. The same JVM therefore gives
+    another path after other episodes, and only a fresh one gives the same path every time."""
+    with ScienceWorldEnv(simplification=simplification, valid_actions_in_info=False) as env:
+        env._check_task(task)
+        try:
+            env._sim.load(task, variation, simplification, generateGoldPath=True)
+        except ValueError as exc:
+            raise EnvError(str(exc)) from None
+        return list(env._sim.get_gold_action_sequence())
 
 
 def scienceworld_state(look: str, inventory: str) -> str:
