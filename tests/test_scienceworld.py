@@ -9,13 +9,13 @@ from empo2.envs import make_env
 from empo2.envs.actions import clean_action, correct_action
 from empo2.envs.base import EnvError, TextEnv
 from empo2.envs.scienceworld import (
-    DEMO_OBS_CHARS,
     TASK_SETS,
     ScienceWorldEnv,
     expand_tasks,
     parse_focus_targets,
     step_cap,
 )
+from empo2.envs.scienceworld_text import DEMO_OBS_CHARS
 
 pytestmark = pytest.mark.slow  # real simulators / end-to-end runs: `pytest -m "not slow"` skips them
 

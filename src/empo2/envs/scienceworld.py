@@ -34,6 +34,7 @@ from empo2.envs.scienceworld_tasks import (  # noqa: F401 - re-exported: the tas
     parse_focus_targets,
     step_cap,
 )
+from empo2.envs.scienceworld_text import compact_actions, readings_of, scienceworld_state, short_line
 
 SPLITS = {"train": "train", "dev": "dev", "eval": "dev", "test": "test"}
 JAVA_HINT = "ScienceWorld needs Java >= 11 on PATH; install it with: apt-get install -y openjdk-17-jre-headless"
@@ -42,31 +43,9 @@ AMBIGUOUS = "Ambiguous request"
 ANSWER = "answer: "
 """How an answer to the simulator's question is recorded: this prefix and the text of the reading taken, since the
 order of the readings changes between loads (``open drawer (in cupboard, ...)`` is 0 in one load, 1 in the next)."""
-DEMO_OBS_CHARS = 160
 DEFAULT_JAVA_OPTIONS = "-Xmx1g -XX:+UseSerialGC"
 """A small heap and the serial collector: a worker's JVM holds far less memory and steps faster than with the JVM's
 defaults (G1, heap = RAM/4), measured in docs/benchmarks.md."""
-
-
-def compact_actions(actions: list[str], limit: int = 64) -> list[str]:
-    """A short, deterministic subset of ``actions`` covering every verb: verbs in a useful order, then round-robin
-    over them, shortest action first within a verb (``reset task`` and the rarely useful ``mix``/``eat`` go last)."""
-    order = ["look around", "inventory", "go to", "teleport", "open", "pick up", "focus on", "look at", "look in",
-             "move", "use", "activate", "deactivate", "connect", "disconnect", "pour", "dunk", "read", "put down",
-             "wait", "close", "flush", "mix", "eat", "task", "reset task"]
-    groups: dict[str, list[str]] = {}
-    for action in dict.fromkeys(actions):
-        verb = next((v for v in sorted(order, key=len, reverse=True) if action == v or action.startswith(v + " ")),
-                    action.split(" ")[0])
-        groups.setdefault(verb, []).append(action)
-    queues = [sorted(groups[v], key=lambda a: (len(a), a)) for v in sorted(groups, key=lambda v: (
-        order.index(v) if v in order else len(order) - 3, v))]
-    out: list[str] = []
-    while len(out) < limit and any(queues):
-        for queue in queues:
-            if queue and len(out) < limit:
-                out.append(queue.pop(0))
-    return out
 
 
 class ScienceWorldEnv:
@@ -342,10 +321,10 @@ class ScienceWorldEnv:
         from empo2.envs.gold import scienceworld_gold_actions
 
         obs = self._load(task, variation)
-        lines = [f"Task: {self._sim.get_task_description()}", _short(obs)]
+        lines = [f"Task: {self._sim.get_task_description()}", short_line(obs)]
         for action in scienceworld_gold_actions(task, variation, self.simplification, fresh_gold_path):
             obs = self._sim.server.step(action)
-            lines += [f"> {action}", _short(obs)]
+            lines += [f"> {action}", short_line(obs)]
             if self._sim.server.getCompleted():
                 break
         self._demo_cache[(task, variation)] = "\n".join(lines)
@@ -387,40 +366,6 @@ def fresh_gold_path(task: str, variation: int, simplification: str) -> list[str]
         except ValueError as exc:
             raise EnvError(str(exc)) from None
         return list(env._sim.get_gold_action_sequence())
-
-
-def scienceworld_state(look: str, inventory: str) -> str:
-    """The state of a ScienceWorld step: the room as ``look around`` describes it, then the inventory.
-
-    The step's own reply is left out: it is a message about the last action ("The door is already open.", "You move
-    to the kitchen."), and what the action changed shows in the room or the inventory. Each listing (the lines
-    indented under a heading) is sorted, because the simulator lists a room's objects in a different order after a
-    reload, and whitespace is folded, so the same situation reads the same way however it was reached.
-    """
-    lines: list[str] = []
-    listing: list[str] = []
-    for raw in f"{look}\n{inventory}".splitlines():
-        line = " ".join(raw.split())
-        if not line:
-            continue
-        if raw[:1].isspace():
-            listing.append(line)
-            continue
-        lines += sorted(listing)
-        listing = []
-        lines.append(line)
-    return "\n".join(lines + sorted(listing))
-
-
-def readings_of(question: str) -> list[str]:
-    """The readings the simulator offers in an ambiguity question (``0:\topen drawer (in cupboard, in kitchen)``)."""
-    return [line.split(":", 1)[1].strip() for line in question.splitlines()[1:] if line.split(":", 1)[0].isdigit()]
-
-
-def _short(text: str, limit: int = DEMO_OBS_CHARS) -> str:
-    """One line, at most ``limit`` characters."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 GUIDE = (

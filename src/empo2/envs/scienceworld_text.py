@@ -1,0 +1,62 @@
+"""Reading ScienceWorld's text: the state a step reached, the readings of an ambiguity question, a compact list of
+valid actions and the one-line observations of a demonstration. Pure functions of strings (no JVM)."""
+
+from __future__ import annotations
+
+DEMO_OBS_CHARS = 160
+"""Longest observation line a demonstration shows."""
+
+
+def compact_actions(actions: list[str], limit: int = 64) -> list[str]:
+    """A short, deterministic subset of ``actions`` covering every verb: verbs in a useful order, then round-robin
+    over them, shortest action first within a verb (``reset task`` and the rarely useful ``mix``/``eat`` go last)."""
+    order = ["look around", "inventory", "go to", "teleport", "open", "pick up", "focus on", "look at", "look in",
+             "move", "use", "activate", "deactivate", "connect", "disconnect", "pour", "dunk", "read", "put down",
+             "wait", "close", "flush", "mix", "eat", "task", "reset task"]
+    groups: dict[str, list[str]] = {}
+    for action in dict.fromkeys(actions):
+        verb = next((v for v in sorted(order, key=len, reverse=True) if action == v or action.startswith(v + " ")),
+                    action.split(" ")[0])
+        groups.setdefault(verb, []).append(action)
+    queues = [sorted(groups[v], key=lambda a: (len(a), a)) for v in sorted(groups, key=lambda v: (
+        order.index(v) if v in order else len(order) - 3, v))]
+    out: list[str] = []
+    while len(out) < limit and any(queues):
+        for queue in queues:
+            if queue and len(out) < limit:
+                out.append(queue.pop(0))
+    return out
+
+
+def scienceworld_state(look: str, inventory: str) -> str:
+    """The state of a ScienceWorld step: the room as ``look around`` describes it, then the inventory.
+
+    The step's own reply is left out: it is a message about the last action ("The door is already open.", "You move
+    to the kitchen."), and what the action changed shows in the room or the inventory. Each listing (the lines
+    indented under a heading) is sorted, because the simulator lists a room's objects in a different order after a
+    reload, and whitespace is folded, so the same situation reads the same way however it was reached.
+    """
+    lines: list[str] = []
+    listing: list[str] = []
+    for raw in f"{look}\n{inventory}".splitlines():
+        line = " ".join(raw.split())
+        if not line:
+            continue
+        if raw[:1].isspace():
+            listing.append(line)
+            continue
+        lines += sorted(listing)
+        listing = []
+        lines.append(line)
+    return "\n".join(lines + sorted(listing))
+
+
+def readings_of(question: str) -> list[str]:
+    """The readings the simulator offers in an ambiguity question (``0:\topen drawer (in cupboard, in kitchen)``)."""
+    return [line.split(":", 1)[1].strip() for line in question.splitlines()[1:] if line.split(":", 1)[0].isdigit()]
+
+
+def short_line(text: str, limit: int = DEMO_OBS_CHARS) -> str:
+    """One line, at most ``limit`` characters."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
