@@ -185,9 +185,9 @@ def main() -> None:
         Path(args.arm_out).write_text(json.dumps(run_arm(args.arm, args)))
         return
     if args.out is None:
-        from empo2.policy.precision import ISA_FLAGS, cpu_flags
+        from empo2.policy.precision import cpu_flags, isa_flags
 
-        widest = [f for f in ISA_FLAGS if f in (cpu_flags() or set())]
+        widest = isa_flags(cpu_flags())
         args.out = RESULTS / f"engines_{widest[-1] if widest else 'cpu'}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     drive(args)

@@ -8,7 +8,7 @@ go into the run's banner, and the saved config records the engine chosen.
 
 from __future__ import annotations
 
-from empo2.policy.precision import ISA_FLAGS
+from empo2.policy.precision import isa_flags
 
 MEASURED: dict[str, tuple[str, str]] = {
     "avx2": ("hf", "vLLM 0.56× HF env-steps/s, 0.38× iteration speed (engines.py, AMD EPYC AVX2, 2026-12-01)"),
@@ -23,7 +23,7 @@ def choose(device_type: str, flags: set[str] | None) -> tuple[str, str]:
     """The engine for a device type (``cpu``, ``cuda``) and CPU flags, and why, in a few words."""
     if device_type != "cpu":
         return "hf", f"{device_type}: no engines.py measurement yet, the reference engine"
-    have = [f for f in ISA_FLAGS if flags and f in flags]
+    have = isa_flags(flags)
     widest = have[-1] if have else None
     if widest in MEASURED:
         engine, why = MEASURED[widest]

@@ -32,6 +32,11 @@ class AutoPrecision:
     """Why, in a few words, for the run's banner."""
 
 
+def isa_flags(flags: set[str] | None) -> list[str]:
+    """The :data:`ISA_FLAGS` among ``flags`` (a CPU's), narrowest first: the last is the widest the CPU has."""
+    return [f for f in ISA_FLAGS if flags and f in flags]
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str] | None:
     """The CPU's feature flags, or ``None`` where ``/proc/cpuinfo`` cannot be read (not Linux)."""
     try:
