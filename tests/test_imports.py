@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Rooms by floor, lowest first. A room is a top-level module or subpackage of ``empo2`` (``empo2`` itself is its
 ``__init__``), or a group named in :data:`ROOM_OF`."""
 ROOM_OF = {"config_bounds": "config", "config_presets": "config", "config_renames": "config",
-           "config_sections": "config", "cli_parser": "cli"}
+           "config_sections": "config", "cli_parser": "cli", "cli_policy": "cli"}
 """Top-level files that are part of another name's room: the config's pieces and the CLI's parser."""
 
 

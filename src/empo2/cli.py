@@ -33,6 +33,7 @@ def cmd_train(args) -> int:
     from rich.markup import escape
 
     from empo2 import allocator, machine, signals
+    from empo2.cli_policy import own_run_folder
     from empo2.envs.factory import env_label
     from empo2.envs.gold import check_reachable, eval_plan_size
     from empo2.experiments.report import method_label
@@ -49,7 +50,7 @@ def cmd_train(args) -> int:
     cfg, run_dir = train_config(args)
     check_run_inputs(cfg)
     if main_rank:  # the ranks of one data-parallel run are one owner: rank 0 holds the folder's lock
-        _own_run_folder(args, run_dir)
+        own_run_folder(args, run_dir)
         signals.set_run_dir(run_dir, checkpoint.latest_checkpoint)  # a SIGTERM from here on names the run's last checkpoint
     if args.resume:  # a damaged live memory is refused (exit 2, file untouched) before anything loads it
         check_file(run_dir / "memory.sqlite")
@@ -152,16 +153,6 @@ def _tasks_text(cfg) -> str:
     return ", ".join(tasks) if len(tasks) <= 4 else f"{', '.join(tasks[:3])} … ({len(tasks)} tasks)"
 
 
-def _own_run_folder(args, run_dir: Path) -> None:
-    """Take ``run_dir``'s lock (one train/adapt per folder) for the rest of the command; storage failures from here
-    on end with one line naming the path."""
-    from empo2.rundir.runlock import RunLock
-    from empo2.rundir.storage import reported
-
-    args.exit_stack.enter_context(RunLock(run_dir))
-    args.exit_stack.enter_context(reported(run_dir))
-
-
 # ------------------------------------------------------------------------------------------------------ compare
 def cmd_compare(args) -> int:
     """Algorithms × seeds on one config, each an ``empo2 train`` run folder, then summary.md/json and curves.png."""
@@ -181,134 +172,7 @@ def _check_compare_reachable(cfg, allow: bool) -> None:
     check_reachable(cfg, cfg.env.eval_split, eval_plan_size(cfg), "comparison", allow)
 
 
-# ---------------------------------------------------------------------------------------------------- eval/adapt
-def policy_config(args):
-    """The config eval/adapt play under: a run's, or a config file's (or the defaults) with ``--model``; the
-    ``--env``, ``--tasks`` and ``--max-steps`` flags on top."""
-    from empo2.config import Config
-    from empo2.config_bounds import check_worker_count
-
-    if args.run:
-        cfg = Config.load(Path(args.run) / "config.yaml")
-    else:
-        config = getattr(args, "config", None)
-        cfg = Config.load(config, [f"policy.model={args.model}"] if args.model else [])
-    for key, value in (("env.name", args.env), ("env.tasks", args.tasks), ("env.max_steps", args.max_steps)):
-        if value:
-            cfg.set(key, value)  # typed like a config override: "a, b" → [a, b]
-    cfg.validate()  # an unknown environment or task from the flags exits here, before the model loads
-    check_worker_count(args.batch, cfg.env, "--batch")
-    return cfg
-
-
-def policy_context(args, with_memory_path: Path | None):
-    """Model (a run's last checkpoint, or a plain model), pool and embedder for eval/adapt."""
-    from empo2.envs.factory import make_env_kwargs
-    from empo2.envs.pool import EnvPool
-    from empo2.episodes.rollout import RolloutContext
-    from empo2.memory import open_tip_memory
-    from empo2.memory.embedder import get_embedder
-    from empo2.policy.loader import load_model
-    from empo2.rundir import checkpoint as ckpt
-
-    cfg = policy_config(args)
-    model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
-                                  cfg.policy.trust_remote_code)
-    if args.run:
-        last = ckpt.latest_checkpoint(Path(args.run))
-        if last is None:
-            raise _config_error(f"{args.run} has no checkpoint")
-        if (last / "sharded").is_dir():
-            raise _config_error(f"{last} is sharded (train.sharding=fsdp): write Hugging Face weights with "
-                                f"`empo2 export {args.run} OUT`, then use --model OUT")
-        if cfg.policy.lora:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(last / "model"))
-        else:
-            model, tokenizer = load_model(str(last / "model"), cfg.policy.device, cfg.policy.dtype,
-                                          cfg.policy.trust_remote_code)
-    model.eval()
-    embedder = get_embedder(cfg.memory.embedder)
-    memory = None
-    if with_memory_path is not None:
-        with_memory_path.parent.mkdir(parents=True, exist_ok=True)  # only now: a bad run or model writes nothing
-        memory = open_tip_memory(with_memory_path, embedder.dim, cfg.memory)
-    pool = EnvPool(cfg.env.name, make_env_kwargs(cfg.env), args.batch)
-    ctx = RolloutContext(model, tokenizer, pool, embedder, memory, cfg.env.name, cfg.policy, cfg.memory)
-    return cfg, ctx
-
-
-def check_policy_source(args) -> None:
-    """What eval and adapt play, checked before they write anything: a run folder (its checkpoint and config), or a
-    model and/or a config (an untrained model played under a trained run's settings)."""
-    if args.run and args.config:
-        raise _config_error("--config goes with --model: a run folder plays under its own config.yaml")
-    if not (args.run or args.model or args.config):
-        raise _config_error("give --run RUN_DIR, --model NAME or --config YAML")
-
-
-def cmd_eval(args) -> int:
-    from empo2.envs.factory import env_label, resolve_tasks
-    from empo2.envs.gold import check_reachable
-    from empo2.episodes.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
-    from empo2.rundir.storage import check_writable
-
-    check_policy_source(args)
-    mem_path = (Path(args.run) / "memory.sqlite") if (args.with_memory and args.run) else None
-    if args.with_memory and mem_path is None:
-        raise _config_error("--with-memory needs --run RUN_DIR (its memory.sqlite)")
-    out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
-    check_writable(out, "--out")  # before the evaluation, whose tables would otherwise be lost
-    check_reachable(policy_config(args), args.split, args.variations, "evaluation",
-                    args.allow_unreachable)  # before the model loads: a refused evaluation costs no load
-    cfg, ctx = policy_context(args, mem_path)
-    try:
-        tasks = resolve_tasks(cfg.env)
-        plan = EvalPlan(args.split, args.variations, None, args.temperature, args.batch, args.with_memory)
-        result = evaluate(ctx, tasks, plan)
-    finally:
-        ctx.pool.close()
-    label = env_label(cfg.env)
-    js, md = write_eval_tables(result, out, f"eval_{args.split}{'_memory' if args.with_memory else ''}", label)
-    print(markdown_table(result, label))
-    print(json.dumps({"json": str(js), "markdown": str(md), **result["summary"]}))
-    return 0
-
-
-def cmd_adapt(args) -> int:
-    """Out-of-distribution adaptation (the paper's OOD test): trials with memory updates only, no parameter updates."""
-    from empo2.envs.factory import resolve_tasks
-    from empo2.experiments import adapt
-    from empo2.rundir.runlock import LOCK_NAME
-
-    args.env, args.tasks = adapt.resolve_tasks(args.preset, args.tasks, args.max_tasks, args.env)
-    check_policy_source(args)
-    out = Path(args.out)
-    _own_run_folder(args, out)  # a second adapt into the same folder is refused here, naming the first
-    if any(p.name != LOCK_NAME for p in out.iterdir()):
-        raise _config_error(f"{out} is not empty")
-    cfg, ctx = policy_context(args, out / "memory.sqlite" if args.baseline == "memory" else None)
-    if args.baseline == "reflexion":
-        adapt.use_reflexion(ctx)
-    try:
-        tasks = resolve_tasks(cfg.env)
-        trials, checksum = adapt.run_trials(ctx, tasks, args.trials or adapt.PRESET_TRIALS, args.split,
-                                            args.variations, args.temperature, args.batch, args.baseline,
-                                            seed=args.seed)
-    except adapt.WeightsChanged as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        ctx.pool.close()
-        if ctx.memory is not None:
-            ctx.memory.close()
-    report = adapt.finish(out, tasks, trials, checksum, cfg, preset=args.preset, baseline=args.baseline, run=args.run,
-                          split=args.split, seed=args.seed)
-    print(json.dumps({k: report[k] for k in ("preset", "method", "scores", "best", "trial0", "gain", "gain_pct")}))
-    return 0
-
-
+# ------------------------------------------------------------------------------------------------- report/export
 def cmd_report(args) -> int:
     """The paper's comparison tables from run, compare and adaptation folders."""
     from empo2.experiments.report import write_report
@@ -371,7 +235,11 @@ def _command(name: str):
         from empo2.memory.cli import run_memory_command
 
         return run_memory_command
-    return {"play": cmd_play, "train": cmd_train, "compare": cmd_compare, "eval": cmd_eval, "adapt": cmd_adapt,
+    if name in ("eval", "adapt"):
+        from empo2 import cli_policy
+
+        return {"eval": cli_policy.cmd_eval, "adapt": cli_policy.cmd_adapt}[name]
+    return {"play": cmd_play, "train": cmd_train, "compare": cmd_compare,
             "report": cmd_report, "export": cmd_export, "gold": cmd_gold}[name]
 
 
