@@ -58,7 +58,7 @@ def policy_context(args, with_memory_path: Path | None):
             raise ConfigError(f"{args.run} has no checkpoint")
         if (last / "sharded").is_dir():
             raise ConfigError(f"{last} is sharded (train.sharding=fsdp): write Hugging Face weights with "
-                                f"`empo2 export {args.run} OUT`, then use --model OUT")
+                              f"`empo2 export {args.run} OUT`, then use --model OUT")
         if cfg.policy.lora:
             from peft import PeftModel
 

@@ -9,9 +9,10 @@ through the environment itself with no step cap, and the count stops when the ep
 the gold path did not succeed when played so (it counts as unreachable at any cap).
 
 * ScienceWorld: the simulator's gold path (``generateGoldPath=True``, computed by a fresh JVM:
-  :func:`scienceworld_gold_actions`) played through :class:`~empo2.envs.scienceworld.ScienceWorldEnv`. Bare ``0`` actions in the gold path (grow-fruit, grow-plant,
-  mendelian-genetics) answer the simulator's "Ambiguous request" prompt; our environment answers that prompt with
-  ``0`` itself inside the step that raised it, so these actions are not played and not counted. A gold path may also
+  :func:`scienceworld_gold_actions`) played through :class:`~empo2.envs.scienceworld.ScienceWorldEnv`. Bare ``0``
+  actions in the gold path (grow-fruit, grow-plant, mendelian-genetics) answer the simulator's "Ambiguous request"
+  prompt; our environment answers that prompt with ``0`` itself inside the step that raised it, so these actions are
+  not played and not counted. A gold path may also
   succeed before its last action (grow-plant's trailing waits), and the count stops there. Computing starts one JVM per
   variation not yet known (its gold path) and one that plays them all; the gold actions, the lengths and the task
   splits are cached per (task, variation, simplification) in ``$EMPO2_HOME/gold/scienceworld-<package
