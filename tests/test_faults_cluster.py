@@ -29,7 +29,7 @@ import yaml
 
 from empo2.cli import main
 from empo2.config import Config
-from empo2.memory.schema import check_file
+from empo2.memory.sqlite_file import check_file
 from empo2.rundir import checkpoint as ckpt
 from empo2.rundir.resume import RESUME_SAFE, changed_keys, check_checkpoint_settings, memory_digest
 from empo2.rundir.runlock import LOCK_NAME

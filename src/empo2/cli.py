@@ -37,7 +37,7 @@ def cmd_train(args) -> int:
     from empo2.envs.factory import env_label
     from empo2.envs.gold import check_reachable, eval_plan_size
     from empo2.experiments.report import method_label
-    from empo2.memory.schema import check_file
+    from empo2.memory.sqlite_file import check_file
     from empo2.parallel import distributed
     from empo2.progress import ProgressBar
     from empo2.rundir import checkpoint
@@ -133,7 +133,7 @@ def check_run_inputs(cfg) -> None:
     machine fail here, before a run writes anything."""
     from empo2.config_bounds import check_machine_limits
     from empo2.envs.factory import resolve_tasks
-    from empo2.memory.schema import check_seed_file
+    from empo2.memory.sqlite_file import check_seed_file
     from empo2.policy.loader import resolve_model_path
     from empo2.rundir.metrics import check_trackers
     cfg.check_training()

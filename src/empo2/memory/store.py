@@ -19,10 +19,10 @@ import numpy as np
 
 # isort: off
 from .index import EVICTION_POLICIES, NamespaceIndex
-from .schema import (APPLICATION_ID, SCHEMA_VERSION, SQLITE_MAGIC, AddResult, Tip, backup_to, blob, bump, check_header,
-                     check_integrity, check_regular_file, create_schema, delete_tips, existing_sidecars, fetch_tips,
-                     insert_tip, new_meta, open_connection, read_embeddings, read_schema, read_stats,
-                     remove_new_sidecars, select_tips, transaction)
+from .schema import (APPLICATION_ID, SCHEMA_VERSION, AddResult, Tip, backup_to, blob, bump, create_schema, delete_tips,
+                     fetch_tips, insert_tip, new_meta, read_embeddings, read_schema, read_stats, select_tips, transaction)
+from .sqlite_file import (SQLITE_MAGIC, check_header, check_integrity, check_regular_file, existing_sidecars,
+                          open_connection, remove_new_sidecars)
 from .validate import (REJECTION_REASONS, DimensionMismatchError, MemoryStoreError, as_matrix, check_settings,
                        check_tip_text, json_line)
 # isort: on

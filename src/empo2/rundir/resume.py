@@ -23,7 +23,7 @@ from urllib.parse import quote
 
 from empo2.config import Config, ConfigError
 from empo2.config_renames import forward_flat
-from empo2.memory.schema import check_file
+from empo2.memory.sqlite_file import check_file
 from empo2.parallel import sharding
 from empo2.rundir import checkpoint as ckpt
 from empo2.rundir.manifest import verify_manifest
