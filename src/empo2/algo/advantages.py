@@ -115,14 +115,14 @@ class AdvantageInput:
     @classmethod
     def from_rewards(cls, episodes, rewards: list[np.ndarray], options: AdvantageOptions,
                      gather: Callable[[Any], list[Any]] | None = None, returns=None) -> AdvantageInput:
-        """From rollout episodes (plain data: ``group``, ``member``, ``steps`` with ``state_text``, ``success``) and
-        their step rewards (:func:`step_rewards`, computed once per batch): the return is their sum
-        (:func:`returns_of`) unless ``returns`` is given; state key = the state the step answered
+        """From rollout episodes (:class:`~empo2.episodes.episode.Episode`: ``group``, ``member``, ``parent``,
+        ``steps``, ``success``) and their step rewards (:func:`step_rewards`, computed once per batch): the return is
+        their sum (:func:`returns_of`) unless ``returns`` is given; state key = the state the step answered
         (:func:`empo2.envs.base.state_of`)."""
         keys = [[s.state_text for s in ep.steps] for ep in episodes]
         groups = np.array([ep.group for ep in episodes], dtype=np.int64)
         success = np.array([bool(ep.success) for ep in episodes], dtype=bool)
-        tree = [(ep.member, getattr(ep, "parent", None)) for ep in episodes]
+        tree = [(ep.member, ep.parent) for ep in episodes]
         returns = returns_of(rewards) if returns is None else _as_numpy(returns, np.float64)
         return cls(returns, groups, list(rewards), keys, options, success, gather or _one_rank, tree)
 

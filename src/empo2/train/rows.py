@@ -33,7 +33,7 @@ def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]
     """One row per generated step of ``episodes``; ``step_advantages[i][t]`` is step t of episode i."""
     rows = []
     for ep, advs in zip(episodes, step_advantages):
-        critical = critical_steps(len(ep.steps), getattr(ep, "critical_step", None))  # ELPO's Eq. 11 scope
+        critical = critical_steps(len(ep.steps), ep.critical_step)  # ELPO's Eq. 11 scope
         for step, a, crit in zip(ep.steps, advs, critical):
             if step.response_ids:
                 rows.append(UpdateRow(step.train_prompt_ids, step.response_ids, list(step.logp_old), float(a),
