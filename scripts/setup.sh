@@ -47,7 +47,7 @@ fi
 stamp="$VENV/.empo2-setup-$( (cat pyproject.toml; echo "$TORCH_SPEC $extras") | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   [ -x "$VENV/bin/python" ] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
-  say "installing packages into $VENV (first time: ~3-5 min; with vLLM ~3-8 min more, +1.5 GB)"
+  say "installing packages into $VENV (first time: ~2-5 min; with vLLM ~3-8 min more, +1.5 GB)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # CUDA vLLM: the package and the torch it was built for in one resolve (installing torch first and vLLM after would
   # let pip replace that torch); the extra pins vllm==0.32.0, which pins torch==2.13.0

@@ -171,8 +171,8 @@ class MemoryConfig:
     """Also write a tip after ``on`` (memory-free) episodes, as the released code does."""
     overlap_reflection: bool | None = None
     """Generate an iteration's end-of-episode tips on a second thread while the update trains (same tips and memory
-    as writing them before the update). ``null`` = on where generation has its own weights (``policy.backend:
-    vllm``) or runs on a GPU; off on a CPU, where both halves compete for the same cores."""
+    as writing them before the update). ``null`` = on with ``policy.backend: vllm`` or on a GPU with LoRA; off on a
+    CPU (both halves share its cores) and for an ``hf`` full fine-tune (its snapshot would copy every weight)."""
     embedder: str = "all-minilm-l6-v2"
     """Sentence embedder: the bundled offline MiniLM, or a sentence-transformers id/path."""
     seed_from: str | None = None

@@ -50,8 +50,7 @@ import torch
 from empo2.algo.advantages import AdvantageInput, register_advantage
 from empo2.algo.losses import policy_loss, register_policy_loss
 
-# Table 2 (App. C).
-N_TOTAL = 16
+# Table 2 (App. C). Its budget N_total (16) is the group size here, ``algo.num_generations``.
 B_MAX = 3
 X_MIN = 1.0
 X_MAX = 3.0
