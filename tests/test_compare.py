@@ -10,6 +10,7 @@ import gzip
 import json
 import math
 import re
+import shutil
 import statistics
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import tdist
 from empo2 import machine
 from empo2.cli import main
 from empo2.config import Config, ConfigError
-from empo2.experiments import stats
+from empo2.experiments import records, stats
 from empo2.experiments.compare import (
     parse_seeds,
     plan_runs,
@@ -449,6 +450,26 @@ def test_start_eval_is_shared_only_under_the_same_model_seed_and_eval_settings(t
     assert share_start_eval(plans[2], plans, "resume") is None and not (resumed / "eval" / "start.json").exists()
     other_seed = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [2], out, [])
     assert share_start_eval(other_seed[0], [*plans[:1], *other_seed], "fresh") is None
+
+
+def test_a_start_eval_is_reused_from_a_run_known_only_by_its_record(tmp_path):
+    """A comparison continued on another machine (its record in git, its run folders left behind) replays no start
+    eval: the record's start eval, episodes included, is copied into the new arm's run."""
+    out = tmp_path / "cmp"
+    donor = _donor(out, "grpo", 1)
+    (plan,) = plan_runs("configs/webshop_cpu.yaml", ["grpo"], [1], out, [])
+    played = json.loads((donor / "eval" / "start.json").read_text())
+    (donor / "eval" / "final.json").write_text(json.dumps({**played, "summary": {"score_mean": 9.0}}))
+    records.merge(plan.record_path, [records.from_folder(donor, "grpo", 1, plan.command)])
+    shutil.rmtree(donor)
+    (recorded,) = plan_runs("configs/webshop_cpu.yaml", ["grpo"], [1], out, [])
+    (new_arm,) = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [1], out, [])
+    assert recorded.recorded is not None and not recorded.folder.exists()
+    assert share_start_eval(new_arm, [new_arm], "fresh") is None  # this command alone has no donor
+    assert share_start_eval(new_arm, [new_arm, recorded], "fresh") == "grpo-seed1"
+    assert json.loads((new_arm.folder / "eval" / "start.json").read_text()) == {**played, "reused_from": "grpo-seed1"}
+    (other_seed,) = plan_runs("configs/webshop_cpu.yaml", ["empo2"], [2], out, [])
+    assert share_start_eval(other_seed, [other_seed, recorded], "fresh") is None
 
 
 def test_report_prints_cis_and_paired_differences_from_stored_episodes(tmp_path, capsys):

@@ -90,7 +90,7 @@ def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overri
         reach(plans[0].cfg)
     at_once = f", {jobs} at a time" if jobs > 1 else ""
     say(f"empo2 compare: {', '.join(algos)} × seeds {seeds} = {len(plans)} runs{at_once} → {out}")
-    failed = run_all(plans, config, overrides, jobs, out / "logs")
+    failed = run_all(plans, config, overrides, jobs, out / "logs", earlier_runs(config, out, overrides, plans, check))
     earlier = earlier_runs(config, out, overrides, plans, check)
     every = list(dict.fromkeys([*algos, *(p.algo for p in earlier)]))
     meta = {"config": config, "overrides": overrides, "algos": every,
@@ -274,10 +274,16 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | 
 
 def _start_eval_donor(plan: RunPlan, plans: list[RunPlan]) -> tuple[dict[str, Any], Path] | None:
     """The first other run with a complete start eval under this run's :func:`start_eval_key`: (its result marked
-    ``reused_from`` with the run that played it, its eval folder)."""
+    ``reused_from`` with the run that played it, its eval folder). A run known only by its record (its folder left
+    on another machine) gives the start eval its record holds."""
     key = start_eval_key(plan.cfg)
     for other in plans:
         src = other.folder / "eval"
+        if other is not plan and other.recorded is not None and not (src / "start.json").is_file():
+            start = records.eval_result(other.recorded, "start")
+            if start and start.get("episodes") and start_eval_key(other.cfg) == key:
+                return {**start, "reused_from": start.get("reused_from") or other.name}, src
+            continue
         if other is plan or not (src / "start.json").is_file() or not (other.folder / "config.yaml").is_file():
             continue
         try:
@@ -302,12 +308,13 @@ def train_command(plan: RunPlan, config: str, overrides: list[str], status: str)
 
 
 def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int = 1,
-            logs: Path | None = None) -> list[str]:
+            logs: Path | None = None, earlier: list[RunPlan] = ()) -> list[str]:
     """Run, resume or skip every plan in order, ``jobs`` at a time; returns the names of runs that failed.
 
     One run at a time writes to this terminal. With ``jobs`` > 1 each run writes to ``logs/<run>.log`` and gets
     :func:`~empo2.experiments.parallel.threads_per_job` torch threads, and a run waits while another run of its seed
-    is still playing the start eval it can reuse. Each run is its own process with its own seeds, so running several
+    is still playing the start eval it can reuse; ``earlier`` (finished runs of this comparison that the command does
+    not name, :func:`earlier_runs`) lend theirs too. Each run is its own process with its own seeds, so running several
     at once changes their wall time, not their results.
     """
     from empo2.experiments.parallel import run_at_most, spawn_run, threads_per_job
@@ -325,7 +332,7 @@ def run_all(plans: list[RunPlan], config: str, overrides: list[str], jobs: int =
         log = None if logs is None or jobs == 1 else logs / f"{plan.name}.log"
         say(f"{heads[i]}: {'resuming' if status == 'resume' else 'starting'} → {plan.folder}"
             + (f" (output: {log})" if log else ""))
-        if donor := share_start_eval(plan, plans, status):
+        if donor := share_start_eval(plan, [*plans, *earlier], status):
             say(f"{heads[i]}: start eval (untrained model, seed {plan.seed}) reused from {donor}")
         set_phase(f"compare run {plan.name} (its own line above says where it stopped)" if log is None else
                   f"compare, {jobs} runs at once (each run's log in {logs} says where it stopped)")
