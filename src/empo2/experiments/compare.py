@@ -90,8 +90,8 @@ def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overri
         reach(plans[0].cfg)
     at_once = f", {jobs} at a time" if jobs > 1 else ""
     say(f"empo2 compare: {', '.join(algos)} × seeds {seeds} = {len(plans)} runs{at_once} → {out}")
-    failed = run_all(plans, config, overrides, jobs, out / "logs", earlier_runs(config, out, overrides, plans, check))
     earlier = earlier_runs(config, out, overrides, plans, check)
+    failed = run_all(plans, config, overrides, jobs, out / "logs", earlier)
     every = list(dict.fromkeys([*algos, *(p.algo for p in earlier)]))
     meta = {"config": config, "overrides": overrides, "algos": every,
             "seeds": sorted({*seeds, *(p.seed for p in earlier)}), "label": env_label(plans[0].cfg.env)}
