@@ -1,12 +1,13 @@
 """The committed comparisons are their records: every summary in ``results/`` is recomputed from its ``scores.jsonl.gz``
 alone (:func:`empo2.experiments.compare_summary.rebuild`), the evidence protocol's CIs also by hand in float64 from the
-record's episode lines, and the README's results table quotes those numbers. ``results/`` stays small.
+record's episode lines, and the README's lead table quotes the reach record's numbers, recomputed the same way. ``results/`` stays small.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
@@ -19,6 +20,7 @@ from empo2.experiments.compare_summary import rebuild
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 EVIDENCE = RESULTS / "evidence"
+REACH = RESULTS / "reach"
 MAX_BYTES, MAX_FILES = 3_000_000, 100
 LOCAL_ONLY = ("runs", "logs")  # what .gitignore keeps out of results/: run folders and logs
 
@@ -54,18 +56,40 @@ def test_evidence_cis_are_recomputed_from_its_record(tmp_path):
         assert pair["ci"] == pytest.approx(tdist.mean_interval(d), abs=1e-9)
 
 
-def test_the_readme_quotes_the_evidence_record():
-    arms = _committed(EVIDENCE)["stats"]["arms"]
+def _episodes(folder: Path, phase: str) -> dict[tuple[str, int], list[tuple[float, bool]]]:
+    """Each run's (score, success) per episode of one eval phase, from the record's lines alone."""
+    episodes = defaultdict(list)
+    for text in gzip.decompress((folder / "scores.jsonl.gz").read_bytes()).decode().splitlines():
+        line = json.loads(text)
+        if line["kind"] == "episode" and line["phase"] == phase:
+            episodes[line["algo"], line["seed"]].append((float(line["score"]), bool(line["success"])))
+    return episodes
+
+
+def test_the_readme_quotes_the_reach_record():
+    """The README's lead table, each number recomputed in float64 from the reach record's episode lines."""
+    start, final = _episodes(REACH, "start"), _episodes(REACH, "final")
     readme = (ROOT / "README.md").read_text()
 
-    def fmt(x: float, sign: str = "") -> str:
-        return f"{x:{sign}.1f}".replace("-", "−")
+    def fmt(x: float, form: str = ".1f") -> str:
+        return f"{x:{form}}".replace("-", "−")
 
-    for label, algo in (("EMPO²", "empo2"), ("GRPO + novelty bonus", "grpo-novelty"), ("GRPO", "grpo-no-novelty")):
-        s, g = arms[algo]["score"], arms[algo]["gain"]
-        row = (f"| {label} | {s['n']} | {fmt(s['mean'] - g['diff_mean'])} | "  # mean start = mean final − mean gain
-               f"{fmt(s['mean'])} [{fmt(s['ci'][0])}, {fmt(s['ci'][1])}] | "
-               f"{fmt(g['diff_mean'], '+')} [{fmt(g['ci'][0], '+')}, {fmt(g['ci'][1], '+')}] |")
+    def interval(values: list[float], form: str = ".1f", low: float = -math.inf, high: float = math.inf) -> str:
+        lo, hi = tdist.mean_interval(values) if len(set(values)) > 1 else (values[0], values[0])
+        return f"[{fmt(max(lo, low), form)}, {fmt(min(hi, high), form)}]"
+
+    labels = {"empo2": "EMPO²", "grpo-no-novelty": "GRPO", "gigpo": "GiGPO", "luffy": "LUFFY", "proxmo": "ProxMO",
+              "grpo-novelty": "GRPO + novelty bonus", "empo2+luffy": "EMPO² + expert member", "elpo": "ELPO"}
+    for algo, label in labels.items():
+        seeds = sorted(seed for a, seed in final if a == algo)
+        assert len(seeds) >= 2, algo
+        score = [statistics.fmean(x for x, _ in final[algo, k]) for k in seeds]
+        success = [statistics.fmean(float(w) for _, w in final[algo, k]) for k in seeds]
+        gain = [score[i] - statistics.fmean(x for x, _ in start[algo, k]) for i, k in enumerate(seeds)]
+        won = sum(w for k in seeds for _, w in final[algo, k])
+        row = (f"| {label} | {len(seeds)} | {statistics.fmean(success):.2f} {interval(success, '.2f', 0.0, 1.0)} | "
+               f"{won} of {sum(len(final[algo, k]) for k in seeds)} | {fmt(statistics.fmean(score))} {interval(score)} | "
+               f"{fmt(statistics.fmean(gain), '+.1f')} {interval(gain, '+.1f')} |")
         assert row in readme, row
 
 
