@@ -1,6 +1,7 @@
 """The committed comparisons are their records: every summary in ``results/`` is recomputed from its ``scores.jsonl.gz``
 alone (:func:`empo2.experiments.compare_summary.rebuild`), the evidence protocol's CIs also by hand in float64 from the
-record's episode lines, and the README's lead table quotes the reach record's numbers, recomputed the same way. ``results/`` stays small.
+record's episode lines, and the README's lead table quotes the reach record's numbers, recomputed the same way.
+``results/`` stays small.
 """
 
 from __future__ import annotations

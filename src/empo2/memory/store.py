@@ -1,10 +1,8 @@
-"""The tip memory: validated, de-duplicated tips keyed by the state they are about (the paper's memory M).
-
-One SQLite file per run (WAL journal; layout in :mod:`empo2.memory.schema`) is the source of truth; every write is
-its own transaction, so a killed process loses at most the write that was in flight. Opening a file runs SQLite's
-``quick_check`` first: a damaged file is refused and never written. Search runs on the in-RAM index
-(:mod:`empo2.memory.index`); tip-text validation is in :mod:`empo2.memory.validate`.
-"""
+"""The tip memory: validated, de-duplicated tips keyed by the state they are about (the paper's memory M). One SQLite
+file per run (WAL journal; layout in :mod:`empo2.memory.schema`) is the source of truth; every write is its own
+transaction, so a killed process loses at most the write in flight. Opening a file runs SQLite's ``quick_check``
+first: a damaged file is refused and never written. Search runs on the in-RAM index (:mod:`empo2.memory.index`);
+tip-text validation is in :mod:`empo2.memory.validate`."""
 
 from __future__ import annotations
 
@@ -122,9 +120,8 @@ class TipMemory:
         return stored
 
     def _load(self) -> None:
-        """Read the embeddings of every tip that passes the checks a new tip passes into the per-namespace matrices.
-        A tip that fails (too long, undecodable, …: a file from elsewhere) stays in the file but is never retrieved;
-        :attr:`skipped` counts them by reason."""
+        """Load into the per-namespace matrices every tip that passes a new tip's checks; one that fails (too long,
+        undecodable, …: a file from elsewhere) stays in the file, never retrieved, counted in :attr:`skipped`."""
         try:
             rows, self.skipped = read_embeddings(self._conn, self.dim, self.max_tip_words)
         except (sqlite3.DatabaseError, MemoryStoreError) as exc:
