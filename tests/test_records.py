@@ -30,14 +30,14 @@ def _committed(folder: Path) -> dict:
     return json.loads((folder / "summary.json").read_text())
 
 
-def _final_scores(folder: Path) -> dict[tuple[str, int], list[float]]:
-    """Each run's final-eval episode scores, read from the record's lines without the code under test."""
-    scores = defaultdict(list)
+def _episodes(folder: Path, phase: str) -> dict[tuple[str, int], list[tuple[float, bool]]]:
+    """Each run's (score, success) per episode of one eval phase, from the record's lines alone."""
+    episodes = defaultdict(list)
     for text in gzip.decompress((folder / "scores.jsonl.gz").read_bytes()).decode().splitlines():
         line = json.loads(text)
-        if line["kind"] == "episode" and line["phase"] == "final":
-            scores[line["algo"], line["seed"]].append(float(line["score"]))
-    return scores
+        if line["kind"] == "episode" and line["phase"] == phase:
+            episodes[line["algo"], line["seed"]].append((float(line["score"]), bool(line["success"])))
+    return episodes
 
 
 def test_evidence_cis_are_recomputed_from_its_record(tmp_path):
@@ -45,7 +45,7 @@ def test_evidence_cis_are_recomputed_from_its_record(tmp_path):
     rebuilt = rebuild(EVIDENCE, tmp_path, committed["algos"], committed["seeds"])
     assert rebuilt["stats"] == committed["stats"] and rebuilt["algorithms"] == committed["algorithms"]
     assert rebuilt["runs"] == committed["runs"]
-    finals = _final_scores(EVIDENCE)
+    finals = {run: [x for x, _ in eps] for run, eps in _episodes(EVIDENCE, "final").items()}
     assert sorted(len(v) for v in finals.values()) == [40] * 21  # 40 held-out episodes per run: 3 arms × 5 + 2 × 3
     for algo, arm in committed["stats"]["arms"].items():  # float64 by hand: seed means, their mean and t interval
         per_seed = [statistics.fmean(finals[algo, s]) for s in arm["seeds"]]
@@ -55,16 +55,6 @@ def test_evidence_cis_are_recomputed_from_its_record(tmp_path):
         d = [statistics.fmean(finals[pair["b"], s]) - statistics.fmean(finals[pair["a"], s]) for s in pair["seeds"]]
         assert pair["diff_mean"] == pytest.approx(statistics.fmean(d), abs=1e-12)
         assert pair["ci"] == pytest.approx(tdist.mean_interval(d), abs=1e-9)
-
-
-def _episodes(folder: Path, phase: str) -> dict[tuple[str, int], list[tuple[float, bool]]]:
-    """Each run's (score, success) per episode of one eval phase, from the record's lines alone."""
-    episodes = defaultdict(list)
-    for text in gzip.decompress((folder / "scores.jsonl.gz").read_bytes()).decode().splitlines():
-        line = json.loads(text)
-        if line["kind"] == "episode" and line["phase"] == phase:
-            episodes[line["algo"], line["seed"]].append((float(line["score"]), bool(line["success"])))
-    return episodes
 
 
 def test_the_readme_quotes_the_reach_record():
