@@ -141,3 +141,47 @@ def test_run_score_is_the_mean_of_stored_episodes():
 
     with pytest.raises(ConfigError, match="no per-episode scores"):
         stats.run_score({"summary": {}}, "runs/x/eval/final.json")
+
+
+def _holm_reference(ps: list[float | None]) -> list[float | None]:
+    """Holm's adjusted p of each hypothesis as the least level at which the step-down procedure rejects it: at
+    level α, reject the k-th smallest p (k = 1, 2, …) while p_(k) ≤ α / (m − k + 1), and stop at the first that
+    is not."""
+    tested = [p for p in ps if p is not None]
+    m = len(tested)
+
+    def rejected(alpha: float) -> set[float]:
+        out = set()
+        for k, p in enumerate(sorted(tested), start=1):
+            if p > alpha / (m - k + 1):
+                break
+            out.add(p)
+        return out
+
+    levels = sorted({min(1.0, (m - k + 1) * p) for k, p in enumerate(sorted(tested), start=1)} | {1.0})
+    return [None if p is None else next(a for a in levels if p in rejected(a * (1 + 1e-12))) for p in ps]
+
+
+@pytest.mark.parametrize("ps", [[0.01, 0.04, 0.03, 0.005], [0.2, None, 0.001, 0.02, 0.5, 0.02], [0.9], [None],
+                                [0.3, 0.01, 0.049, 0.7, 0.011, 0.04]])
+def test_holm_is_the_step_down_procedure(ps):
+    assert stats.holm(ps) == pytest.approx(_holm_reference(ps), abs=1e-15)
+    assert stats.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02], abs=1e-15)
+
+
+def test_a_pair_below_005_alone_is_told_apart_from_one_that_survives_the_family():
+    seeds = [0, 1, 2]
+    base = [20.0, 35.0, 50.0]
+    arms = {"a": base, "b": [x + d for x, d in zip(base, [10.0, 12.0, 17.0])],
+            "c": [x + d for x, d in zip(base, [1.0, -2.0, 3.0])]}
+    runs = [{"arm": arm, "seed": s, "score": v[s], "success": 0.0, "start": None}
+            for arm, v in arms.items() for s in seeds]
+    pairs = {q["what"]: q for q in stats.summarise_arms(runs, list(arms))["pairs"]}
+    ps = [pairs[w]["p"] for w in ("b − a", "c − a", "c − b")]
+    assert ps[0] == pytest.approx(_paired_reference(arms["a"], arms["b"])[2], abs=1e-10) and ps[0] < 0.05
+    want = _holm_reference(ps)
+    assert [pairs[w]["p_holm"] for w in ("b − a", "c − a", "c − b")] == pytest.approx(want, abs=1e-12)
+    assert want[0] >= 0.05
+    assert "distinguishable from zero alone, not among the 3 pairs tested" in pairs["b − a"]["verdict"]
+    (one,) = stats.summarise_arms([r for r in runs if r["arm"] != "c"], ["a", "b"])["pairs"]
+    assert one["p_holm"] == pytest.approx(one["p"]) and one["verdict"].endswith("distinguishable from zero at this n.")

@@ -11,6 +11,9 @@ The unit is the seed: a run's score is the mean of its stored eval episodes' sco
   its 95% t interval and the two-sided paired t-test (``scipy.stats.ttest_rel``) on the same differences, so the
   interval excludes zero exactly when p < 0.05. A Wilcoxon signed-rank test (``scipy.stats.wilcoxon``, exact) is a
   second line from :data:`MIN_WILCOXON` seeds on: below that its smallest possible two-sided p is above 0.05.
+- many arms: every two arms are compared, so some pair of eight (28 tests) falls below 0.05 by chance alone. Each
+  table's p-values also get Holm's step-down adjustment over the pairs it tests (``p_holm``); a verdict says when a
+  difference holds alone but not after it.
 - the seeds needed: the power of a two-sided paired t-test at α = 0.05 from the noncentral t distribution
   (``scipy.stats.nct``), taking the observed mean and SD of the differences as the truth; the least n with 80% power.
 """
@@ -32,7 +35,8 @@ MAX_SEEDS = 10_000  # beyond this the effect is, for any practical comparison, n
 
 METHOD_TEXT = ("95% CIs over seeds: an arm's mean by the Student t interval (needs ≥ 2 seeds; a success rate's "
                "clipped to [0, 1]); a paired difference by the t interval of the per-seed differences, p from the "
-               f"two-sided paired t-test (scipy.stats.ttest_rel); Wilcoxon signed-rank p from {MIN_WILCOXON} seeds on. "
+               f"two-sided paired t-test (scipy.stats.ttest_rel), and Holm-adjusted over the table's pairs; "
+               f"Wilcoxon signed-rank p from {MIN_WILCOXON} seeds on. "
                "A run's score is the mean of its stored eval episodes.")
 
 
@@ -94,6 +98,18 @@ def paired(a, b) -> dict[str, Any]:
     return out
 
 
+def holm(ps: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment of a family of p-values: the i-th smallest of the m tested becomes
+    max over j ≤ i of min(1, (m − j + 1) · p_(j)). ``None`` (no test) stays ``None`` and is not counted in m."""
+    tested = sorted((p, i) for i, p in enumerate(ps) if p is not None)
+    adjusted: list[float | None] = [None] * len(ps)
+    running = 0.0
+    for rank, (p, i) in enumerate(tested):
+        running = max(running, min(1.0, (len(tested) - rank) * p))
+        adjusted[i] = running
+    return adjusted
+
+
 def power(effect: float, n: int) -> float:
     """Power of a two-sided paired t-test at α = 0.05 for a standardised effect (mean / SD of differences), n seeds."""
     df = n - 1
@@ -117,9 +133,10 @@ def seeds_needed(diff_mean: float, diff_sd: float) -> int | None:
     return lo
 
 
-def verdict(what: str, pair: dict[str, Any], digits: int = 1) -> str:
-    """One sentence: is ``what`` (e.g. ``empo2 − grpo``) distinguishable from zero at this n, and what n would settle
-    it (``digits``: decimals of the difference, 2 for a success rate)."""
+def verdict(what: str, pair: dict[str, Any], digits: int = 1, family: int = 1) -> str:
+    """One sentence: is ``what`` (e.g. ``empo2 − grpo``) distinguishable from zero at this n, alone and among the
+    ``family`` pairs tested with it (``pair["p_holm"]``), and what n would settle it (``digits``: decimals of the
+    difference, 2 for a success rate)."""
     n, m, f = pair["n"], pair["diff_mean"], f"+.{digits}f"
     if n < 2:
         return f"{what}: not testable with {n} paired seed(s); run at least 3 seeds per arm."
@@ -128,7 +145,12 @@ def verdict(what: str, pair: dict[str, Any], digits: int = 1) -> str:
     lo, hi = pair["ci"]
     head = f"{what} = {m:{f}} (95% CI {lo:{f}} to {hi:{f}}, paired t-test p = {pair['p']:.3g}, n = {n} seeds)"
     if pair["p"] < ALPHA:
-        return f"{head}: distinguishable from zero at this n."
+        if family < 2 or pair.get("p_holm") is None:
+            return f"{head}: distinguishable from zero at this n."
+        among = f"the {family} pairs tested (Holm-adjusted p = {pair['p_holm']:.3g})"
+        if pair["p_holm"] < ALPHA:
+            return f"{head}: distinguishable from zero at this n, also among {among}."
+        return f"{head}: distinguishable from zero alone, not among {among}; more seeds would tell."
     need = seeds_needed(m, pair["diff_sd"])
     more = (f"about {need} seeds would detect a difference this size with {POWER:.0%} power, if its SD "
             f"({pair['diff_sd']:.{digits}f}) holds" if need else "no practical number of seeds would detect a difference "
@@ -165,28 +187,31 @@ def pair_table(pairs: list[dict[str, Any]], digits: int = 1) -> list[str]:
     decimals of the differences, 2 for success rates)."""
     if not pairs:
         return []
-    lines = ["| difference (seeds paired) | n | mean | SD | 95% CI | paired t | p (t-test) | p (Wilcoxon) |",
-             "|---|---:|---:|---:|---|---:|---:|---:|"]
+    lines = ["| difference (seeds paired) | n | mean | SD | 95% CI | paired t | p (t-test) | p (Holm) "
+             "| p (Wilcoxon) |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|"]
     for q in pairs:
         sd = "n/a" if q["diff_sd"] is None else f"{q['diff_sd']:.{digits}f}"
         t = "n/a" if q["t"] is None else f"{q['t']:.2f} (df {q['df']})"
         mean = "n/a" if q["diff_mean"] is None else f"{q['diff_mean']:+.{digits}f}"
         lines.append(f"| {q['what']} | {q['n']} | {mean} | {sd} | {fmt_ci(q['ci'], digits)} | {t} | "
-                     f"{fmt_p(q['p'])} | {fmt_p(q['wilcoxon_p'])} |")
+                     f"{fmt_p(q['p'])} | {fmt_p(q.get('p_holm'))} | {fmt_p(q['wilcoxon_p'])} |")
     return lines + [""] + [f"- {q['verdict']}" for q in pairs]
 
 
 def compare_arms(per_seed: dict[str, dict[int, float]], digits: int = 1) -> list[dict[str, Any]]:
     """Paired differences ``later − earlier`` for every two arms (arms in the order given, the first the baseline),
-    over the seeds both have."""
+    over the seeds both have; ``p_holm`` adjusts their p-values as one family."""
     arms, pairs = list(per_seed), []
     for i, base in enumerate(arms):
         for other in arms[i + 1:]:
             seeds = sorted(set(per_seed[base]) & set(per_seed[other]))
             q = paired([per_seed[base][s] for s in seeds], [per_seed[other][s] for s in seeds])
-            what = f"{other} − {base}"
-            pairs.append({"what": what, "a": base, "b": other, "seeds": seeds, **q,
-                          "verdict": verdict(what, q, digits)})
+            pairs.append({"what": f"{other} − {base}", "a": base, "b": other, "seeds": seeds, **q})
+    family = sum(q["p"] is not None for q in pairs)
+    for q, p_holm in zip(pairs, holm([q["p"] for q in pairs])):
+        q["p_holm"] = p_holm
+        q["verdict"] = verdict(q["what"], q, digits, family)
     return pairs
 
 
