@@ -11,9 +11,9 @@ The unit is the seed: a run's score is the mean of its stored eval episodes' sco
   its 95% t interval and the two-sided paired t-test (``scipy.stats.ttest_rel``) on the same differences, so the
   interval excludes zero exactly when p < 0.05. A Wilcoxon signed-rank test (``scipy.stats.wilcoxon``, exact) is a
   second line from :data:`MIN_WILCOXON` seeds on: below that its smallest possible two-sided p is above 0.05.
-- many arms: every two arms are compared, so some pair of eight (28 tests) falls below 0.05 by chance alone. Each
-  table's p-values also get Holm's step-down adjustment over the pairs it tests (``p_holm``); a verdict says when a
-  difference holds alone but not after it.
+- many arms: every two arms are compared (28 pairs for 8 arms), and about one pair in twenty falls below 0.05 by
+  chance alone. Each table's p-values also get Holm's step-down adjustment over the pairs it tests (``p_holm``); a
+  verdict says when a difference holds alone but not after it.
 - the seeds needed: the power of a two-sided paired t-test at α = 0.05 from the noncentral t distribution
   (``scipy.stats.nct``), taking the observed mean and SD of the differences as the truth; the least n with 80% power.
 """
