@@ -1,5 +1,5 @@
 """Branching from a prefix: a recorded episode is replayed on ANOTHER worker of the pool (its own JVM for
-ScienceWorld) up to step m, and the state there is the recorded one. Real ScienceWorld and the WebShop fixture; the
+ScienceWorld; a worker process, or a Ray actor) up to step m, and the state there is the recorded one. Real ScienceWorld and the WebShop fixture; the
 episodes are recorded through the training rollout (``run_episodes``) with a scripted action source."""
 
 from __future__ import annotations
@@ -40,12 +40,25 @@ def state(pool, i):
     return {k: pool.call(i, k) for k in ("look", "inventory")}
 
 
-@pytest.fixture(scope="module")
-def sw_pool():
-    # The step cap ends the scripted episode after its last action.
-    p = EnvPool("scienceworld", {"valid_actions_in_info": False, "max_steps": len(SCIENCEWORLD_SCRIPT)}, size=2)
-    yield p
-    p.close()
+@pytest.fixture(scope="module", params=["process", "ray"])
+def sw_pool(request):
+    """Worker processes, and Ray actors (``env.pool=ray``; skipped, so not tested, only where Ray is missing)."""
+    kwargs = {"valid_actions_in_info": False, "max_steps": len(SCIENCEWORLD_SCRIPT)}  # the cap ends the script
+    if request.param == "process":
+        p = EnvPool("scienceworld", kwargs, size=2)
+        yield p
+        p.close()
+        return
+    ray = pytest.importorskip("ray")
+    from empo2.envs.ray_pool import RayEnvPool
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        p = RayEnvPool("scienceworld", kwargs, size=2, start_timeout=900)  # JVM start-up is slow on a loaded box
+        yield p
+        p.close()
+    finally:
+        ray.shutdown()
 
 
 def test_scienceworld_prefix_replays_to_the_recorded_state(sw_pool):

@@ -1,20 +1,39 @@
-"""EnvPool with real ScienceWorld workers: parallel steps, a JVM killed mid-episode, no leaked processes."""
+"""EnvPool with real ScienceWorld workers: parallel steps, a JVM killed mid-episode, no leaked processes; the same
+JVM killed under LocalEnvPool; the request methods every pool shares."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import time
+from functools import partial
 
 import psutil
 import pytest
 
+from empo2.envs import make_env
 from empo2.envs.base import EnvError
+from empo2.envs.local_pool import LocalEnvPool
 from empo2.envs.pool import EnvPool, Failure
+from empo2.envs.pool_base import WorkerPool
+from empo2.envs.ray_pool import RayEnvPool
+from empo2.episodes.protocols import EnvWorkers
 
-pytestmark = pytest.mark.slow  # real simulators / end-to-end runs: `pytest -m "not slow"` skips them
+slow = pytest.mark.slow  # real simulators: `pytest -m "not slow"` skips them
 
 TASK = "find-animal"
+
+
+def test_every_pool_serves_the_requests_written_once():
+    """The three pools take their requests from WorkerPool and none redefines one, so a keyword one of them lacks
+    (``call(..., retries=1)``) cannot come back; the rollouts' structural type has the same ``call``."""
+    requests = ("reset", "restore", "step", "call", "close", "java_pids", "worker_pids", "_request")
+    for pool in (EnvPool, LocalEnvPool, RayEnvPool):
+        assert issubclass(pool, WorkerPool) and not [m for m in requests if m in vars(pool)], pool
+    assert inspect.signature(EnvWorkers.call) == inspect.signature(WorkerPool.call)
+    assert "retries" in inspect.signature(EnvWorkers.call).parameters
+    assert [n for n in ("reset", "restore", "step", "call") if not hasattr(EnvWorkers, n)] == []
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +58,7 @@ def command_of(c: psutil.Process, name_only: bool = False) -> str:
         return ""
 
 
+@slow
 def test_a_group_fetches_its_demonstration_once(pool):
     """The G rollouts of a group (same task and variation) share one demonstration: one worker plays the gold
     trajectories, the others get the text from the rollout context. (Workers used to write their own, and the
@@ -71,6 +91,7 @@ def test_a_group_fetches_its_demonstration_once(pool):
         pool.call = real_call
 
 
+@slow
 def test_four_workers_play_in_parallel(pool):
     pids = pool.java_pids()
     assert len(set(pids.values())) == 4 and all(alive(p) for p in pids.values())
@@ -91,6 +112,7 @@ def test_four_workers_play_in_parallel(pool):
     assert all(r.info["success"] for r in done.values())
 
 
+@slow
 def test_call_and_env_errors_keep_pool_usable(pool):
     demo = pool.call(0, "demonstration", TASK, 0)
     assert demo.startswith("Task: ") and "> " in demo
@@ -101,6 +123,7 @@ def test_call_and_env_errors_keep_pool_usable(pool):
     assert info["variation"] == 3 and pool.restarts == 0
 
 
+@slow
 def test_killed_jvm_gives_failed_episode_and_restarted_worker(pool):
     pool.reset([(i, TASK, 10 + i) for i in range(4)])
     pool.step({i: "look around" for i in range(4)})
@@ -126,6 +149,7 @@ def test_killed_jvm_gives_failed_episode_and_restarted_worker(pool):
     assert total == 100 and result.info["success"]
 
 
+@slow
 def test_missing_java_fails_fast_without_leaks(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     def children() -> set[int]:  # multiprocessing's own resource tracker may appear and stay; it is not ours
@@ -139,6 +163,7 @@ def test_missing_java_fails_fast_without_leaks(monkeypatch):
     assert children() <= before
 
 
+@slow
 def test_close_ends_every_jvm(pool):
     started = pool.started_pids()
     javas = [p for p in started if alive(p) and "java" in psutil.Process(p).name()]
@@ -149,3 +174,21 @@ def test_close_ends_every_jvm(pool):
     assert not [c for c in ours if "java" in command_of(c, name_only=True)]
     with pytest.raises(RuntimeError, match="closed"):
         pool.step({0: "look around"})
+
+
+@slow
+def test_local_pool_replaces_an_environment_whose_jvm_was_killed():
+    """LocalEnvPool (ScienceWorld in this process): the episode whose JVM died fails, the others go on, and a fresh
+    environment plays the next episode, as in the process and Ray pools."""
+    with LocalEnvPool(partial(make_env, "scienceworld"), 2) as local:
+        local.reset([(0, TASK, 0), (1, TASK, 1)])
+        old_java = local.java_pids()[1]
+        os.kill(old_java, signal.SIGKILL)
+        results = local.step({0: "look around", 1: "look around"})
+        assert results[1].done and results[1].reward == 0 and results[1].info["failed"] is True
+        assert results[1].info["error"] and "failed" not in results[0].info and not results[0].done
+        assert local.restarts == 1
+        obs, info = local.reset([(1, TASK, 2)])[1]
+        assert info["variation"] == 2 and local.java_pids()[1] not in (None, old_java) and not alive(old_java)
+        javas = list(local.java_pids().values())
+    assert not any(alive(p) for p in javas)

@@ -1,46 +1,44 @@
-"""N text environments in this process, behind the interface of :class:`~empo2.envs.pool.EnvPool`.
+"""N text environments in this process, behind the same interface as :class:`~empo2.envs.pool.EnvPool`.
 
 For a :class:`~empo2.train.trainer.Trainer` given an environment factory: each environment is built with ``factory()``
 and asked in turn, so nothing is spawned and nothing is pickled (a class defined in a notebook or a test works).
-What the process pool adds is left out: environments do not run at the same time, and an environment that raises
-ends the call instead of being restarted.
+What the process pool adds is left out: environments do not run at the same time. An environment that raises (its
+JVM killed) is replaced, and its episode fails, as in the other pools; a factory that raises ends the call.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
-from empo2.envs.base import StepResult
+from empo2.envs.pool_base import Reply, WorkerPool, close_quietly, serve
 
 
-class LocalEnvPool:
-    """``size`` environments made by ``factory()``, one episode per index, stepped one after the other."""
+class LocalEnvPool(WorkerPool):
+    """``size`` environments made by ``factory()``, one episode per index, asked one after the other."""
 
     def __init__(self, factory: Callable[[], Any], size: int):
-        if size < 1:
-            raise ValueError("LocalEnvPool size must be >= 1")
-        self.size = size
-        self.envs: list[Any] = []
-        try:
-            for _ in range(size):
-                self.envs.append(factory())
-        except BaseException:
-            self.close()
-            raise
+        super().__init__(getattr(factory, "name", "environment"), size)
+        self._factory = factory
+        self.envs: list[Any] = [None] * size
+        self._start_all()
 
-    def reset(self, assignments: list[tuple[int, str, int]]) -> dict[int, tuple[str, dict]]:
-        return {i: self.envs[i].reset(task, variation) for i, task, variation in assignments}
+    # ------------------------------------------------------------------ the transport: a call in this process
+    def _launch(self, i: int) -> None:
+        self.envs[i] = self._factory()
 
-    def restore(self, assignments: list[tuple[int, str, int, list[list[str]]]]) -> dict[int, tuple[str, dict]]:
-        return {i: self.envs[i].restore_prefix(task, variation, steps) for i, task, variation, steps in assignments}
+    def _start_reply(self, i: int) -> Reply:
+        env = self.envs[i]
+        return "ready", {"pid": os.getpid(), "java_pid": env.java_pid() if hasattr(env, "java_pid") else None}
 
-    def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
-        return {i: self.envs[i].step(action) for i, action in actions.items()}
+    def _send(self, i: int, method: str, args: tuple) -> Reply:
+        return serve(self.envs[i], method, args)  # answered at once: the reply is the handle
 
-    def call(self, i: int, method: str, *args: Any, retries: int = 0) -> Any:
-        return getattr(self.envs[i], method)(*args)
+    def _receive(self, i: int, handle: Reply) -> Reply:
+        return handle
 
-    def close(self) -> None:
-        while self.envs:
-            self.envs.pop().close()
+    def _discard(self, i: int) -> None:
+        if self.envs[i] is not None:
+            close_quietly(self.envs[i])
+            self.envs[i] = None

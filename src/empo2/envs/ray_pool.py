@@ -1,55 +1,68 @@
 """Environment workers as Ray actors (``env.pool: ray``; ``pip install 'empo2[ray]'``).
 
-The same interface as :class:`empo2.envs.pool.EnvPool` (``reset``, ``step``, ``call``, ``restarts``, ``close``), so
-the trainer and rollouts do not know which one they drive. Use it to put environments on other machines than the
-GPUs: ``ray start --head`` on one node, ``ray start --address=HEAD:6379`` on the CPU nodes, then train with
-``RAY_ADDRESS=HEAD:6379`` (or ``auto``) and ``env.pool=ray``. Without ``RAY_ADDRESS`` a local Ray instance starts.
+The same pool as :class:`empo2.envs.pool.EnvPool` (:class:`~empo2.envs.pool_base.WorkerPool`'s requests, replies
+and crash handling), so the trainer and rollouts do not know which one they drive. Use it to put environments on
+other machines than the GPUs: ``ray start --head`` on one node, ``ray start --address=HEAD:6379`` on the CPU nodes,
+then train with ``RAY_ADDRESS=HEAD:6379`` (or ``auto``) and ``env.pool=ray``. Without ``RAY_ADDRESS`` a local Ray
+instance starts.
 
 A dead actor (its process killed, its node gone, or its JVM crashed) is replaced by a fresh one and its episode
-comes back failed, exactly as the process pool does. Requests to all actors are sent before any reply is awaited.
+comes back failed, exactly as the process pool does.
 """
 
 from __future__ import annotations
 
-import logging
 import os
+import pickle
+import sys
 from typing import Any
 
 import psutil
 
-from empo2.envs.base import EnvError, StepResult
-from empo2.envs.failures import Failure, WorkerError, failed_step
+from empo2.envs.base import EnvError
+from empo2.envs.pool_base import Reply, WorkerGone, WorkerPool, close_quietly, open_env, quiet_worker_logs, serve
 
 
 class _EnvActor:
-    """Runs inside a Ray worker process: one environment, served method by method."""
+    """Runs inside a Ray worker process: one environment built by the pickled ``factory(**env_kwargs)``, served
+    request by request. The constructor never raises: a failed start is its start-up reply, as in a worker process.
 
-    def __init__(self, env_name: str, env_kwargs: dict):
-        logging.getLogger("py4j").setLevel(logging.CRITICAL)
-        from empo2.envs import make_env
+    The driver's ``sys.path`` comes along and the factory is unpickled only after it is added, so the actor imports
+    what a spawned worker process would (Ray itself adds only the driver's script folder and working folder)."""
 
-        self.env = make_env(env_name, **env_kwargs)
-
-    def info(self) -> dict:
-        java = self.env.java_pid() if hasattr(self.env, "java_pid") else None
-        return {"pid": os.getpid(), "java_pid": java, "node": _node_ip()}
-
-    def call(self, method: str, args: tuple) -> tuple[str, Any]:
+    def __init__(self, pickled_factory: bytes, env_kwargs: dict, driver_path: list[str]):
+        quiet_worker_logs()
+        sys.path.extend(p for p in driver_path if p not in sys.path)
         try:
-            return "ok", getattr(self.env, method)(*args)
-        except EnvError as exc:
-            return "env_error", str(exc)
-        except Exception as exc:  # noqa: BLE001 - the JVM died or the env broke: the pool replaces this actor
-            return "crash", f"{type(exc).__name__}: {exc}"
+            factory = pickle.loads(pickled_factory)
+        except Exception as exc:  # noqa: BLE001 - fails the same on every try: the user's to fix, not a crash
+            self.env, self.started = None, ("env_error", f"the environment's constructor cannot be imported on "
+                                                         f"Ray node {_node_ip()}: {type(exc).__name__}: {exc}")
+            return
+        self.env, self.started = open_env(factory, env_kwargs)
+        if self.env is not None:
+            self.started[1]["node"] = _node_ip()
+
+    def start_reply(self) -> Reply:
+        return self.started
+
+    def call(self, method: str, args: tuple) -> Reply:
+        return serve(self.env, method, args)
 
     def close(self) -> None:
-        self.env.close()
+        if self.env is not None:
+            close_quietly(self.env)
 
 
 def _node_ip() -> str:
     import ray
 
     return ray.util.get_node_ip_address()
+
+
+def _first_line(exc: Exception) -> str:
+    """Ray's errors run to many lines (tracebacks, hints); the first says what happened."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
 
 
 def _import_ray():
@@ -60,112 +73,65 @@ def _import_ray():
     return ray
 
 
-class RayEnvPool:
-    """``size`` Ray actors, each hosting ``make_env(env_name, **env_kwargs)`` (one CPU each)."""
+class RayEnvPool(WorkerPool):
+    """``size`` Ray actors (one CPU each), each hosting the registered environment ``env_name``.
+
+    The registry entry's constructor is sent to the actors by reference, with the driver's ``sys.path``, as to
+    worker processes: an environment registered outside ``src/`` works where its module can be imported. ``timeout`` bounds one request (seconds);
+    ``start_timeout`` bounds an actor's start (placement on a node and JVM launch).
+    """
 
     def __init__(self, env_name: str, env_kwargs: dict | None = None, size: int = 2, timeout: float = 300.0,
                  start_timeout: float = 300.0):
-        if size < 1:
-            raise ValueError("RayEnvPool size must be >= 1")
+        super().__init__(env_name, size)
         ray = self._ray = _import_ray()
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
-        self.env_name, self.env_kwargs, self.size = env_name, dict(env_kwargs or {}), size
-        self.timeout, self.start_timeout, self.restarts = timeout, start_timeout, 0
+        self.env_kwargs = dict(env_kwargs or {})
+        self.timeout, self.start_timeout = timeout, start_timeout
+        from empo2.envs.registry import get_env_spec
+
+        self._factory = pickle.dumps(get_env_spec(env_name).factory)
         self._cls = ray.remote(num_cpus=1, max_restarts=0)(_EnvActor)
         self._actors: list[Any] = [None] * size
-        self._info: list[dict] = [{}] * size
-        self._closed = False
+        self._starting: list[Any] = [None] * size  # each actor's start-up reply, as a Ray object reference
+        self._start_all()
+
+    # ------------------------------------------------------------------ the transport: a Ray actor per worker
+    def _launch(self, i: int) -> None:
+        self._actors[i] = self._cls.remote(self._factory, self.env_kwargs, sys.path)
+        self._starting[i] = self._actors[i].start_reply.remote()
+
+    def _start_reply(self, i: int) -> Reply:
         try:
-            for i in range(size):
-                self._actors[i] = self._cls.remote(self.env_name, self.env_kwargs)
-            infos = ray.get([a.info.remote() for a in self._actors], timeout=start_timeout)
-            self._info = list(infos)
-        except BaseException as exc:
-            self.close()
-            if isinstance(exc, EnvError):
-                raise
-            raise RuntimeError(f"{env_name} Ray actors failed to start: {exc}") from None
+            return self._ray.get(self._starting[i], timeout=self.start_timeout)
+        except self._ray.exceptions.GetTimeoutError:  # most often unplaceable: a second try would wait as long
+            cpus = self._ray.cluster_resources().get("CPU", 0)
+            raise EnvError(f"{self.env_name} Ray actor {i} did not start within {self.start_timeout:.0f} s; each "
+                           f"actor takes one CPU and the Ray cluster has {cpus:g} for this pool's {self.size}") from None
+        except Exception as exc:  # noqa: BLE001 - the actor died (RayActorError) or its node is gone
+            raise WorkerGone(_first_line(exc)) from None
 
-    # ------------------------------------------------------------------ public API (as EnvPool)
-    def reset(self, assignments: list[tuple[int, str, int]]) -> dict[int, tuple[str, dict] | Failure]:
-        replies = self._request({i: ("reset", (task, variation)) for i, task, variation in assignments})
-        return {i: Failure(i, payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
+    def _send(self, i: int, method: str, args: tuple) -> Any:
+        return self._actors[i].call.remote(method, args)
 
-    def restore(self, assignments: list[tuple[int, str, int, list[list[str]]]]) -> dict[int, tuple[str, dict] | Failure]:
-        """Put worker ``i`` into the state after a recorded prefix, ``(i, task, variation, step_commands)`` each, in
-        parallel (the environment's ``restore_prefix``); failures and errors as :meth:`reset`."""
-        replies = self._request({i: ("restore_prefix", (task, variation, steps))
-                                 for i, task, variation, steps in assignments})
-        return {i: Failure(i, payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
+    def _receive(self, i: int, handle: Any) -> Reply:
+        try:
+            return self._ray.get(handle, timeout=self.timeout)
+        except Exception as exc:  # noqa: BLE001 - the actor died (RayActorError), timed out, or its node is gone
+            raise WorkerGone(_first_line(exc)) from None
 
-    def step(self, actions: dict[int, str]) -> dict[int, StepResult]:
-        replies = self._request({i: ("step", (action,)) for i, action in actions.items()})
-        return {i: failed_step(payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
-
-    def call(self, i: int, method: str, *args: Any) -> Any:
-        kind, payload = self._request({i: (method, args)})[i]
-        if kind == "crash":
-            raise WorkerError(f"actor {i} crashed during {method}(): {payload}; it has been restarted")
-        return payload
-
-    def java_pids(self) -> dict[int, int | None]:
-        return {i: info.get("java_pid") for i, info in enumerate(self._info)}
-
-    def worker_pids(self) -> dict[int, int]:
-        return {i: info["pid"] for i, info in enumerate(self._info) if info}
-
-    def close(self) -> None:
-        """Stop every actor (and, on this node, its JVM). Idempotent; leaves Ray itself running."""
-        if self._closed:
+    def _discard(self, i: int) -> None:
+        """Kill actor ``i``, and its JVM when it ran on this node (a JVM outlives a killed actor)."""
+        if self._actors[i] is None:
             return
-        self._closed = True
-        for i, actor in enumerate(self._actors):
-            if actor is not None:
-                self._stop(i)
-
-    def __enter__(self) -> RayEnvPool:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    # ------------------------------------------------------------------ internals
-    def _request(self, requests: dict[int, tuple[str, tuple]]) -> dict[int, tuple[str, Any]]:
-        if self._closed:
-            raise RuntimeError("RayEnvPool is closed")
-        for i in requests:
-            if not 0 <= i < self.size:
-                raise IndexError(f"worker index {i} out of range 0..{self.size - 1}")
-        refs = {i: self._actors[i].call.remote(method, args) for i, (method, args) in requests.items()}
-        replies = {}
-        for i, ref in refs.items():
-            try:
-                replies[i] = self._ray.get(ref, timeout=self.timeout)
-            except Exception as exc:  # noqa: BLE001 - actor died (RayActorError), timed out, or its node is gone
-                replies[i] = ("crash", f"actor {i} died: {type(exc).__name__}")
-        for i, (kind, _) in replies.items():
-            if kind == "crash":
-                self._restart(i)
-        errors = [payload for kind, payload in replies.values() if kind == "env_error"]
-        if errors:
-            raise EnvError(errors[0])
-        return replies
-
-    def _restart(self, i: int) -> None:
-        self._stop(i)
-        self.restarts += 1
-        self._actors[i] = self._cls.remote(self.env_name, self.env_kwargs)
-        self._info[i] = self._ray.get(self._actors[i].info.remote(), timeout=self.start_timeout)
-
-    def _stop(self, i: int) -> None:
-        info = self._info[i]
         try:
             self._ray.kill(self._actors[i], no_restart=True)
         except Exception:  # noqa: BLE001 - already gone
             pass
-        java = info.get("java_pid")
-        if java and info.get("node") == _node_ip():  # a JVM outlives a killed actor; reachable only locally
+        self._actors[i] = self._starting[i] = None
+        java, node = self._info[i].get("java_pid"), self._info[i].get("node")
+        if java and node == _node_ip():
             try:
                 proc = psutil.Process(java)
                 proc.kill()

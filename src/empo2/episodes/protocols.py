@@ -19,16 +19,20 @@ class Tokenizer(Protocol):
 
 
 class EnvWorkers(Protocol):
-    """A pool of environment workers, one episode per worker index."""
+    """A pool of environment workers, one episode per worker index (:class:`~empo2.envs.pool_base.WorkerPool`)."""
 
     def reset(self, assignments: list[tuple[int, str, int]]) -> dict[int, Any]:
         """``(worker, task, variation)`` → per worker ``(observation, info)`` or a failure."""
 
+    def restore(self, assignments: list[tuple[int, str, int, list[list[str]]]]) -> dict[int, Any]:
+        """``(worker, task, variation, step_commands)`` → per worker ``(observation, info)`` after replaying the
+        prefix, or a failure."""
+
     def step(self, actions: dict[int, str]) -> dict[int, Any]:
         """One action per worker → per worker a ``StepResult`` (observation, reward, done, info)."""
 
-    def call(self, i: int, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``method`` of worker ``i``'s environment."""
+    def call(self, i: int, method: str, *args: Any, retries: int = 0) -> Any:
+        """Call ``method`` of worker ``i``'s environment; ``retries`` more tries on a fresh worker after a crash."""
 
 
 class Embedder(Protocol):
