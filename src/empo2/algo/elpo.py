@@ -372,8 +372,11 @@ def localise(steps: int, probe: Callable[[int, int], bool], budget: int,
 @register_advantage("elpo")
 def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
     """Eq. 6–10 on each group's tree: every step an episode holds gets its node's A_hier (a branch holds only the
-    steps after its prefix, so a shared prefix step is one row). A branch whose source is missing from the batch
-    (a crashed worker) counts as a tree of its own. Raw returns feed Eq. 6–8 (App. B's rewards are −1.1 / 1.0)."""
+    steps after its prefix, so a shared prefix step is one row). A leaf's R is the terminal reward of the whole
+    trajectory: the sum of the step rewards on its path from the root, the prefix a branch shares with its source
+    included (``inp.returns`` is not read, so a return that left the prefix out cannot reach the tree). A branch whose
+    source is missing from the batch (a crashed worker) counts as a tree of its own. Raw rewards feed Eq. 6–8 (App.
+    B's rewards are −1.1 / 1.0)."""
     o = inp.options
     tree = inp.tree or [(i, None) for i in range(len(inp.returns))]
     out: list[np.ndarray] = [np.zeros(len(r)) for r in inp.step_rewards]
@@ -387,7 +390,9 @@ def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, fl
             parents.append((local[p[0]], p[1]) if p is not None and local.get(p[0], len(rows)) < local[tree[i][0]]
                            else None)
         paths = tree_paths(parents, [len(inp.step_rewards[i]) for i in rows])
-        hier = tree_advantages(paths, [float(inp.returns[i]) for i in rows], o.elpo_lambda, o.eps).hier
+        node_reward = np.concatenate([np.asarray(inp.step_rewards[i], dtype=np.float64) for i in rows])  # [S]
+        leaf_returns = [math.fsum(node_reward[path]) for path in paths]  # R of each completed trajectory
+        hier = tree_advantages(paths, leaf_returns, o.elpo_lambda, o.eps).hier
         for i, path in zip(rows, paths):
             own = len(inp.step_rewards[i])
             out[i] = hier[path[len(path) - own:]] if own else np.zeros(0)

@@ -197,17 +197,21 @@ class ScienceWorldEnv:
         with ``info['observations']``: the observation after each replayed step, for checking the replay.
 
         The simulator has no state snapshot; replay is the way back. Its text is not byte-identical across loads
-        (object listing order, some readings), so the caller compares what matters to it."""
+        (object listing order, some readings), so the caller compares what matters to it (the state). A replay whose
+        episode ends before the prefix does (completed, a wrong focus, the step cap) stops there, with
+        ``info['done']`` set."""
         obs, first = self.reset(task, variation)
-        observations, completed = [], False
+        observations = []
         for commands in step_commands:
+            if self._done:
+                break
             for command in commands:
                 obs, completed = self._send(command, obs)
             observations.append(obs)
             self._steps += 1
-        self._score = self._read_score()
-        truncated = not completed and self._score >= 0 and self._steps >= self.step_cap(task)
-        self._done = bool(completed or self._score < 0 or truncated)
+            self._score = self._read_score()
+            truncated = not completed and self._score >= 0 and self._steps >= self.step_cap(task)
+            self._done = bool(completed or self._score < 0 or truncated)
         info = {**first, **self._info(raw="", action="")}
         info.update(observations=observations, done=self._done)
         return obs, info

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from empo2.algo.advantages import returns_of, step_rewards
+from empo2.algo.advantages import path_rewards, returns_of, step_rewards
 from empo2.episodes.episode import Episode, episode_record
 from empo2.rundir.metrics import peak_rss_gb
 from empo2.train.overlap import PendingReflection
@@ -58,8 +58,10 @@ class Batch:
 
     def returns(self, aggregation: str) -> np.ndarray:
         """Each episode of :attr:`ran`'s return R = Σ_t (r_t + w·r_int_t) = R_ext + w · R_int [N] float64, the sum of
-        :attr:`rewards` (made from the episodes where the batch has none yet, e.g. every rank's episodes)."""
-        return returns_of(self.rewards or step_rewards(self.ran, self.intrinsic_weight, aggregation))
+        :attr:`rewards` on its path (:func:`~empo2.algo.advantages.path_rewards`: an ELPO branch's prefix included;
+        made from the episodes where the batch has none yet, e.g. every rank's episodes)."""
+        rewards = self.rewards or step_rewards(self.ran, self.intrinsic_weight, aggregation)
+        return returns_of(path_rewards(self.ran, rewards))
 
 
 def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps: int,
