@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from empo2.algo.advantages import AdvantageInput, register_advantage
-from empo2.algo.losses import policy_loss, register_policy_loss
+from empo2.algo.losses import clipped_surrogate_settings, policy_loss, register_policy_loss
 
 # Table 2 (App. C). Its budget N_total (16) is the group size here, ``algo.num_generations``.
 B_MAX = 3
@@ -59,6 +59,10 @@ LAMBDA_TREE = 0.5
 EPS_LOW = 0.2
 EPS_HIGH = 0.315
 EPS_ELC = 0.115
+
+OFFICIAL = ("the paper's Table 2 (no code was released)",
+            {"epsilon": EPS_LOW, "epsilon_high": EPS_HIGH, "elpo_eps_elc": EPS_ELC, "elpo_lambda": LAMBDA_TREE,
+             "beta": 0.0})
 
 EQUAL_RTOL = 1e-9
 """Values of one normalisation group that differ by at most this × max(1, |v|) count as equal: advantage exactly 0."""
@@ -249,7 +253,13 @@ def elc_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: torch.Tensor
     return torch.minimum(ratio * adv, clipped * adv)
 
 
-@register_policy_loss("elpo")
+def elpo_loss_settings(algo) -> dict[str, str]:
+    """What the ``elpo`` loss applies: Eq. 11–12's clip, no dual clip, no low-probability mask."""
+    return {**clipped_surrogate_settings(dataclasses.replace(algo, dual_clip=0.0), mask=False),
+            "clip": f"{algo.epsilon:g} / {algo.epsilon_high:g}, ε_low + {algo.elpo_eps_elc:g} on the critical suffix"}
+
+
+@register_policy_loss("elpo", settings=elpo_loss_settings)
 def elpo_loss(logp_new, logp_old, advantages, response_mask, algo, *, critical: torch.Tensor | None = None,
               **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. 12 as the ``elpo`` loss: GRPO's clipped surrogate, without the low-probability mask or the dual clip,

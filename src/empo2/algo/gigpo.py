@@ -23,6 +23,12 @@ import numpy as np
 
 from empo2.algo.advantages import AdvantageInput, group_normalise, register_advantage
 
+OFFICIAL = ("verl-agent's GiGPO scripts (KL loss 0.01, low_var_kl) on verl's actor defaults",
+            {"beta": 0.01, "epsilon": 0.2, "epsilon_high": 0.2, "dual_clip": 3.0, "entropy_coeff": 0.001})
+"""The loss settings of the reference runs (``examples/gigpo_trainer/run_*.sh``; clip 0.2/0.2, dual clip 3 and entropy
+0.001 are verl's actor defaults as verl-agent's forks ship them). An arm that runs the comparison's shared loss
+lists where it differs (:func:`empo2.algo.arms.official_differences`)."""
+
 NORMALIZATIONS = ("mean_norm", "mean_std_norm")
 """The values of ``algo.gigpo_normalization`` (the reference code's ``mode`` names)."""
 
