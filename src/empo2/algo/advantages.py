@@ -5,7 +5,8 @@ Every estimator gets step-level data in one :class:`AdvantageInput` and gives on
     fn(inp: AdvantageInput) -> (advantages: list of [T_i] float64 numpy arrays, metrics dict[str, float])
 
 ``inp.returns`` [N] and ``inp.group_ids`` [N] are per episode; ``inp.step_rewards[i]`` [T_i] and
-``inp.state_keys[i]`` (T_i strings: the observation each step's action answered) are per step of episode i. The
+``inp.state_keys[i]`` (T_i strings: the state each step's action answered, :func:`empo2.envs.base.state_of`) are
+per step of episode i. The
 trainer gives every generated token of step t of episode i the advantage ``advantages[i][t]``. ``inp.success`` [N]
 says which episodes reached the goal; ``inp.gather`` collects an object from every data-parallel rank, for statistics
 over the whole global batch (ProxMO's TF-IDF term counts).

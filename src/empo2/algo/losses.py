@@ -28,7 +28,8 @@ Which log-probs go where (the trainer's job; see :func:`empo2.algo.empo2.behavio
 
 - ``logp_new``: current policy on the TRAINING prompt: with tips for ``on_tips``, WITHOUT tips for ``on`` and
   ``off_tips``. So for ``off_tips`` rows the mask tests π_θ(a | tip-free prompt), as in the paper.
-- ``logp_old``: behaviour log-probs on the ROLLOUT prompt (those recorded while sampling). For ``off_tips`` rows this
+- ``logp_old``: π_old's log-probs on the ROLLOUT prompt: the engine's, recorded while sampling, or the trainer's
+  recomputation before the first optimizer step (``algo.old_logprobs``). For ``off_tips`` rows this
   is π_old(a | s, u, tips) (paper), or the old policy on the tip-free prompt with ``off_policy_ratio="tip_free"``.
 
 Sequence granularity (released code): a whole row is dropped when ANY of its valid tokens has
