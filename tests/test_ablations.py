@@ -41,7 +41,7 @@ def test_each_arm_runs_its_settings_and_is_labelled_by_its_name(tmp_path):
     got = [(p.cfg.algo.name, p.cfg.algo.arm, p.cfg.algo.p_off_policy, p.cfg.algo.intrinsic_weight) for p in plans]
     assert got == [("empo2", None, 0.3, 5.0), ("empo2", "empo2-no-offpolicy", 0.0, 5.0),
                    ("empo2", "empo2-no-novelty", 0.3, 0.0), ("grpo", "grpo-novelty", 0.3, 5.0),
-                   ("grpo", "grpo-no-novelty", 0.3, 0.0), ("grpo", None, 0.3, 5.0)]
+                   ("grpo", "grpo-no-novelty", 0.3, 0.0), ("grpo", None, 0.3, 0.0)]
     assert [method_label(p.cfg) for p in plans] == names
     assert [method_label(p.cfg.to_dict()) for p in plans] == names  # as report reads config.yaml
     # under the linear schedule algo.intrinsic_weight is not read: the no-novelty arm switches the schedule off too
@@ -58,6 +58,80 @@ def test_each_arm_runs_its_settings_and_is_labelled_by_its_name(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+NOVELTY_ARMS = {"empo2", "empo2_luffy", "empo2-no-offpolicy", "empo2+luffy", "grpo-novelty", "empo2+gigpo",
+                "empo2+proxmo", "empo2+gigpo-std", "grpo+novelty", "gigpo+novelty", "gigpo-std+novelty",
+                "proxmo+novelty", "luffy+novelty", "elpo+novelty"}
+"""The arms that keep the config's novelty bonus: EMPO²'s (the bonus is part of its method) and those named so."""
+
+
+def test_every_arm_but_the_novelty_ones_runs_without_the_bonus(tmp_path):
+    """Arms differ in their method only: on a config with a novelty bonus (weight 5, or the linear schedule), every
+    compare arm runs without it except EMPO²'s and the ``+novelty`` / ``-novelty`` ones, and each says so."""
+    from empo2.algo.registry import ALGORITHMS
+    from empo2.experiments.arms import ARMS as REGISTRY
+    from empo2.experiments.arms import arm_settings
+    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.report import method_label
+
+    names = sorted({*REGISTRY, *ALGORITHMS, "gigpo-std", "empo2+gigpo", "empo2+proxmo", "empo2+gigpo-std",
+                    *NOVELTY_ARMS})
+    linear = tmp_path / "linear.yaml"
+    Config.load(LEARN, ["algo.intrinsic_schedule=linear"]).save(linear)
+    for config in (LEARN, str(linear)):
+        for plan in plan_runs(config, names, [1], tmp_path, []):
+            a = plan.cfg.algo
+            bonus = a.intrinsic_weight_start if a.intrinsic_schedule == "linear" else a.intrinsic_weight
+            reward = arm_settings(a)["reward"]
+            if plan.algo in NOVELTY_ARMS:
+                assert bonus > 0 and "× novelty" in reward, plan.algo
+            else:
+                assert (a.intrinsic_weight, a.intrinsic_schedule) == (0.0, "constant"), plan.algo
+                assert reward.startswith("the environment's return (its score changes), no novelty bonus"), plan.algo
+            if plan.algo.endswith("+novelty"):  # the label says what ran
+                assert method_label(plan.cfg) == plan.algo
+    # the arms of results/reach, as they ran then: GiGPO and ProxMO had the bonus; now the plain names run without
+    # it, and gigpo+novelty / proxmo+novelty rerun them as they were
+    plans = plan_runs("configs/scienceworld_reach_cpu.yaml", ["gigpo", "proxmo", "gigpo+novelty", "proxmo+novelty"],
+                      [1], tmp_path, [])
+    assert [p.cfg.algo.intrinsic_weight for p in plans] == [0.0, 0.0, 5.0, 5.0]
+    assert [method_label(p.cfg) for p in plans] == ["gigpo", "proxmo", "gigpo+novelty", "proxmo+novelty"]
+
+
+def test_arm_settings_list_reward_loss_and_the_official_runs_they_differ_from():
+    from empo2.experiments.arms import arm_settings, settings_line
+
+    def settings(algo, *overrides):
+        from empo2.experiments.arms import arm_overrides
+
+        return arm_settings(Config.load("configs/scienceworld_reach_cpu.yaml", [*arm_overrides(algo), *overrides]).algo)
+
+    proxmo = settings("proxmo")
+    assert proxmo["loss"] == {"loss": "grpo", "clip": "0.2 / 0.3", "dual_clip": "10", "mask": "off",
+                              "kl": "β 0 (k3)", "aggregation": "token_mean", "entropy bonus": "none"}
+    assert proxmo["differs_from_official"] == [
+        "beta 0 (official 0.01)", "epsilon_high 0.3 (official 0.2)", "dual_clip 10 (official 3)",
+        "entropy bonus 0.001 there, none here (empo2's losses have no entropy term)"]
+    official = settings("proxmo", "algo.beta=0.01", "algo.epsilon_high=0.2", "algo.dual_clip=3")
+    assert official["differs_from_official"] == [
+        "entropy bonus 0.001 there, none here (empo2's losses have no entropy term)"]
+    luffy = settings("luffy")
+    assert luffy["loss"]["clip"].startswith("none on on-policy rows") and "x/(x + 0.1)" in luffy["loss"]["expert_rows"]
+    assert luffy["loss"]["aggregation"] == "dr_grpo (L = policy.max_completion_length)"
+    assert luffy["differs_from_official"] == ["entropy bonus 0.001 there, none here (empo2's losses have no entropy "
+                                              "term)"]
+    assert "gold-path member" in luffy["reward"] and "no novelty bonus" in luffy["reward"]
+    elpo = settings("elpo")
+    assert elpo["differs_from_official"] == [] and "+ 0.115 on the critical suffix" in elpo["loss"]["clip"]
+    assert elpo["loss"]["dual_clip"] == "off" and "whole path" in elpo["reward"]
+    empo2 = settings("empo2")
+    assert empo2["differs_from_official"] == [] and "5 × novelty 1/n" in empo2["reward"]
+    assert empo2["loss"]["mask"] == "δ = 0.01 per token"
+    line = settings_line("proxmo", proxmo)
+    assert line.startswith("proxmo: reward = the environment's return (its score changes), no novelty bonus; "
+                           "advantage = ProxMO, PSC α 4 ±0.05, PSA τ 0.1, γ 0.95, ω 1; loss = grpo (clip 0.2 / 0.3")
+    assert "differs from ProxMO-RL's scripts" in line
+
+
 def test_arm_errors_are_one_line_exit_2(tmp_path, capsys):
     out = tmp_path / "cmp"
     cases = [
@@ -67,6 +141,8 @@ def test_arm_errors_are_one_line_exit_2(tmp_path, capsys):
         (LEARN, ["--algos", "empo2", "algo.arm=empo2-no-novelty"], "set by compare"),
         (LEARN, ["--algos", "empo2,grpo-novelty", "algo.advantage=gigpo"], "fixed by the ablation arm grpo-novelty"),
         ("configs/webshop_cpu.yaml", ["--algos", "grpo-novelty"], "has none"),  # no novelty bonus to keep
+        ("configs/webshop_cpu.yaml", ["--algos", "gigpo+novelty"], "has none"),
+        (LEARN, ["--algos", "empo2+novelty"], "runs its novelty bonus as part of its method"),
     ]
     for config, extra, message in cases:
         assert main(["compare", "--config", config, "--out", str(out), *extra]) == 2, extra
@@ -149,3 +225,10 @@ def test_report_and_summary_pair_each_ablation_with_full_empo2(tmp_path, capsys)
 
     for text in (md, summary_md):  # each table says what its ablations are
         assert all(f"`{arm}`: {REGISTRY[arm].what}" in text for arm in ARMS[1:])
+    # and what every arm trains on: its reward and loss settings, from its runs' recorded config
+    assert set(summary["arm_settings"]) == set(ARMS)
+    assert summary["arm_settings"]["empo2-no-novelty"]["reward"].endswith("no novelty bonus")
+    assert "5 × novelty 1/n" in summary["arm_settings"]["grpo-novelty"]["reward"]
+    assert "## What each arm trains on" in summary_md
+    assert "| empo2-no-novelty | the environment's return (its score changes), no novelty bonus | GRPO, ÷ group std " \
+           "| empo2: clip 0.2 / 0.3, dual clip 10, mask δ = 0.01 per token" in summary_md

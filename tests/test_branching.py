@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 
 from empo2.config_sections import MemoryConfig, PolicyConfig
+from empo2.envs.base import state_of
 from empo2.envs.pool import EnvPool
 from empo2.envs.scienceworld import ANSWER
-from empo2.episodes.branching import prefix_commands, restore_branches, same_up_to_line_order
+from empo2.episodes.branching import prefix_commands, restore_branches, state_after
 from empo2.episodes.rollout import RolloutContext, run_episodes
 from empo2.policy.generate import Generation
 
@@ -38,6 +39,12 @@ def record(pool, env_name, task, variation, actions, on_step=None):
 
 def state(pool, i):
     return {k: pool.call(i, k) for k in ("look", "inventory")}
+
+
+def same_up_to_line_order(replayed: str, recorded: str) -> bool:
+    """Whether two texts hold the same lines (each stripped), in any order."""
+    return sorted(line.strip() for line in replayed.splitlines()) == sorted(
+        line.strip() for line in recorded.splitlines())
 
 
 @pytest.fixture(scope="module", params=["process", "ray"])
@@ -80,8 +87,9 @@ def test_scienceworld_prefix_replays_to_the_recorded_state(sw_pool):
         assert b.info["score"] == sum(s.reward for s in ep.steps[:m]) + b.info["initial_score"]
         for key, text in state(sw_pool, 1).items():
             assert same_up_to_line_order(text, recorded[m][key]), (m, key)
-        assert metrics["replay_branches"] == 1 and metrics["replay_mismatch_steps"] == len(b.mismatched_steps)
-        assert metrics["replay_mismatch_branches"] == float(bool(b.mismatched_steps))
+        assert b.state == state_of(b.observation, b.info) and b.matches and b.state == state_after(ep, m)
+        assert metrics["replay_branches"] == 1 and metrics["replay_mismatch_branches"] == 0
+        assert metrics["replay_ended_branches"] == float(m == len(ep.steps))
     # A branch goes on from the replayed state: after "go to kitchen" (m = 4), open the cupboard as recorded.
     restore_branches(sw_pool, [(1, ep, 4)])
     res = sw_pool.step({1: ep.steps[4].raw_action})[1]
@@ -95,9 +103,6 @@ def test_scienceworld_prefix_replays_to_the_recorded_state(sw_pool):
     assert not same_up_to_line_order(sw_pool.call(1, "look"), recorded[6]["look"])
 
 
-def test_mismatch_is_counted_and_line_order_is_not():
-    assert same_up_to_line_order("a\nb\n c", "c\na\nb")
-    assert not same_up_to_line_order("a\nb", "a\nb\nb") and not same_up_to_line_order("27 degrees", "28 degrees")
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +125,7 @@ def test_webshop_prefix_replays_the_session(ws_pool):
     for m in range(1, len(ep.steps)):
         branches, metrics = restore_branches(ws_pool, [(1, ep, m)])
         b = branches[1]
-        assert b.observation == ep.steps[m - 1].observation and b.mismatched_steps == []
+        assert b.observation == ep.steps[m - 1].observation and b.matches and not b.ended
         assert b.info["valid_actions"] == ws_pool.call(1, "valid_actions")
         assert metrics["replay_mismatch_branches"] == 0
     # Continue the last branch to the end: the same purchase, reward 1.
@@ -128,16 +133,32 @@ def test_webshop_prefix_replays_the_session(ws_pool):
     assert res.done and res.info["success"] and res.reward == pytest.approx(ep.steps[-1].reward)
 
 
-def test_doctored_record_is_counted_as_a_mismatch(ws_pool):
+def test_the_replay_is_checked_by_its_state_not_its_replies(ws_pool):
     ws_pool.reset([(0, "webshop", 0)])
     actions = ws_pool.call(0, "gold_actions")
     ep = record(ws_pool, "webshop", "webshop", 0, actions)
-    ep.steps[0].observation += "\nan extra line the replay will not show"
+    ep.steps[0].observation += "\nan extra line the replay will not show"  # a reply: not what the check reads
     branches, metrics = restore_branches(ws_pool, [(1, ep, 2)])
-    assert branches[1].mismatched_steps == [1]
-    assert metrics["replay_mismatch_branches"] == 1 and metrics["replay_mismatch_steps"] == 1
+    assert branches[1].matches and metrics["replay_mismatch_branches"] == 0
+    ep.steps[2].state_text += "\na state the replay will not reach"  # the state after step 2
+    branches, metrics = restore_branches(ws_pool, [(1, ep, 2)])
+    assert not branches[1].matches and metrics["replay_mismatch_branches"] == 1
     with pytest.raises(ValueError):
         prefix_commands(ep, len(ep.steps) + 1)
+    with pytest.raises(ValueError):
+        state_after(ep, len(ep.steps) + 1)
+
+
+def test_a_replay_that_ends_its_episode_says_so_instead_of_raising(ws_pool):
+    """A record whose prefix runs past the episode's end (as a replay that diverges into a purchase would): the
+    environment stops at the end and reports it; nothing raises."""
+    ws_pool.reset([(0, "webshop", 1)])
+    ep = record(ws_pool, "webshop", "webshop", 1, ws_pool.call(0, "gold_actions"))
+    assert ep.success
+    ep.steps.append(ep.steps[-1])  # one more step after the purchase
+    branches, metrics = restore_branches(ws_pool, [(1, ep, len(ep.steps))])
+    b = branches[1]
+    assert b.ended and b.info["steps"] == len(ep.steps) - 1 and metrics["replay_ended_branches"] == 1
 
 
 class _Simulator:

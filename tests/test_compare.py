@@ -215,6 +215,15 @@ def test_a_comparison_continues_from_its_record_alone(tmp_path, capsys):
     rebuilt = rebuild(out, tmp_path / "rebuilt")
     assert rebuilt["stats"] == first["stats"] and rebuilt["algorithms"] == first["algorithms"]
     assert rebuilt["runs"] == first["runs"] and (tmp_path / "rebuilt" / "curves.png").is_file()
+    assert rebuilt["arm_settings"] == first["arm_settings"] and set(first["arm_settings"]) == {"grpo", "empo2"}
+    # the same command again: every run is finished; it says what each arm trains on before anything else
+    capsys.readouterr()
+    assert main(["compare", *WEBSHOP, "--algos", "grpo,empo2", "--seeds", "0-1", "--out", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    head = printed[:printed.index("finished already")]
+    assert "What each arm trains on" in head and "grpo: reward = the environment's return (its score changes), " \
+        "no novelty bonus; advantage = GRPO, ÷ group std; loss = grpo (clip 0.2 / 0.3" in head
+    assert "\n  empo2: reward = " in head and "## What each arm trains on" in (out / "summary.md").read_text()
     grpo = [statistics.fmean([10.0 * k, 5.0 - k * k, 3.0]) for k in (0, 2)]  # seeds 0 and 1 of grpo (plans 0 and 2)
     assert rebuilt["stats"]["arms"]["grpo"]["score"]["ci"] == pytest.approx(tdist.mean_interval(grpo), abs=1e-9)
     assert main(["report", str(out), "--out", str(tmp_path / "report")]) == 0  # report reads the record too

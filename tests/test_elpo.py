@@ -280,3 +280,34 @@ def test_groups_without_signal_are_counted_as_grpo_counts_them():
     assert all(not a.any() for a in adv[:3]) and all(a.any() for a in adv[3:])
     assert metrics["zero_adv_groups"] == 1.0
     assert metrics["zero_adv_groups"] == compute_advantages("grpo", inp)[1]["zero_adv_groups"]
+
+
+def _episode(group, member, rewards, parent=None):
+    """An episode as the rollout records it (plain data; only the step rewards and the tree link matter here)."""
+    from empo2.episodes.episode import Episode, Step
+
+    steps = [Step([], [], [], [], "", f"action {t}", "", float(r), f"state {member}/{t}") for t, r in enumerate(rewards)]
+    return Episode("find-non-living-thing", 0, group, "on", member=member, steps=steps, parent=parent,
+                   final_state="end")
+
+
+def test_a_branch_is_scored_with_its_prefix():
+    """Eq. 6–8 take the terminal reward of the completed trajectory, prefix included. A ScienceWorld failure that
+    reached score 67 (+17 for the answer box's room at step 2, +50 for the focus at step 3) is searched; its branches
+    after steps 2 and 3 replay the prefix and end where it ended (the rewards after the replay are score changes from
+    the replayed score). Every leaf of that path has R = 67, so each gets the same A_hier, which a float64 reference
+    computes from the leaves' full returns."""
+    from empo2.algo.advantages import AdvantageOptions, step_rewards
+
+    source = [0.0, 17.0, 50.0, 0.0, 0.0]
+    episodes = [_episode(0, 0, source), _episode(0, 1, [0.0, 8.0, 0.0]), _episode(0, 2, [0.0, 0.0, 0.0, 0.0]),
+                _episode(0, 3, [50.0, 0.0, 0.0], parent=(0, 2)), _episode(0, 4, [0.0, 0.0], parent=(0, 3))]
+    rewards = step_rewards(episodes, 0.0)
+    inp = AdvantageInput.from_rewards(episodes, rewards, AdvantageOptions())  # as the trainer builds it
+    adv, _ = compute_advantages("elpo", inp)
+    leaves = [float(adv[i][-1]) for i in (0, 3, 4)]
+    full = [67.0, 8.0, 0.0, 67.0, 67.0]  # the leaves' R; below m the siblings all have r = 67, so A_b = 0 there
+    a_t = (full[0] - statistics.fmean(full)) / (statistics.pstdev(full) + 1e-6)
+    assert leaves == pytest.approx([0.5 * 0.0 + 0.5 * a_t] * 3, rel=1e-12), leaves
+    assert leaves[0] > 0  # the best trajectory of the tree, branches included
+    assert inp.returns.tolist() == full  # the return a branch reports is its path's too

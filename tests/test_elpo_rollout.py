@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from empo2.algo import elpo
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
+from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages, step_rewards
 from empo2.config_sections import MemoryConfig, PolicyConfig
 from empo2.envs.pool import EnvPool
 from empo2.episodes.elpo_rollout import ElpoOptions, run_elpo
@@ -70,19 +70,56 @@ def test_driver_localises_the_critical_step_within_the_budget(pool):
     assert stats["elpo_searches"] == 2 and stats["elpo_localised_after_first"] == 1
     assert stats["elpo_probes"] == 6 and stats["elpo_waves"] == 4  # 1 wave of failures + 3 probes, both groups
     assert stats["replay_branches"] == 11 and stats["replay_mismatch_branches"] == 0
+    assert stats["replay_ended_branches"] == 0
     group0 = [ep for ep in episodes if ep.group == 0]
     assert [(ep.parent[1], ep.success) for ep in group0 if ep.parent is not None] == [
         (4, False), (4, True), (6, False), (6, False), (5, False), (5, True)]  # L = 5, then R = 6, then L = 6
 
-    # The tree feeds the estimator: each episode's own steps get their node's A_hier (Eq. 10).
-    returns = np.array([ep.extrinsic_return for ep in episodes])
-    inp = AdvantageInput.from_episodes(episodes, returns, 0.0, AdvantageOptions())
+    # The tree feeds the estimator: each episode's own steps get their node's A_hier (Eq. 10), each leaf scored
+    # with its whole path's rewards (WebShop pays at the purchase, so a prefix carries 0 here).
+    rewards = step_rewards(episodes, 0.0)
+    inp = AdvantageInput.from_rewards(episodes, rewards, AdvantageOptions())
     adv, _ = compute_advantages("elpo", inp)
     assert [len(a) for a in adv] == [len(ep.steps) for ep in episodes]
     by_member = {ep.member: i for i, ep in enumerate(group0)}
     parents = [None if ep.parent is None else (by_member[ep.parent[0]], ep.parent[1]) for ep in group0]
     paths = elpo.tree_paths(parents, [len(ep.steps) for ep in group0])
-    want = elpo.tree_advantages(paths, [ep.extrinsic_return for ep in group0]).hier
+    own = np.concatenate([[s.reward for s in ep.steps] for ep in group0])
+    want = elpo.tree_advantages(paths, [float(own[path].sum()) for path in paths]).hier
     for ep, path in zip(group0, paths):
         got = adv[episodes.index(ep)]
         assert got.tolist() == pytest.approx(want[path[len(path) - len(ep.steps):]].tolist(), abs=1e-12)
+
+
+class EndingReplays:
+    """The real WebShop pool, except that every replay of a prefix of ``m`` steps reports that it ended its episode.
+    The fixture replays deterministically, so a replay that diverges into the end of its episode (as a ScienceWorld
+    reload can, when a recorded step now completes or fails the task) cannot be produced on it; this reports one."""
+
+    def __init__(self, pool, m):
+        self.pool, self.m = pool, m
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+    def restore(self, assignments):
+        replies = self.pool.restore(assignments)
+        for i, _, _, steps in assignments:
+            if len(steps) == self.m:
+                obs, info = replies[i]
+                replies[i] = (obs, {**info, "done": True})
+        return replies
+
+
+def test_a_branch_whose_replay_ends_its_episode_is_left_out(pool):
+    ctx = RolloutContext(None, None, EndingReplays(pool, 4), None, None, "webshop", PolicyConfig(few_shot=0),
+                         MemoryConfig())
+    specs = [("webshop", GOAL, 0, "on")] * BUDGET[0]
+    episodes, stats = run_elpo(ctx, specs, actions=scripted, options=ElpoOptions(b_max=2))
+    adv, _ = compute_advantages("elpo", AdvantageInput.from_rewards(episodes, step_rewards(episodes, 0.0),
+                                                                    AdvantageOptions()))
+    assert [len(a) for a in adv] == [len(ep.steps) for ep in episodes]
+    # the first anchor (m = 4) never gets a suffix played: the search probes it again until the budget is spent
+    assert [ep.parent for ep in episodes] == [None, None] and all(ep.steps for ep in episodes)
+    assert [ep.critical_step for ep in episodes] == [1, None]
+    assert stats["replay_ended_branches"] == BUDGET[0] - 2 and stats["elpo_probes"] == 0

@@ -307,3 +307,90 @@ def test_train_algo_names_what_compare_algos_names(tmp_path, capsys):
     assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "luffy", "algo.loss_type=token_mean",
                  f"train.output_dir={tmp_path / 'c'}"]) == 2
     assert "luffy" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+def test_expert_actions_are_cut_where_the_policy_s_would_be(smollm):
+    _, tok = smollm
+    action = "search[men's running shoes with arch support, non slip, navy blue, size 9, under 60 dollars]"
+    whole = expert_generation(tok, action, max_tokens=64)
+    assert whole.text == action and whole.ids[-1] == tok.eos_token_id
+    cut = expert_generation(tok, action, max_tokens=8)
+    assert cut.ids == whole.ids[:8] and tok.eos_token_id not in cut.ids and cut.logprobs == [0.0] * 8
+    assert cut.text == tok.decode(whole.ids[:8], skip_special_tokens=True) and action.startswith(cut.text)
+
+
+def _episode(member, states, tips=(), expert=False):
+    """Steps answering ``states[:-1]``, the last state reached ``states[-1]``."""
+    from empo2.episodes.episode import Episode, Step
+
+    steps = [Step([], [], [], [], "", f"act {t}", "", 0.0, s, tip_ids=list(tips)) for t, s in enumerate(states[:-1])]
+    return Episode("find-animal", 0, 0, "on_tips", member=member, steps=steps, expert=expert,
+                   final_state=states[-1], score=100.0 if expert else 8.0)
+
+
+def test_the_expert_credits_no_tip_and_visits_no_state(embedder):
+    """Under EMPO² + expert the gold-path member sees tips in its prompt and reaches states, but its actions are the
+    gold path's: it neither credits the tips (their utility would take its score of 100) nor counts as a visitor
+    of the states the policy explores (nor earns a novelty reward)."""
+    from empo2.episodes.reflection import memory_plan
+    from empo2.memory.novelty import NoveltyReward
+    from empo2.train.intrinsic import novelty_rewards
+
+    rooms = ["You are in the hallway, by a picture.", "A fridge, a stove and a sink: the kitchen.",
+             "Rows of tomato plants grow in the greenhouse soil.", "A red box stands on the bathroom floor."]
+    sampled, expert = _episode(0, rooms[:3], tips=[7]), _episode(1, rooms, tips=[7, 9], expert=True)
+    uses, writers = memory_plan([sampled, expert], [sampled, expert])
+    assert uses == [((0, 0), ([7], 8.0))] and writers == [sampled, expert]
+    alone = novelty_rewards(NoveltyReward(0.9), embedder, [sampled])
+    both = novelty_rewards(NoveltyReward(0.9), embedder, [sampled, expert])
+    assert [s.intrinsic for s in both[0].steps] == [s.intrinsic for s in alone[0].steps] == [1.0, 1.0]
+    assert [s.intrinsic for s in both[1].steps] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.slow
+def test_a_resumed_luffy_run_remembers_its_unreachable_experts(tiny_model, tmp_path):
+    """A 2-step cap makes the fixture's gold path (4–5 steps) miss the goal: the first iteration replays it, fails and
+    remembers the goal, so the second samples that slot from the start. A run resumed from the first iteration's
+    checkpoint must do the same (the set is in the checkpoint), and the metrics keep the policy's episodes apart
+    from the expert's."""
+    from empo2 import Config, Trainer
+
+    cfg = Config.load("configs/webshop_cpu.yaml", ["algo.name=luffy", "train.iterations=2", f"policy.model={tiny_model}",
+                                                   "env.max_steps=2", "env.train_variations=1",
+                                                   "env.eval_variations=1", "algo.num_generations=2",
+                                                   "policy.max_completion_length=8", "train.progress=false",
+                                                   "algo.loss_type=dr_grpo", "train.eval_at_start=false"])
+    with Trainer(cfg, output_dir=tmp_path / "whole") as trainer:
+        first = trainer.iteration()
+        unreachable = set(trainer.expert.unreachable)
+        second = trainer.iteration()
+    assert first["expert"]["discarded_env_steps"] == 2 and first["expert"]["fallback"] == 1
+    assert second["expert"]["discarded_env_steps"] == 0 and second["expert"]["fallback"] == 1
+
+    with Trainer(cfg, output_dir=tmp_path / "resumed") as trainer:
+        trainer.iteration()
+        trainer.save(0)
+    with Trainer(cfg, output_dir=tmp_path / "resumed", resume=True) as trainer:
+        assert len(unreachable) == 1 and trainer.expert.unreachable == unreachable
+        again = trainer.iteration()
+    assert again["expert"] == second["expert"]
+    assert first["expert"]["cut_actions"] >= 1  # the search text is longer than 8 tokens
+    # the expert's replay was discarded: the train block holds the sampled members only (its slot's refill included)
+    assert first["train"]["env_steps"] == first["env_steps"] and first["train"]["score_mean"] <= 100
+
+
+def test_training_metrics_keep_the_expert_apart():
+    from empo2.train.batch import Batch, iteration_record
+
+    sampled, expert = _episode(0, ["a", "b", "c"]), _episode(1, ["a", "b", "c", "d"], expert=True)
+    sampled.steps[1].reward, expert.steps[2].reward = 8.0, 100.0
+    expert.success = True
+    stats = {"memory_time": 0.0, "gen_time": 1.0, "env_time": 0.0, "gen_tokens": 0, "long_prompts": 0,
+             "expert_slots": 1, "expert_kept": 1, "expert_fallback": 0, "expert_steps": 3,
+             "expert_discarded_steps": 0}
+    batch = Batch(0, ["on"], [], episodes=[sampled, expert], stats=stats, advantage_metrics={"groups": 1.0})
+    rec = iteration_record(batch, "mean", 0, 2, 3)
+    train = rec["train"]
+    assert (train["score_mean"], train["success_rate"], train["return_mean"], train["steps_mean"]) == (8.0, 0.0, 8.0,
+                                                                                                       2.0)
+    assert (rec["expert"]["score_mean"], rec["expert"]["success_rate"]) == (100.0, 1.0)

@@ -116,6 +116,22 @@ def test_wrong_focus_ends_episode_with_minus_100(env):
     assert result.info["success"] is False
 
 
+def test_every_step_reports_the_focus_targets_and_the_focus(env):
+    """The allowed focus targets reach every prompt's hints, not only the first one's (the released prompt keeps them
+    in view), and the state says what the agent focused on once it has."""
+    from empo2.agent.prompts import hints_text
+
+    obs, info = env.reset("find-non-living-thing", 0)
+    targets = info["focus_targets"]
+    assert targets and info["focus"] == ""
+    for action in ("open door to kitchen", "go to kitchen", "focus on soap"):
+        result = env.step(action)
+        assert result.info["focus_targets"] == targets
+        assert hints_text(result.info).startswith("Objects you may focus on: " + ", ".join(targets))
+    assert result.info["focus"] == "the soap" and result.reward == 50
+    assert result.info["state"].splitlines()[0] == "Task progress: score 75, focused on the soap"
+
+
 def test_unknown_task_and_variation_errors(env):
     with pytest.raises(EnvError, match="valid tasks: .*find-animal"):
         env.reset("find-unicorn", 0)

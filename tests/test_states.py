@@ -12,7 +12,7 @@ from empo2.config import MemoryConfig
 from empo2.config_sections import EnvConfig
 from empo2.envs.factory import make_env_kwargs
 from empo2.envs.pool import EnvPool
-from empo2.envs.scienceworld_text import scienceworld_state
+from empo2.envs.scienceworld_text import focused_object, scienceworld_state
 from empo2.episodes.reflection import memory_ops, write_memory_ops
 from empo2.episodes.rollout import RolloutContext, run_episodes
 from empo2.memory.novelty import NoveltyReward
@@ -40,15 +40,35 @@ def _shuffled(text: str, seed: int) -> str:
     return "\n".join(out + block) + "\n"
 
 
-def test_scienceworld_state_is_the_room_and_inventory_with_sorted_listings():
-    state = scienceworld_state(LOOK, INVENTORY)
-    assert state.splitlines()[0] == "This room is called the kitchen. In it, you see:"
-    assert state.splitlines()[1:4] == ["a chair. On the chair is: nothing.", "a counter.", "a substance called air"]
-    assert "In your inventory, you see:\na thermometer\nan orange" in state and "\t" not in state
+def test_scienceworld_state_is_progress_inventory_and_room_with_sorted_listings():
+    state = scienceworld_state(LOOK, INVENTORY, 8)
+    assert state.splitlines()[:4] == ["Task progress: score 8, no focus yet", "In your inventory, you see:",
+                                      "a thermometer", "an orange"]
+    assert state.splitlines()[4:8] == ["This room is called the kitchen. In it, you see:",
+                                       "a chair. On the chair is: nothing.", "a counter.", "a substance called air"]
+    assert "\t" not in state
     for seed in range(5):  # listing order and spacing are not part of the state
-        assert scienceworld_state(_shuffled(LOOK, seed), _shuffled(INVENTORY, seed + 7).replace("\n", " \n")) == state
+        assert scienceworld_state(_shuffled(LOOK, seed), _shuffled(INVENTORY, seed + 7).replace("\n", " \n"),
+                                  8) == state
     moved = LOOK.replace("\ta counter.\n", "")
-    assert scienceworld_state(moved, INVENTORY + "\ta counter\n") != state  # what an action changes is
+    assert scienceworld_state(moved, INVENTORY + "\ta counter\n", 8) != state  # what an action changes is
+    # what the task has scored and what the agent focused on are part of it: a focus changes neither listing
+    assert scienceworld_state(LOOK, INVENTORY, 58, "the chair").splitlines()[0] == \
+        "Task progress: score 58, focused on the chair"
+    assert focused_object("You focus on the chair.") == "the chair" and focused_object("The door is open.") is None
+
+
+def test_the_embedder_reads_the_progress_and_the_inventory_of_a_long_state(embedder):
+    """MiniLM keeps its first 256 word pieces: a room with a long listing loses its end, never the progress line or
+    the inventory, which come first."""
+    room = LOOK.replace("\ta counter.\n", "".join(f"\ta counter number {k} with a glass jar on it.\n" for k in range(40)))
+    state = scienceworld_state(room, INVENTORY, 75, "the soap")
+    tokenizer, limit = embedder.model.tokenizer, embedder.model.max_seq_length
+    pieces = tokenizer(state, add_special_tokens=True)["input_ids"]
+    assert limit == 256 and len(pieces) > limit
+    kept = tokenizer.decode(pieces[:limit], skip_special_tokens=True)
+    assert kept.startswith("task progress : score 75, focused on the soap in your inventory, you see : a thermometer "
+                           "an orange this room is called the kitchen")
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +113,49 @@ def test_two_rooms_with_the_same_reply_are_two_states(played, embedder, tmp_path
     # a reload lists objects in another order; the replayed states read the same
     assert [s.state_text for s in replayed.steps] == [s.state_text for s in ep.steps]
     assert replayed.final_state == ep.final_state
+
+
+@pytest.mark.slow
+def test_the_step_after_a_focus_has_its_own_anchor_and_is_not_pushed_down():
+    """find-non-living-thing variation 0, its gold path (the one a fresh JVM computes: ``open door to kitchen``, ``go
+    to kitchen``, ``look around``, ``focus on soap``, ``move soap to red box``) played G = 4 times as one group on the
+    real simulator. ``focus on`` scores 50 and changes neither the room nor the inventory, so the winning move answers
+    a state of its own only if the state holds the task's progress.
+
+    GiGPO: identical episodes make every anchor group's returns equal, so the move gets 0 (with the move in the
+    anchor of the steps before the focus it got −31.3). ProxMO's step baseline softly averages the discounted returns
+    of every step of the group by TF-IDF similarity (τ = 0.1, all turns, as its official code): the move has the
+    group's smallest discounted return (25, against ≥ 70 for every earlier step), so any weight on an earlier step
+    pulls it below 0 whatever the state says; the state decides only whether the earlier steps read as the same
+    state. As τ → 0 PSA is GiGPO's exact-match baseline: there the move is no longer pushed down (with the old
+    state: −31.3)."""
+    from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages, step_rewards
+
+    task, group = "find-non-living-thing", 4
+    pool = EnvPool("scienceworld", make_env_kwargs(EnvConfig(name="scienceworld", max_steps=12)), size=1)
+    try:
+        pool.reset([(0, task, 0)])
+        gold = pool.call(0, "gold_actions")
+        cfg = SimpleNamespace(few_shot=0, history_window=1, max_prompt_length=1024)
+        ctx = RolloutContext(None, None, pool, None, None, "scienceworld", cfg, MemoryConfig())
+        act = lambda ctx, active, eps, prompts: [Generation([], [], gold[len(e.steps)]) for e in eps]  # noqa: E731
+        episodes = []
+        for member in range(group):
+            [ep] = run_episodes(ctx, [(task, 0, 0, "on")], actions=act)[0]
+            episodes.append(dataclasses.replace(ep, member=member))
+    finally:
+        pool.close()
+    focus = next(t for t, a in enumerate(gold) if a.startswith("focus on"))
+    move = focus + 1
+    assert gold[move].startswith("move ") and all(ep.success and len(ep.steps) == len(gold) for ep in episodes)
+    steps = episodes[0].steps
+    assert steps[focus].reward == 50 and steps[move].reward == 25
+    before = {s.state_text for s in steps[: focus + 1]}
+    assert steps[move].state_text not in before  # its own anchor
+
+    inp = AdvantageInput.from_rewards(episodes, step_rewards(episodes, 0.0), AdvantageOptions())
+    gigpo, _ = compute_advantages("gigpo", inp)
+    assert all(a[move] == 0.0 for a in gigpo)
+    exact = AdvantageInput.from_rewards(episodes, step_rewards(episodes, 0.0), AdvantageOptions(proxmo_tau=1e-3))
+    proxmo, _ = compute_advantages("proxmo", exact)
+    assert all(a[move] > -0.01 for a in proxmo), [float(a[move]) for a in proxmo]

@@ -201,9 +201,9 @@ class AlgoConfig:
     step_advantage_weight: float = bounded(1.0, 0, 1e6)
     """GiGPO and ProxMO: ω in A = A_episode + ω·A_step (both papers: 1.0)."""
     step_similarity: float | None = bounded(None, 0, 1, open_low=True)
-    """GiGPO: ``None`` = anchor states grouped by their exact observation text (the reference default); a ratio in
-    (0, 1] puts an observation in the first anchor group whose first observation is at least this similar (difflib
-    ratio; the reference's option uses 0.95)."""
+    """GiGPO: ``None`` = anchor states grouped by their exact state text (the reference default); a ratio in
+    (0, 1] puts a state in the first anchor group whose first state is at least this similar (difflib ratio; the
+    reference's option uses 0.95)."""
     gigpo_normalization: Literal["mean_norm", "mean_std_norm"] = "mean_norm"
     """GiGPO's normalisation of episode and step returns in their groups, for ``algo.name=gigpo`` and for
     ``algo.advantage=gigpo`` under EMPO² alike: ``mean_norm`` (default; the reference code's default and the stronger
@@ -293,7 +293,7 @@ class AlgoConfig:
     run's ``train.iterations`` at its first start, recorded in its saved config, so a resume that changes
     ``train.iterations`` leaves the weights of the iterations already planned as they were."""
     novelty_threshold: float = bounded(0.9, -1, 1)
-    """Cosine above which two observations (of one task) count as the same state for the novelty reward."""
+    """Cosine above which two states (of one task) count as the same state for the novelty reward."""
     luffy_gamma: float = bounded(0.1, 1e-6, 1)
     """LUFFY: γ of the policy-shaping function f(x) = x/(x + γ) on expert tokens (paper: 0.1)."""
     luffy_shaping: bool = True

@@ -5,7 +5,8 @@ Every estimator gets step-level data in one :class:`AdvantageInput` and gives on
     fn(inp: AdvantageInput) -> (advantages: list of [T_i] float64 numpy arrays, metrics dict[str, float])
 
 ``inp.returns`` [N] and ``inp.group_ids`` [N] are per episode; ``inp.step_rewards[i]`` [T_i] and
-``inp.state_keys[i]`` (T_i strings: the observation each step's action answered) are per step of episode i. The
+``inp.state_keys[i]`` (T_i strings: the state each step's action answered, :func:`empo2.envs.base.state_of`) are
+per step of episode i. The
 trainer gives every generated token of step t of episode i the advantage ``advantages[i][t]``. ``inp.success`` [N]
 says which episodes reached the goal; ``inp.gather`` collects an object from every data-parallel rank, for statistics
 over the whole global batch (ProxMO's TF-IDF term counts).
@@ -95,7 +96,7 @@ class AdvantageInput:
 
     returns: np.ndarray
     """[N] float64: each episode's return (extrinsic + weighted intrinsic, :func:`empo2.algo.empo2.combine_returns`;
-    = the sum of its step rewards)."""
+    = the sum of the step rewards on its path from the root, :func:`path_rewards`: a branch's prefix included)."""
     group_ids: np.ndarray
     """[N] int64: the GRPO group (same task and variation, same rollout batch)."""
     step_rewards: list[np.ndarray]
@@ -117,13 +118,13 @@ class AdvantageInput:
                      gather: Callable[[Any], list[Any]] | None = None, returns=None) -> AdvantageInput:
         """From rollout episodes (:class:`~empo2.episodes.episode.Episode`: ``group``, ``member``, ``parent``,
         ``steps``, ``success``) and their step rewards (:func:`step_rewards`, computed once per batch): the return is
-        their sum (:func:`returns_of`) unless ``returns`` is given; state key = the state the step answered
-        (:func:`empo2.envs.base.state_of`)."""
+        the sum of the step rewards on the episode's path (:func:`path_rewards`, :func:`returns_of`) unless
+        ``returns`` is given; state key = the state the step answered (:func:`empo2.envs.base.state_of`)."""
         keys = [[s.state_text for s in ep.steps] for ep in episodes]
         groups = np.array([ep.group for ep in episodes], dtype=np.int64)
         success = np.array([bool(ep.success) for ep in episodes], dtype=bool)
         tree = [(ep.member, ep.parent) for ep in episodes]
-        returns = returns_of(rewards) if returns is None else _as_numpy(returns, np.float64)
+        returns = returns_of(path_rewards(episodes, rewards)) if returns is None else _as_numpy(returns, np.float64)
         return cls(returns, groups, list(rewards), keys, options, success, gather or _one_rank, tree)
 
     @classmethod
@@ -260,6 +261,23 @@ def step_rewards(episodes, intrinsic_weight: float, aggregation: str = "mean") -
     """
     return [step_rewards_with_novelty([s.reward for s in ep.steps], [s.intrinsic for s in ep.steps],
                                       intrinsic_weight, aggregation) for ep in episodes]
+
+
+def path_rewards(episodes, rewards: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each episode's step rewards from the root of its rollout tree [T_path] float64. An ELPO branch
+    (``parent = (member j, m)``) holds only the steps after its prefix, so its path starts with the first m rewards
+    of episode j's path (same group, earlier in ``episodes``); any other episode's path is its own steps. A branch
+    whose source is not among ``episodes`` keeps its own steps only.
+
+    A branch's first reward is the score change from the state its replay reached, so the path's sum is the return
+    of the whole trajectory the branch completed (ELPO's R, Eq. 6–8)."""
+    index = {(ep.group, ep.member): i for i, ep in enumerate(episodes)}
+    out: list[np.ndarray] = []
+    for i, (ep, own) in enumerate(zip(episodes, rewards)):
+        own = np.asarray(own, dtype=np.float64)
+        j = index.get((ep.group, ep.parent[0])) if ep.parent is not None else None
+        out.append(np.concatenate([out[j][: ep.parent[1]], own]) if j is not None and j < i else own)
+    return out
 
 
 def returns_of(rewards: Sequence[np.ndarray]) -> np.ndarray:

@@ -1,15 +1,25 @@
-"""The paper's ablations as named arms: one :class:`Arm` per name, an algorithm plus the ``algo`` settings it fixes.
+"""The paper's ablations as named arms: one :class:`Arm` per name, an algorithm plus the ``algo`` settings it fixes;
+and what any arm runs, in words (:func:`arm_settings`: its reward, advantage and loss, and where it differs from
+its method's official runs).
 
 A config that names an arm (``algo.arm``) is checked at load (:func:`check_arm`): it must hold the arm's algorithm and
 settings, so a label never says one thing while the run did another. The table lives here, below the config, because
 the config checks it; :mod:`empo2.experiments.arms` turns it into comparison runs and report labels. Nothing here
 imports the config; it takes the ``algo`` section as an argument.
+
+Arms differ in their method only: the novelty bonus is EMPO²'s (its ``AlgorithmSpec.novelty``), so every other
+algorithm's arm runs without it unless its name says so (``grpo-novelty``, ``NAME+novelty``); every arm shares the
+config's loss settings except those its method fixes (LUFFY's, ELPO's), and lists the official settings it does not
+run (:func:`official_differences`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+from empo2.algo.losses import settings_of
+from empo2.algo.registry import get_algorithm
 
 
 @dataclass(frozen=True)
@@ -36,9 +46,11 @@ class Arm:
 ESTIMATOR = "grpo"
 """Every arm's advantage estimator: a label without ``+gigpo`` never runs GiGPO's."""
 
+NO_NOVELTY = {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}
+"""The novelty bonus off (the schedule too: under the linear schedule ``algo.intrinsic_weight`` is not read)."""
 
 LUFFY_SETTINGS = {"luffy_shaping": True, "luffy_clip": False, "luffy_std": False, "loss_type": "dr_grpo",
-                  "intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}
+                  **NO_NOVELTY}
 """The settings of LUFFY's official script that the ``luffy`` arms fix (no novelty bonus: LUFFY has none)."""
 
 
@@ -52,17 +64,16 @@ def novelty_on(algo_cfg: Any) -> bool:
 ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("empo2-no-offpolicy", "empo2", "EMPO² without the off-policy mode (algo.p_off_policy=0: every memory rollout "
         "trains with its tips)", {"p_off_policy": 0.0}),
-    # the schedule too: under the linear schedule algo.intrinsic_weight is not read
     Arm("empo2-no-novelty", "empo2", "EMPO² without the intrinsic reward (algo.intrinsic_weight=0, constant schedule)",
-        {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}),
+        dict(NO_NOVELTY)),
     Arm("grpo-novelty", "grpo", "EMPO² without tips: GRPO with the config's novelty bonus (refused if it has none)",
         needs_novelty=True),
     Arm("grpo-no-novelty", "grpo", "plain GRPO: no tips, no intrinsic reward (algo.intrinsic_weight=0, constant "
-        "schedule)", {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}),
+        "schedule)", dict(NO_NOVELTY)),
     Arm("proxmo-no-psc", "proxmo", "ProxMO without its polarized signal controller: the episode advantage is "
-        "unweighted (algo.proxmo_psc=false)", {"proxmo_psc": False, "proxmo_psa": True}),
+        "unweighted (algo.proxmo_psc=false)", {"proxmo_psc": False, "proxmo_psa": True, **NO_NOVELTY}),
     Arm("proxmo-no-psa", "proxmo", "ProxMO without its proximity-weighted step advantage: A = the weighted episode "
-        "advantage only (algo.proxmo_psa=false)", {"proxmo_psc": True, "proxmo_psa": False}),
+        "advantage only (algo.proxmo_psa=false)", {"proxmo_psc": True, "proxmo_psa": False, **NO_NOVELTY}),
     # LUFFY as its official script runs it: Dr.GRPO aggregation, mean-only advantage, no on-policy clip, no mask
     Arm("luffy", "luffy", "LUFFY: one expert (gold-path) member per group, shaped expert tokens f(x)=x/(x+0.1), "
         "unclipped on-policy rows, mean-only advantage, Dr.GRPO aggregation", dict(LUFFY_SETTINGS)),
@@ -73,8 +84,7 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("elpo", "elpo", "ELPO with Table 2's settings (tree rollouts by binary error localisation, hierarchical "
         "advantages, ε_low 0.2 + ε_elc 0.115 on the critical suffix, ε_high 0.315; no intrinsic reward)",
         {"epsilon": 0.2, "epsilon_high": 0.315, "elpo_eps_elc": 0.115, "elpo_lambda": 0.5, "elpo_b_max": 3,
-         "elpo_x_min": 1.0, "elpo_x_max": 3.0, "elpo_beta": 5.0, "intrinsic_weight": 0.0,
-         "intrinsic_schedule": "constant"}),
+         "elpo_x_min": 1.0, "elpo_x_max": 3.0, "elpo_beta": 5.0, **NO_NOVELTY}),
 )}
 """Every ablation arm, by name."""
 
@@ -95,3 +105,76 @@ def check_arm(algo_cfg: Any) -> str | None:
         return (f"algo.arm={arm.name} keeps the config's novelty bonus, but it has none (algo.intrinsic_weight=0); "
                 "set algo.intrinsic_weight > 0 or run plain grpo")
     return None
+
+
+# ----------------------------------------------------------------------------------------------- what an arm runs
+def _fmt(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def reward_text(algo_cfg: Any) -> str:
+    """The arm's reward function in words: the environment's return, the novelty bonus where it is on, an expert
+    member, ELPO's path returns."""
+    spec = get_algorithm(algo_cfg.name)
+    text = "the environment's return (its score changes)"
+    if novelty_on(algo_cfg):
+        weight = (f"{algo_cfg.intrinsic_weight_start:g} → {algo_cfg.intrinsic_weight_end:g} (linear)"
+                  if algo_cfg.intrinsic_schedule == "linear" else f"{algo_cfg.intrinsic_weight:g}")
+        text += f" + {weight} × novelty 1/n ({algo_cfg.intrinsic_aggregation} over the episode's steps)"
+    else:
+        text += ", no novelty bonus"
+    if spec.expert_members:
+        text += f"; {spec.expert_members} gold-path member(s) per group, inside the group's baseline"
+    if spec.rollout == "elpo":
+        text += "; a tree leaf's R is its whole path's (the replayed prefix included)"
+    return text
+
+
+def advantage_text(algo_cfg: Any) -> str:
+    """The arm's advantage estimator and its knobs, in words."""
+    a, name = algo_cfg, get_algorithm(algo_cfg.name).estimator(algo_cfg)
+    if name == "grpo":
+        return "GRPO, " + ("÷ group std" if a.scale_rewards else "mean-only")
+    if name == "gigpo":
+        return f"GiGPO {a.gigpo_normalization}, γ {a.gamma:g}, ω {a.step_advantage_weight:g}"
+    if name == "proxmo":
+        psc = f"PSC α {a.proxmo_alpha:g} ±{a.proxmo_range:g}" if a.proxmo_psc else "no PSC"
+        psa = f"PSA τ {a.proxmo_tau:g}" if a.proxmo_psa else "no PSA"
+        return f"ProxMO, {psc}, {psa}, γ {a.gamma:g}, ω {a.step_advantage_weight:g}"
+    if name == "luffy":
+        return "LUFFY Eq. 4, " + ("÷ group std" if a.luffy_std else "mean-only")
+    if name == "elpo":
+        return f"ELPO A_hier, λ {a.elpo_lambda:g}"
+    return name
+
+
+def official_differences(algo_cfg: Any) -> list[str]:
+    """Where the run differs from its method's official runs (``AlgorithmSpec.official``), one item per setting."""
+    out = []
+    for key, value in get_algorithm(algo_cfg.name).official[1].items():
+        if key == "entropy_coeff":
+            out.append(f"entropy bonus {value:g} there, none here (empo2's losses have no entropy term)")
+        elif getattr(algo_cfg, key) != value:
+            out.append(f"{key} {_fmt(getattr(algo_cfg, key))} (official {_fmt(value)})")
+    return out
+
+
+def arm_settings(algo_cfg: Any) -> dict[str, Any]:
+    """What a run of ``algo_cfg`` trains on, in words (``compare`` prints it at the start and stores it in the
+    summary): ``reward``, ``advantage``, ``loss`` (the settings the loss applies, :func:`empo2.algo.losses.settings_of`),
+    ``official`` (the source of its method's official settings, or "") and ``differs_from_official``."""
+    spec = get_algorithm(algo_cfg.name)
+    return {"reward": reward_text(algo_cfg), "advantage": advantage_text(algo_cfg),
+            "loss": settings_of(spec.loss, algo_cfg), "official": spec.official[0],
+            "differs_from_official": official_differences(algo_cfg)}
+
+
+def settings_line(name: str, settings: dict[str, Any]) -> str:
+    """One arm's :func:`arm_settings` on one line."""
+    loss = settings["loss"]
+    parts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in loss.items() if k != "loss")
+    line = (f"{name}: reward = {settings['reward']}; advantage = {settings['advantage']}; "
+            f"loss = {loss['loss']} ({parts})")
+    if settings["differs_from_official"]:
+        line += f"; differs from {settings['official']}: {'; '.join(settings['differs_from_official'])}"
+    return line

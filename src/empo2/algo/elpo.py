@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from empo2.algo.advantages import AdvantageInput, register_advantage
-from empo2.algo.losses import policy_loss, register_policy_loss
+from empo2.algo.losses import clipped_surrogate_settings, policy_loss, register_policy_loss
 
 # Table 2 (App. C). Its budget N_total (16) is the group size here, ``algo.num_generations``.
 B_MAX = 3
@@ -59,6 +59,10 @@ LAMBDA_TREE = 0.5
 EPS_LOW = 0.2
 EPS_HIGH = 0.315
 EPS_ELC = 0.115
+
+OFFICIAL = ("the paper's Table 2 (no code was released)",
+            {"epsilon": EPS_LOW, "epsilon_high": EPS_HIGH, "elpo_eps_elc": EPS_ELC, "elpo_lambda": LAMBDA_TREE,
+             "beta": 0.0})
 
 EQUAL_RTOL = 1e-9
 """Values of one normalisation group that differ by at most this × max(1, |v|) count as equal: advantage exactly 0."""
@@ -249,7 +253,13 @@ def elc_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: torch.Tensor
     return torch.minimum(ratio * adv, clipped * adv)
 
 
-@register_policy_loss("elpo")
+def elpo_loss_settings(algo) -> dict[str, str]:
+    """What the ``elpo`` loss applies: Eq. 11–12's clip, no dual clip, no low-probability mask."""
+    return {**clipped_surrogate_settings(dataclasses.replace(algo, dual_clip=0.0), mask=False),
+            "clip": f"{algo.epsilon:g} / {algo.epsilon_high:g}, ε_low + {algo.elpo_eps_elc:g} on the critical suffix"}
+
+
+@register_policy_loss("elpo", settings=elpo_loss_settings)
 def elpo_loss(logp_new, logp_old, advantages, response_mask, algo, *, critical: torch.Tensor | None = None,
               **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """Eq. 12 as the ``elpo`` loss: GRPO's clipped surrogate, without the low-probability mask or the dual clip,
@@ -372,8 +382,11 @@ def localise(steps: int, probe: Callable[[int, int], bool], budget: int,
 @register_advantage("elpo")
 def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
     """Eq. 6–10 on each group's tree: every step an episode holds gets its node's A_hier (a branch holds only the
-    steps after its prefix, so a shared prefix step is one row). A branch whose source is missing from the batch
-    (a crashed worker) counts as a tree of its own. Raw returns feed Eq. 6–8 (App. B's rewards are −1.1 / 1.0)."""
+    steps after its prefix, so a shared prefix step is one row). A leaf's R is the terminal reward of the whole
+    trajectory: the sum of the step rewards on its path from the root, the prefix a branch shares with its source
+    included (``inp.returns`` is not read, so a return that left the prefix out cannot reach the tree). A branch whose
+    source is missing from the batch (a crashed worker) counts as a tree of its own. Raw rewards feed Eq. 6–8 (App.
+    B's rewards are −1.1 / 1.0)."""
     o = inp.options
     tree = inp.tree or [(i, None) for i in range(len(inp.returns))]
     out: list[np.ndarray] = [np.zeros(len(r)) for r in inp.step_rewards]
@@ -387,7 +400,9 @@ def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, fl
             parents.append((local[p[0]], p[1]) if p is not None and local.get(p[0], len(rows)) < local[tree[i][0]]
                            else None)
         paths = tree_paths(parents, [len(inp.step_rewards[i]) for i in rows])
-        hier = tree_advantages(paths, [float(inp.returns[i]) for i in rows], o.elpo_lambda, o.eps).hier
+        node_reward = np.concatenate([np.asarray(inp.step_rewards[i], dtype=np.float64) for i in rows])  # [S]
+        leaf_returns = [math.fsum(node_reward[path]) for path in paths]  # R of each completed trajectory
+        hier = tree_advantages(paths, leaf_returns, o.elpo_lambda, o.eps).hier
         for i, path in zip(rows, paths):
             own = len(inp.step_rewards[i])
             out[i] = hier[path[len(path) - own:]] if own else np.zeros(0)

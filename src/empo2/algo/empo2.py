@@ -42,6 +42,9 @@ from typing import Any
 import numpy as np
 import torch
 
+OFFICIAL = ("the released EMPO² code", {"epsilon": 0.2, "epsilon_high": 0.3, "dual_clip": 10.0, "beta": 0.0})
+"""The loss settings of the authors' released code (docs/fidelity.md, *The loss*): the defaults here."""
+
 # ------------------------------------------------------------------------------------------------- the three modes
 MODES = ("on", "on_tips", "off_tips")
 """The paper's three learning modes, in a fixed order (the mode sampler's and the metrics')."""

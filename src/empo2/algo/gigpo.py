@@ -6,7 +6,7 @@ Two nested groups, in the named stages of the authors' ``gigpo/core_gigpo.py`` (
    episode group (same task and variation), A^E(τ_i) = (R(τ_i) − mean_j R(τ_j)) / F_norm({R(τ_j)}).
 2. :func:`discounted_step_returns` (Eq. 5) — the step return R_t^(i) = r_t^(i) + γ·R_{t+1}^(i).
 3. :func:`build_step_group` (Eq. 6) — anchor-state groups: the steps of one episode group whose actions answered the
-   same observation (exact text; optionally text at least ``step_similarity`` alike).
+   same state (its text, :func:`empo2.envs.base.state_of`: exact; optionally at least ``step_similarity`` alike).
 4. :func:`step_norm_reward` (Eq. 7) — step relative advantage: R_t^(i) normalised in its anchor-state group.
 5. :func:`gigpo_advantages` (Eq. 8) — A(a_t^(i)) = A^E(τ_i) + ω · A^S(a_t^(i)), ω = ``step_advantage_weight``.
 
@@ -22,6 +22,12 @@ from difflib import SequenceMatcher
 import numpy as np
 
 from empo2.algo.advantages import AdvantageInput, group_normalise, register_advantage
+
+OFFICIAL = ("verl-agent's GiGPO scripts (KL loss 0.01, low_var_kl) on verl's actor defaults",
+            {"beta": 0.01, "epsilon": 0.2, "epsilon_high": 0.2, "dual_clip": 3.0, "entropy_coeff": 0.001})
+"""The loss settings of the reference runs (``examples/gigpo_trainer/run_*.sh``; clip 0.2/0.2, dual clip 3 and entropy
+0.001 are verl's actor defaults as verl-agent's forks ship them). An arm that runs the comparison's shared loss
+lists where it differs (:func:`empo2.algo.arms.official_differences`)."""
 
 NORMALIZATIONS = ("mean_norm", "mean_std_norm")
 """The values of ``algo.gigpo_normalization`` (the reference code's ``mode`` names)."""
@@ -54,13 +60,13 @@ def build_step_group(group_ids: np.ndarray, state_keys: list[list[str]],
                      similarity: float | None = None) -> list[np.ndarray]:
     """Eq. 6: an anchor-group id per step (N int arrays [T_i]); a group never spans two episode groups.
 
-    ``similarity=None``: one anchor group per distinct (episode group, observation text), compared exactly. Otherwise
-    an observation joins the first anchor group of its episode group (in episode, then step order) whose first
-    observation has a ``difflib.SequenceMatcher`` ratio ≥ ``similarity`` with it, as the reference's similarity option
+    ``similarity=None``: one anchor group per distinct (episode group, state text), compared exactly. Otherwise
+    a state joins the first anchor group of its episode group (in episode, then step order) whose first
+    state has a ``difflib.SequenceMatcher`` ratio ≥ ``similarity`` with it, as the reference's similarity option
     does; so the grouping depends on that order.
     """
     ids: dict[tuple[int, str], int] = {}
-    reps: dict[int, list[tuple[str, int]]] = {}  # episode group -> [(first observation of an anchor group, its id)]
+    reps: dict[int, list[tuple[str, int]]] = {}  # episode group -> [(first state of an anchor group, its id)]
     out = []
     for g, keys in zip(group_ids.tolist(), state_keys):
         row = np.zeros(len(keys), dtype=np.int64)

@@ -28,7 +28,8 @@ Which log-probs go where (the trainer's job; see :func:`empo2.algo.empo2.behavio
 
 - ``logp_new``: current policy on the TRAINING prompt: with tips for ``on_tips``, WITHOUT tips for ``on`` and
   ``off_tips``. So for ``off_tips`` rows the mask tests π_θ(a | tip-free prompt), as in the paper.
-- ``logp_old``: behaviour log-probs on the ROLLOUT prompt (those recorded while sampling). For ``off_tips`` rows this
+- ``logp_old``: π_old's log-probs on the ROLLOUT prompt: the engine's, recorded while sampling, or the trainer's
+  recomputation before the first optimizer step (``algo.old_logprobs``). For ``off_tips`` rows this
   is π_old(a | s, u, tips) (paper), or the old policy on the tip-free prompt with ``off_policy_ratio="tip_free"``.
 
 Sequence granularity (released code): a whole row is dropped when ANY of its valid tokens has
@@ -56,18 +57,50 @@ LOG_RATIO_CLAMP = 20.0
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 """Registry: loss name -> function with the signature of :func:`policy_loss` (it reads its knobs from ``algo``)."""
+LossSettingsFn = Callable[[Any], dict[str, str]]
+LOSS_SETTINGS: dict[str, LossSettingsFn] = {}
+"""Registry: loss name -> ``algo -> {setting: value as text}``, the settings the loss really applies (what ``compare``
+lists for each arm); a loss registered without one is described by :func:`clipped_surrogate_settings`."""
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator that adds a loss to :data:`POLICY_LOSSES` under ``name`` (same form as ``@register_advantage``)."""
+def register_policy_loss(name: str, settings: LossSettingsFn | None = None) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator that adds a loss to :data:`POLICY_LOSSES` under ``name`` (same form as ``@register_advantage``),
+    with the function that says which of the ``algo`` knobs it applies (``settings``)."""
 
     def wrap(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
         POLICY_LOSSES[name] = fn
+        if settings is not None:
+            LOSS_SETTINGS[name] = settings
         return fn
 
     return wrap
+
+
+NO_ENTROPY = "none"
+
+
+def aggregation_text(algo: Any) -> str:
+    """``algo.loss_type`` in words (``dr_grpo`` with its constant length; 0 = ``policy.max_completion_length``)."""
+    if algo.loss_type != "dr_grpo":
+        return algo.loss_type
+    return f"dr_grpo (L = {algo.dr_grpo_length or 'policy.max_completion_length'})"
+
+
+def clipped_surrogate_settings(algo: Any, mask: bool = True) -> dict[str, str]:
+    """The settings :func:`policy_loss` applies: clip, dual clip, the low-probability mask (``mask=False``: a loss
+    that turns it off), the KL term, the aggregation; no entropy bonus."""
+    delta = algo.low_prob_threshold
+    return {"clip": f"{algo.epsilon:g} / {algo.epsilon_high:g}",
+            "dual_clip": f"{algo.dual_clip:g}" if algo.dual_clip > 0 else "off",
+            "mask": f"δ = {delta:g} per {algo.mask_granularity}" if mask and delta > 0 else "off",
+            "kl": f"β {algo.beta:g} (k3)", "aggregation": aggregation_text(algo), "entropy bonus": NO_ENTROPY}
+
+
+def settings_of(loss: str, algo: Any) -> dict[str, str]:
+    """What loss ``loss`` applies under ``algo`` (:data:`LOSS_SETTINGS`)."""
+    return {"loss": loss, **LOSS_SETTINGS.get(loss, clipped_surrogate_settings)(algo)}
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -76,7 +109,7 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES[name]
 
 
-@register_policy_loss("empo2")
+@register_policy_loss("empo2", settings=clipped_surrogate_settings)
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
                 algo: Any, *, logp_ref: torch.Tensor | None = None, modes: Sequence[str] | None = None,
                 clip_low: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
@@ -225,7 +258,7 @@ def micro_batch_share(algo: Any, valid_tokens: int, rows: int, mini_tokens: floa
     return valid_tokens / max(mini_tokens, 1) if algo.loss_type == "token_mean" else rows / mini_rows
 
 
-@register_policy_loss("grpo")
+@register_policy_loss("grpo", settings=lambda algo: clipped_surrogate_settings(algo, mask=False))
 def grpo_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """``grpo``: :func:`policy_loss` without the low-probability mask (``algo.low_prob_threshold`` is taken as 0)."""
     no_mask = dataclasses.replace(algo, low_prob_threshold=0.0)

@@ -34,7 +34,19 @@ import numpy as np
 import torch
 
 from empo2.algo.advantages import AdvantageInput, group_normalise, register_advantage
-from empo2.algo.losses import aggregate_token_loss, k3_kl, policy_loss, register_policy_loss
+from empo2.algo.losses import (
+    aggregate_token_loss,
+    clipped_surrogate_settings,
+    k3_kl,
+    policy_loss,
+    register_policy_loss,
+)
+
+OFFICIAL = ("LUFFY's exp_scripts/train.sh (the paper: entropy 0.01)",
+            {"beta": 0.0, "loss_type": "dr_grpo", "luffy_clip": False, "luffy_std": False, "luffy_shaping": True,
+             "luffy_gamma": 0.1, "entropy_coeff": 0.001})
+"""The settings of the official script: no KL, Dr.GRPO aggregation, no on-policy clip, mean-only advantage, shaping
+with γ = 0.1, and an entropy bonus of 0.001 (the paper says 0.01), which empo2's losses do not have."""
 
 
 @register_advantage("luffy")
@@ -126,7 +138,25 @@ def _shares(valid: torch.Tensor, parts: list[torch.Tensor], aggregation: str) ->
     return [s / total if total else 0.0 for s in sizes]
 
 
-@register_policy_loss("luffy")
+def _expert_rows(algo: Any) -> str:
+    return f"−Â·f(π_θ), f(x) = x/(x + {algo.luffy_gamma:g})" if algo.luffy_shaping else "−Â·π_θ (no shaping)"
+
+
+def luffy_loss_settings(algo: Any) -> dict[str, str]:
+    """What the ``luffy`` loss applies: shaped expert rows; on-policy rows without the mask, unclipped unless
+    ``algo.luffy_clip``."""
+    on = clipped_surrogate_settings(algo if algo.luffy_clip else _unclipped(algo), mask=False)
+    if not algo.luffy_clip:
+        on.update(clip="none on on-policy rows (App. E.1)", dual_clip="off")
+    return {**on, "expert_rows": _expert_rows(algo)}
+
+
+def empo2_luffy_loss_settings(algo: Any) -> dict[str, str]:
+    """What the ``empo2_luffy`` loss applies: EMPO²'s loss on the sampled rows, shaped expert rows."""
+    return {**clipped_surrogate_settings(algo), "expert_rows": _expert_rows(algo)}
+
+
+@register_policy_loss("luffy", settings=luffy_loss_settings)
 def luffy_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """LUFFY (Eq. 6): shaped expert rows; on-policy rows without the low-probability mask and, unless
     ``algo.luffy_clip``, without the clip."""
@@ -135,7 +165,7 @@ def luffy_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) ->
                  on_policy if algo.luffy_clip else _unclipped(on_policy), **kwargs)
 
 
-@register_policy_loss("empo2_luffy")
+@register_policy_loss("empo2_luffy", settings=empo2_luffy_loss_settings)
 def empo2_luffy_loss(logp_new, logp_old, advantages, response_mask, algo,
                      **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """EMPO² with an expert member: EMPO²'s loss on the sampled rows, LUFFY's shaping (Eq. 6) on the expert rows."""

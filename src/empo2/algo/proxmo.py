@@ -35,6 +35,11 @@ import numpy as np
 from empo2.algo.advantages import EQUAL_RTOL, AdvantageInput, group_normalise, register_advantage
 from empo2.algo.gigpo import discounted_step_returns
 
+OFFICIAL = ("ProxMO-RL's scripts (KL loss 0.01, low_var_kl) and ppo_trainer.yaml",
+            {"beta": 0.01, "epsilon": 0.2, "epsilon_high": 0.2, "dual_clip": 3.0, "entropy_coeff": 0.001})
+"""The loss settings of the official runs (``examples/proxmo_trainer/run_*.sh``: ``kl_loss_coef=0.01``;
+``ppo_trainer.yaml``: ``clip_ratio_low/high`` 0.2, ``clip_ratio_c`` 3.0, ``entropy_coeff`` 0.001)."""
+
 TOKEN = re.compile(r"(?u)\b\w\w+\b")
 """scikit-learn's default ``token_pattern``: words of two or more word characters."""
 

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from empo2.algo import (
-    elpo,  # noqa: F401 - registers the "elpo" advantage estimator
-    gigpo,  # noqa: F401 - registers the "gigpo" advantage estimator
-    luffy,  # noqa: F401 - registers the "luffy" advantage estimator and LUFFY's losses
-    proxmo,  # noqa: F401 - registers the "proxmo" advantage estimator
+    elpo,  # registers the "elpo" advantage estimator and loss
+    empo2,
+    gigpo,  # registers the "gigpo" advantage estimator
+    luffy,  # registers the "luffy" advantage estimator and LUFFY's losses
+    proxmo,  # registers the "proxmo" advantage estimator
 )
 from empo2.algo.empo2 import MODES, mode_probabilities
 
@@ -52,6 +53,12 @@ class AlgorithmSpec:
     guidance, :mod:`empo2.episodes.expert`); their rows are marked off-policy for the loss."""
     rollout: str = "episodes"
     """Rollout driver (``empo2.episodes.drivers``): ``episodes`` (G independent episodes per group) or ``elpo``."""
+    novelty: bool = False
+    """The novelty reward is part of the method (EMPO²'s 1/n, SPEC §4). ``compare`` and ``train --algo`` run any
+    other algorithm without it, unless its arm name says ``+novelty``, so two arms differ in their method only."""
+    official: tuple[str, dict[str, Any]] = ("", {})
+    """(source, ``algo`` settings of the method's official runs; ``entropy_coeff``: an entropy bonus, which empo2's
+    losses do not have): ``compare`` lists where a run differs from them."""
 
     def estimator(self, algo_cfg: Any) -> str:
         return self.advantage or algo_cfg.advantage
@@ -80,13 +87,16 @@ def get_algorithm(name: str) -> AlgorithmSpec:
     return ALGORITHMS[name]
 
 
-register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes))
+register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes, novelty=True,
+                                 official=empo2.OFFICIAL))
 register_algorithm(AlgorithmSpec("grpo", uses_memory=False, loss="grpo"))
-register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo"))  # Feng et al. 2025
-register_algorithm(AlgorithmSpec("proxmo", uses_memory=False, loss="grpo", advantage="proxmo"))  # arXiv 2602.19225
+register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo",
+                                 official=gigpo.OFFICIAL))  # Feng et al. 2025
+register_algorithm(AlgorithmSpec("proxmo", uses_memory=False, loss="grpo", advantage="proxmo",
+                                 official=proxmo.OFFICIAL))  # arXiv 2602.19225
 register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy",
-                                 expert_members=1))  # Yan et al. 2025
+                                 expert_members=1, official=luffy.OFFICIAL))  # Yan et al. 2025
 register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,
-                                 expert_members=1))  # EMPO² with an expert member: no published method
+                                 expert_members=1, novelty=True))  # EMPO² with an expert member: no published method
 register_algorithm(AlgorithmSpec("elpo", uses_memory=False, loss="elpo", advantage="elpo",
-                                 rollout="elpo"))  # Liang et al. 2026
+                                 rollout="elpo", official=elpo.OFFICIAL))  # Liang et al. 2026

@@ -32,9 +32,10 @@ def state_of(observation: str, info: dict[str, Any]) -> str:
 
     The state is what the memory keys tips by and retrieves with, what the novelty reward counts and what GiGPO and
     ProxMO group steps by. It must name the situation, not the last message: ScienceWorld's observation is a one-line
-    reply ("The door is already open." in every room), so it defines its state as the room and the inventory; an
-    environment whose observation is the whole situation (a WebShop page) may leave ``info["state"]`` out. Two visits
-    of one situation should give the same text, so listings whose order the environment does not fix come sorted.
+    reply ("The door is already open." in every room), so it defines its state as the task's progress, the inventory
+    and the room; an environment whose observation is the whole situation (a WebShop page) may leave
+    ``info["state"]`` out. Two visits of one situation should give the same text, so listings whose order the
+    environment does not fix come sorted; and what the task has scored is part of the situation.
     """
     state = info.get("state") if isinstance(info, dict) else None
     if isinstance(state, str) and state.strip():

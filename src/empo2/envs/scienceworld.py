@@ -34,7 +34,7 @@ from empo2.envs.scienceworld_tasks import (  # noqa: F401 - re-exported: the tas
     parse_focus_targets,
     step_cap,
 )
-from empo2.envs.scienceworld_text import compact_actions, readings_of, scienceworld_state, short_line
+from empo2.envs.scienceworld_text import compact_actions, focused_object, readings_of, scienceworld_state, short_line
 
 SPLITS = {"train": "train", "dev": "dev", "eval": "dev", "test": "test"}
 JAVA_HINT = "ScienceWorld needs Java >= 11 on PATH; install it with: apt-get install -y openjdk-17-jre-headless"
@@ -100,6 +100,7 @@ class ScienceWorldEnv:
         self._targets: list[str] = []
         self._valid: list[str] | None = None  # None = not fetched for the current state yet
         self._score = 0
+        self._focus = ""  # the object the agent focused on in this episode (part of its state)
         self._steps = 0
         self._done = False
 
@@ -146,13 +147,13 @@ class ScienceWorldEnv:
                            f"(train/dev/test splits: see variations())")
         obs = self._load(task, variation)
         self._task, self._variation = task, variation
-        self._history, self._steps, self._done = [], 0, False
+        self._history, self._steps, self._done, self._focus = [], 0, False, ""
         self._score = self._read_score()  # a few tasks start above 0 (find-animal: 8)
         self._desc = self._sim.get_task_description()
         self._targets = parse_focus_targets(self._desc)
         info = self._info(raw="", action="")
-        info.update(task=task, variation=variation, task_description=self._desc, focus_targets=list(self._targets),
-                    max_steps=self.step_cap(task), initial_score=self._score)
+        info.update(task=task, variation=variation, task_description=self._desc, max_steps=self.step_cap(task),
+                    initial_score=self._score)
         return obs, info
 
     def step(self, action: str) -> StepResult:
@@ -197,17 +198,21 @@ class ScienceWorldEnv:
         with ``info['observations']``: the observation after each replayed step, for checking the replay.
 
         The simulator has no state snapshot; replay is the way back. Its text is not byte-identical across loads
-        (object listing order, some readings), so the caller compares what matters to it."""
+        (object listing order, some readings), so the caller compares what matters to it (the state). A replay whose
+        episode ends before the prefix does (completed, a wrong focus, the step cap) stops there, with
+        ``info['done']`` set."""
         obs, first = self.reset(task, variation)
-        observations, completed = [], False
+        observations = []
         for commands in step_commands:
+            if self._done:
+                break
             for command in commands:
                 obs, completed = self._send(command, obs)
             observations.append(obs)
             self._steps += 1
-        self._score = self._read_score()
-        truncated = not completed and self._score >= 0 and self._steps >= self.step_cap(task)
-        self._done = bool(completed or self._score < 0 or truncated)
+            self._score = self._read_score()
+            truncated = not completed and self._score >= 0 and self._steps >= self.step_cap(task)
+            self._done = bool(completed or self._score < 0 or truncated)
         info = {**first, **self._info(raw="", action="")}
         info.update(observations=observations, done=self._done)
         return obs, info
@@ -221,6 +226,7 @@ class ScienceWorldEnv:
         observation before it (the question an answer answers)."""
         self._history.append(command)
         obs = self._run(command, previous)
+        self._focus = focused_object(obs) or self._focus
         return obs, bool(self._sim.server.getCompleted())
 
     def _run(self, command: str, previous: str) -> str:
@@ -232,11 +238,15 @@ class ScienceWorldEnv:
         return self._sim.server.step(command)
 
     def _info(self, raw: str, action: str) -> dict[str, Any]:
+        """What every reset and step reports. The allowed focus targets come with each step, not only the first, so
+        that every prompt shows them (the released prompt keeps them in its first message, which stays in view)."""
         valid = self.short_valid_actions() if self.valid_actions_in_info else []
         look, inventory = self._sim.look(), self._sim.inventory()
-        return {"score": self._score, "success": False, "look": look, "inventory": inventory,
-                "state": scienceworld_state(look, inventory), "valid_actions": valid, "raw_action": raw,
-                "action": action, "steps": self._steps, "task": self._task, "variation": self._variation}
+        return {"score": self._score, "success": False, "look": look, "inventory": inventory, "focus": self._focus,
+                "focus_targets": list(self._targets),
+                "state": scienceworld_state(look, inventory, self._score, self._focus), "valid_actions": valid,
+                "raw_action": raw, "action": action, "steps": self._steps, "task": self._task,
+                "variation": self._variation}
 
     def _load(self, task: str, variation: int) -> str:
         """Load and reset the simulator; cache the task's splits; return the first observation."""

@@ -1,5 +1,6 @@
-"""Reading ScienceWorld's text: the state a step reached, the readings of an ambiguity question, a compact list of
-valid actions and the one-line observations of a demonstration. Pure functions of strings (no JVM)."""
+"""Reading ScienceWorld's text: the state a step reached (with the task's progress), the readings of an ambiguity
+question, a compact list of valid actions and the one-line observations of a demonstration. Pure functions of strings
+(no JVM)."""
 
 from __future__ import annotations
 
@@ -28,17 +29,26 @@ def compact_actions(actions: list[str], limit: int = 64) -> list[str]:
     return out
 
 
-def scienceworld_state(look: str, inventory: str) -> str:
-    """The state of a ScienceWorld step: the room as ``look around`` describes it, then the inventory.
+def scienceworld_state(look: str, inventory: str, score: int, focus: str = "") -> str:
+    """The state of a ScienceWorld step: the task's progress, then the inventory, then the room as ``look around``
+    describes it.
 
-    The step's own reply is left out: it is a message about the last action ("The door is already open.", "You move
-    to the kitchen."), and what the action changed shows in the room or the inventory. Each listing (the lines
-    indented under a heading) is sorted, because the simulator lists a room's objects in a different order after a
-    reload, and whitespace is folded, so the same situation reads the same way however it was reached.
+    The progress line holds what the task has scored (the simulator's score counts the subgoals reached) and the
+    object the agent focused on (``focus``, from the simulator's "You focus on the soap." reply): a focus scores and
+    ends a find task's first subgoal, yet leaves the room and the inventory as they were, so without it the state
+    before the focus and the state after it read the same. The short parts come first, so that an embedder that cuts
+    its input (MiniLM keeps 256 word pieces; a kitchen is 240–310) loses the end of the room's listing, never the
+    progress or the inventory.
+
+    The step's own reply is left out: it is a message about the last action ("The door is already open." in every
+    room). Each listing (the lines indented under a heading) is sorted, because the simulator lists a room's objects
+    in a different order after a reload, and whitespace is folded, so the same situation reads the same way however
+    it was reached.
     """
-    lines: list[str] = []
+    progress = f"Task progress: score {int(score)}" + (f", focused on {focus}" if focus else ", no focus yet")
+    lines: list[str] = [progress]
     listing: list[str] = []
-    for raw in f"{look}\n{inventory}".splitlines():
+    for raw in f"{inventory}\n{look}".splitlines():
         line = " ".join(raw.split())
         if not line:
             continue
@@ -49,6 +59,18 @@ def scienceworld_state(look: str, inventory: str) -> str:
         listing = []
         lines.append(line)
     return "\n".join(lines + sorted(listing))
+
+
+FOCUS_REPLY = "You focus on "
+"""How the simulator answers a focus it accepted ("You focus on the soap.")."""
+
+
+def focused_object(reply: str) -> str | None:
+    """The object a reply says the agent focused on (``the soap``), or ``None`` for any other reply."""
+    reply = reply.strip()
+    if not reply.startswith(FOCUS_REPLY):
+        return None
+    return reply[len(FOCUS_REPLY):].splitlines()[0].rstrip(".").strip() or None
 
 
 def readings_of(question: str) -> list[str]:

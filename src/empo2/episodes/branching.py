@@ -3,17 +3,21 @@
 check the replay against the record.
 
 Neither simulator has a state snapshot, so the way back is to reload the task and replay what the environment ran
-(``Step.commands``). ScienceWorld's text is not byte-identical across loads (object listing order, some readings):
-a replayed observation that differs from the recorded one beyond the order of its lines is counted, and the branch
-goes on from the replayed state, since that is the state the simulator is really in.
+(``Step.commands``). The check compares the state the replay reached with the state the source episode was in after
+step m (:func:`state_after`), the environment's own state (:func:`empo2.envs.base.state_of`: on ScienceWorld the
+task's progress, the inventory and the room, listings sorted), not the one-line replies, which read alike in
+different places. A branch whose state differs is counted, and goes on from the replayed state, since that is the
+state the simulator is really in; a branch whose replay ended its episode has no step left to play
+(:attr:`Branch.ended`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from empo2.envs.base import state_of
 from empo2.episodes.episode import Episode
 
 
@@ -24,10 +28,11 @@ def prefix_commands(ep: Episode, m: int) -> list[list[str]]:
     return [list(s.commands) or [s.action] for s in ep.steps[:m]]
 
 
-def same_up_to_line_order(replayed: str, recorded: str) -> bool:
-    """Whether two observations hold the same lines (each stripped), in any order."""
-    return sorted(line.strip() for line in replayed.splitlines()) == sorted(
-        line.strip() for line in recorded.splitlines())
+def state_after(ep: Episode, m: int) -> str:
+    """The state ``ep`` was in after its first ``m`` steps: the state step m + 1 answered, or the last one reached."""
+    if not 0 <= m <= len(ep.steps):
+        raise ValueError(f"the state after {m} steps asked of an episode of {len(ep.steps)}")
+    return ep.steps[m].state_text if m < len(ep.steps) else ep.final_state
 
 
 @dataclass
@@ -38,33 +43,40 @@ class Branch:
     m: int
     observation: str
     info: dict[str, Any]
-    mismatched_steps: list[int] = field(default_factory=list)
-    """1-based steps whose replayed observation differs from the recorded one beyond line order."""
+    state: str
+    """The state the replay reached (:func:`empo2.envs.base.state_of`)."""
+    matches: bool
+    """Whether :attr:`state` is the source's state after step m (:func:`state_after`)."""
+
+    @property
+    def ended(self) -> bool:
+        """The replay ended the episode (a recorded step that now completes or fails the task, or reaches the cap):
+        there is nothing left to sample from here."""
+        return bool(self.info.get("done"))
 
 
 def restore_branches(pool, requests: list[tuple[int, Episode, int]]) -> tuple[dict[int, Branch | Any], dict[str, float]]:
     """Restore worker ``i`` to the state after ``m`` steps of ``episode`` for each ``(i, episode, m)``, in parallel.
 
     Returns per worker a :class:`Branch` (or the pool's failure for a worker that crashed) and the metrics
-    ``replay_branches``, ``replay_mismatch_branches`` (branches with at least one differing step),
-    ``replay_mismatch_steps`` and ``replay_time`` (seconds).
+    ``replay_branches``, ``replay_mismatch_branches`` (branches whose replayed state differs from the source's
+    state after step m), ``replay_ended_branches`` (replays that ended their episode) and ``replay_time`` (seconds).
     """
     t0 = time.perf_counter()
     replies = pool.restore([(i, ep.task, ep.variation, prefix_commands(ep, m)) for i, ep, m in requests])
     out: dict[int, Branch | Any] = {}
-    mismatch_branches = mismatch_steps = 0
+    mismatched = ended = 0
     for i, ep, m in requests:
         reply = replies[i]
         if not isinstance(reply, tuple):
             out[i] = reply
             continue
         obs, info = reply
-        replayed = info.get("observations", [])
-        bad = [t + 1 for t, (a, b) in enumerate(zip(replayed, (s.observation for s in ep.steps[:m])))
-               if not same_up_to_line_order(a, b)]
-        mismatch_branches += bool(bad)
-        mismatch_steps += len(bad)
-        out[i] = Branch(ep, m, obs, info, bad)
-    metrics = {"replay_branches": float(len(requests)), "replay_mismatch_branches": float(mismatch_branches),
-               "replay_mismatch_steps": float(mismatch_steps), "replay_time": time.perf_counter() - t0}
+        state = state_of(obs, info)
+        branch = Branch(ep, m, obs, info, state, state == state_after(ep, m))
+        mismatched += not branch.matches
+        ended += branch.ended
+        out[i] = branch
+    metrics = {"replay_branches": float(len(requests)), "replay_mismatch_branches": float(mismatched),
+               "replay_ended_branches": float(ended), "replay_time": time.perf_counter() - t0}
     return out, metrics

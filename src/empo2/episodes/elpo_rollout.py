@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 from empo2.agent.prompts import PromptParts, hints_text
 from empo2.algo import elpo
-from empo2.envs.base import state_of
 from empo2.episodes.branching import Branch, restore_branches
 from empo2.episodes.episode import Episode, Step
 from empo2.episodes.rollout import ActionSource, RolloutContext, _play, _reset, model_actions
@@ -64,7 +63,9 @@ def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampli
     Returns the episodes (full trajectories, then branches, in the order they were played; a branch has
     ``parent = (member, m)``, a searched failure ``critical_step = t_crit``) and the stats of ``run_episodes``
     plus ``elpo_searches``, ``elpo_localised_after_first`` (searches whose t_crit > 1), ``elpo_probes``,
-    ``elpo_waves`` and the replay metrics of :func:`restore_branches`.
+    ``elpo_waves`` and the replay metrics of :func:`restore_branches`. A branch whose replay ended its episode
+    (``replay_ended_branches``) has no step to play: it is left out of the episodes, and its rollout still counts
+    against the budget.
     """
     o = options or ElpoOptions()
     actions = actions or model_actions(sampling or Sampling.rollout(ctx.policy_cfg), seed)
@@ -74,7 +75,7 @@ def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampli
     stats = {"gen_time": 0.0, "env_time": 0.0, "memory_time": 0.0, "gen_tokens": 0, "prompt_tokens": 0,
              "long_prompts": 0, "elpo_searches": 0.0, "elpo_localised_after_first": 0.0, "elpo_probes": 0.0,
              "elpo_waves": 0.0, "replay_branches": 0.0, "replay_mismatch_branches": 0.0,
-             "replay_mismatch_steps": 0.0, "replay_time": 0.0}
+             "replay_ended_branches": 0.0, "replay_time": 0.0}
     episodes: list[Episode] = []
     while True:
         fulls, branches = _plan_wave(groups, episodes, o)
@@ -111,13 +112,14 @@ def _plan_wave(groups: dict[int, _Group], episodes: list[Episode], o: ElpoOption
 def _wave(ctx, fulls: list[Episode], branches: list[tuple[Episode, Episode]], actions, stats, progress,
           on_step) -> list[Episode]:
     """Play one wave: full trajectories reset on workers 0..F−1, branches restored on the next workers, then all
-    step together until done."""
+    step together until done. Returns the wave's episodes without the branches whose replay ended their episode."""
     wave = fulls + [b for b, _ in branches]
     parts = _reset(ctx, fulls)  # worker i = position i of the wave
     restored, metrics = restore_branches(ctx.pool, [(len(fulls) + k, src, b.parent[1])
                                                     for k, (b, src) in enumerate(branches)])
-    for key in ("replay_branches", "replay_mismatch_branches", "replay_mismatch_steps", "replay_time"):
+    for key in ("replay_branches", "replay_mismatch_branches", "replay_ended_branches", "replay_time"):
         stats[key] += metrics[key]
+    ended = set()
     for k, (b, src) in enumerate(branches):
         i, m = len(fulls) + k, b.parent[1]
         r = restored[i]
@@ -125,16 +127,19 @@ def _wave(ctx, fulls: list[Episode], branches: list[tuple[Episode, Episode]], ac
         if not isinstance(r, Branch):
             b.failed, b.done, b.error = True, True, str(getattr(r, "error", r))
             continue
+        if r.ended:  # a leaf without a step of its own: no node of the tree, no row, no probe outcome
+            b.done = True
+            ended.add(i)
+            continue
         demo = ctx.demonstrations.get((src.task, src.variation, ctx.policy_cfg.few_shot), "")
         parts[i] = PromptParts(env=ctx.env_name, task=src.task_description, observation=r.observation,
                                history=[(s.action, s.observation) for s in src.steps[:m]],
                                initial_observation=src.initial_observation, demonstration=demo,
                                hints=hints_text(r.info))
-        b.initial_observation, b.final_state = src.initial_observation, state_of(r.observation, r.info)
-        b.done = bool(r.info.get("done"))
+        b.initial_observation, b.final_state = src.initial_observation, r.state
     with ctx.heads.reuse(ctx.compute):
         _play(ctx, wave, parts, actions, stats, progress, on_step)
-    return wave
+    return [ep for i, ep in enumerate(wave) if i not in ended]
 
 
 def _advance(groups: dict[int, _Group], episodes: list[Episode], start: int, o: ElpoOptions,

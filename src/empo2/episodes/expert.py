@@ -7,8 +7,8 @@ the memory modes), and its "generation" is the gold action tokenised as the poli
 tokens, then the end-of-sequence token that ends a policy's turn). Its behaviour log-probs are log 1 = 0 (π_φ = 1,
 LUFFY §3.1); the loss never reads them.
 
-An expert is kept only when it reaches the goal within the episode's step cap (LUFFY keeps only correct expert
-traces). Otherwise its slot becomes an ordinary sampled member, played after the first wave, and the (task,
+Its actions are cut at ``policy.max_completion_length`` tokens as the policy's are. An expert is kept only when it
+reaches the goal within the episode's step cap (LUFFY keeps only correct expert traces). Otherwise its slot becomes an ordinary sampled member, played after the first wave, and the (task,
 variation) is remembered so later iterations sample that slot from the start. Every expert step counts apart from the
 policy's steps in the budget (``expert_*`` rollout stats).
 """
@@ -29,9 +29,15 @@ REFILL_GROUP_OFFSET = 1_000_003
 random streams instead of repeating member 0's."""
 
 
-def expert_generation(tokenizer, action: str) -> Generation:
-    """The gold ``action`` as the policy would have produced it: its tokens, then end-of-sequence; π_φ = 1."""
+def expert_generation(tokenizer, action: str, max_tokens: int | None = None) -> Generation:
+    """The gold ``action`` as the policy would have produced it: its tokens, then end-of-sequence; π_φ = 1. Cut at
+    ``max_tokens`` (``policy.max_completion_length``) as the policy's generation is, end-of-sequence included: a cut
+    action is the decoded text of the tokens kept, which the environment may not accept, so such an expert usually
+    misses the goal and its slot is sampled instead."""
     ids = list(tokenizer.encode(action, add_special_tokens=False)) + [tokenizer.eos_token_id]
+    if max_tokens is not None and len(ids) > max_tokens:
+        ids = ids[:max_tokens]
+        action = tokenizer.decode(ids, skip_special_tokens=True)
     return Generation(ids=ids, logprobs=[0.0] * len(ids), text=action)
 
 
@@ -43,7 +49,16 @@ class ExpertPlayer:
     group_size: int
     members: int = 1
     unreachable: set = field(default_factory=set)
-    """(task, variation) whose gold replay failed: their expert slots are sampled from the start."""
+    """(task, variation) whose gold replay failed: their expert slots are sampled from the start. Part of every
+    checkpoint (:meth:`state_dict`), so that a resumed run plays its expert slots as the uninterrupted run would."""
+    cut_actions: int = 0
+    """Gold actions cut at ``policy.max_completion_length`` in the current :meth:`play`."""
+
+    def state_dict(self) -> list[list]:
+        return sorted([task, variation] for task, variation in self.unreachable)
+
+    def load_state_dict(self, state: list[list]) -> None:
+        self.unreachable = {(task, int(variation)) for task, variation in state}
 
     def is_slot(self, ep: Episode) -> bool:
         return ep.member >= self.group_size - self.members
@@ -64,7 +79,8 @@ class ExpertPlayer:
                     plan = plans[(ep.group, ep.member)]
                     # a gold path that ran out before the episode ended has failed; the episode plays out its cap
                     action = plan[len(ep.steps)] if len(ep.steps) < len(plan) else "look around"
-                    out[r] = expert_generation(ctx.tokenizer, action)
+                    out[r] = expert_generation(ctx.tokenizer, action, ctx.policy_cfg.max_completion_length)
+                    self.cut_actions += out[r].text != action
             rows = [r for r, g in enumerate(out) if g is None]
             if rows:
                 sampled = policy(ctx, [active[r] for r in rows], [episodes[r] for r in rows], [prompts[r] for r in rows])
@@ -86,7 +102,9 @@ class ExpertPlayer:
              progress=None, seed: int | None = None) -> tuple[list[Episode], dict[str, float]]:
         """:func:`run_episodes` of ``specs`` with the expert slots played by the gold path; failed experts are
         replaced by sampled members. Returns the episodes in ``specs`` order and the rollout stats, with
-        ``expert_slots`` / ``expert_kept`` / ``expert_fallback`` / ``expert_steps`` / ``expert_discarded_steps``."""
+        ``expert_slots`` / ``expert_kept`` / ``expert_fallback`` / ``expert_steps`` / ``expert_discarded_steps`` /
+        ``expert_cut_actions``."""
+        self.cut_actions = 0
         episodes, stats = run_episodes(ctx, specs, sampling, progress=progress,
                                        actions=self.actions(model_actions(sampling, seed=seed)))
         slots = [k for k, ep in enumerate(episodes) if self.is_slot(ep)]
@@ -104,5 +122,5 @@ class ExpertPlayer:
                 stats[key] += value
         kept = [k for k in slots if episodes[k].expert]
         stats.update(expert_slots=len(slots), expert_kept=len(kept), expert_fallback=len(slots) - len(kept),
-                     expert_steps=sum(len(episodes[k].steps) for k in kept))
+                     expert_steps=sum(len(episodes[k].steps) for k in kept), expert_cut_actions=self.cut_actions)
         return episodes, stats

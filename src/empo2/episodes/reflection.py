@@ -44,9 +44,11 @@ def land_memory_ops(ctx: RolloutContext, episodes: list[Episode], ops: tuple[lis
 
 def memory_plan(episodes: list[Episode], writers: list[Episode]) -> tuple[list, list[Episode]]:
     """What the finished ``episodes`` will do to memory: ``uses``, as ``((group, member), (tip ids, score))`` pairs
-    in episode order, and the ``writers`` that can write a tip (those that ran and took a step)."""
+    in episode order, and the ``writers`` that can write a tip (those that ran and took a step). An expert member
+    (LUFFY's gold path) credits no tip: its prompts show tips, but its actions are the gold path's, whatever they
+    said."""
     uses = [((ep.group, ep.member), (used, ep.score)) for ep in episodes
-            if not ep.failed and (used := sorted({tid for s in ep.steps for tid in s.tip_ids}))]
+            if not ep.failed and not ep.expert and (used := sorted({tid for s in ep.steps for tid in s.tip_ids}))]
     return uses, [ep for ep in writers if not ep.failed and ep.steps]
 
 

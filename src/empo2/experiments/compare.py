@@ -4,7 +4,9 @@ Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2
 ``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also
 sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gigpo-std``) picks GiGPO's
 ``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``; ``proxmo`` and ``empo2+proxmo``
-run both of ProxMO's parts (``algo.proxmo_psc`` and ``algo.proxmo_psa`` set true); an ablation arm of
+run both of ProxMO's parts (``algo.proxmo_psc`` and ``algo.proxmo_psa`` set true); an algorithm without a novelty
+bonus of its own (all but EMPO²'s) runs with ``algo.intrinsic_weight=0`` unless its name ends in ``+novelty``
+(``gigpo+novelty``: the config's bonus), so arms differ in their method only; an ablation arm of
 :mod:`empo2.experiments.arms` (``empo2-no-offpolicy`` …) sets its algorithm, its settings and ``algo.arm``, the label
 ``report`` shows). ``--seeds`` names seed values:
 ``3``, ``1,4,7``, ``0-4``. Runs go one after another (``--jobs N``: N at once, see :func:`run_all`), each in its own
@@ -24,7 +26,9 @@ its ``eval/start.json``). Every run evaluates the same task variations: the firs
 All algorithms share ``iterations × tasks_per_batch × num_generations`` training episodes, so the budget is equal
 by episodes; the environment steps those episodes took (``env_steps`` in ``metrics.jsonl``) are reported too.
 Outputs (:mod:`empo2.experiments.compare_summary`, from ``scores.jsonl.gz``): ``summary.md``, ``summary.json`` (CIs over
-seeds, paired differences) and ``curves.png`` (eval score vs environment steps, 95% CI band).
+seeds, paired differences, and what each arm trains on: its reward, advantage and loss settings and where they differ
+from its method's official runs, :func:`empo2.algo.arms.arm_settings`, also printed at the start) and ``curves.png``
+(eval score vs environment steps, 95% CI band).
 """
 
 from __future__ import annotations
@@ -41,7 +45,17 @@ from typing import Any
 
 from empo2.config import Config, ConfigError
 from empo2.experiments import records
-from empo2.experiments.arms import ARMS, STD_SUFFIX, arm_overrides, split_arm
+from empo2.experiments.arms import (
+    ARMS,
+    NOVELTY_SUFFIX,
+    STD_SUFFIX,
+    arm_overrides,
+    arm_settings,
+    novelty_on,
+    settings_line,
+    split_arm,
+    wants_novelty,
+)
 from empo2.policy.precision import settle_autocast
 from empo2.rundir import checkpoint as ckpt
 from empo2.signals import set_phase
@@ -90,6 +104,10 @@ def run_compare(config: str, algos_text: str, seeds_text: str, out: Path, overri
         reach(plans[0].cfg)
     at_once = f", {jobs} at a time" if jobs > 1 else ""
     say(f"empo2 compare: {', '.join(algos)} × seeds {seeds} = {len(plans)} runs{at_once} → {out}")
+    say("What each arm trains on (also in summary.md and summary.json):")
+    for algo in algos:
+        first = next(p for p in plans if p.algo == algo)
+        say(f"  {settings_line(algo, arm_settings(first.cfg.algo))}")
     earlier = earlier_runs(config, out, overrides, plans, check)
     failed = run_all(plans, config, overrides, jobs, out / "logs", earlier)
     every = list(dict.fromkeys([*algos, *(p.algo for p in earlier)]))
@@ -123,8 +141,8 @@ def parse_algos(text: str) -> list[str]:
     for algo in algos:
         if algo not in ARMS and split_arm(algo)[0] not in ALGORITHMS:
             raise ConfigError(f"--algos: unknown arm {algo!r}; valid: an algorithm (algo.name: "
-                              f"{', '.join(sorted(ALGORITHMS))}, also NAME+ESTIMATOR and GiGPO's -std) or an "
-                              f"ablation ({', '.join(ARMS)})")
+                              f"{', '.join(sorted(ALGORITHMS))}, also NAME+ESTIMATOR, GiGPO's -std and "
+                              f"{NOVELTY_SUFFIX}) or an ablation ({', '.join(ARMS)})")
     return algos
 
 
@@ -184,12 +202,19 @@ def _own_overrides(algo: str, seed: int, folder: Path) -> list[str]:
 
 
 def check_estimator_used(algo: str, cfg: Config) -> None:
-    """``gigpo+grpo`` or ``grpo-std`` would be labelled one thing and run another: refuse them."""
+    """``gigpo+grpo``, ``grpo-std`` or a ``+novelty`` arm without a bonus would be labelled one thing and run
+    another: refuse them."""
     from empo2.algo.registry import ALGORITHMS
 
     if algo in ARMS:
         return
     name, estimator, std = split_arm(algo)
+    if wants_novelty(algo) and ALGORITHMS[name].novelty:
+        raise ConfigError(f"--algos {algo}: {name} runs its novelty bonus as part of its method; drop "
+                          f"'{NOVELTY_SUFFIX}'")
+    if wants_novelty(algo) and not novelty_on(cfg.algo):
+        raise ConfigError(f"--algos {algo}: '{NOVELTY_SUFFIX}' keeps the config's novelty bonus, but it has none "
+                          "(algo.intrinsic_weight=0); set algo.intrinsic_weight > 0 or drop the arm")
     used = ALGORITHMS[name].estimator(cfg.algo)
     if estimator and used != estimator:
         raise ConfigError(f"--algos {algo}: algorithm {name!r} always uses the {used!r} advantage; "

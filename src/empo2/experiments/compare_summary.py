@@ -112,6 +112,40 @@ def _protocol_text(p: dict[str, Any], results: list[dict[str, Any]]) -> list[str
     return lines
 
 
+def arms_trained_on(found: list[dict[str, Any]], algos: list[str]) -> dict[str, dict[str, Any]]:
+    """Per arm, what its runs train on (:func:`empo2.algo.arms.arm_settings` of its first recorded run's config):
+    reward, advantage, loss settings and where they differ from its method's official runs."""
+    from empo2.config import Config, ConfigError
+
+    out = {}
+    for algo in algos:
+        record = next((r for r in found if r["algo"] == algo), None)
+        if record is None:
+            continue
+        try:
+            out[algo] = arms.arm_settings(Config.from_dict(record["config"]).algo)
+        except (ConfigError, ValueError):  # a record of a config this version cannot read
+            continue
+    return out
+
+
+def settings_text(settings: dict[str, dict[str, Any]]) -> list[str]:
+    """The arms' settings as a markdown table."""
+    if not settings:
+        return []
+    lines = ["## What each arm trains on", "",
+             "Loss settings that differ from a method's official runs are deliberate: the arms share the config's "
+             "loss unless their method fixes it (LUFFY's, ELPO's), so that they differ in their method only.", "",
+             "| arm | reward | advantage | loss | differs from its official runs |", "|---|---|---|---|---|"]
+    for algo, s in settings.items():
+        loss = s["loss"]
+        parts = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in loss.items() if k != "loss")
+        differs = "; ".join(s["differs_from_official"]) or "—"
+        source = f" ({s['official']})" if s["differs_from_official"] else ""
+        lines.append(f"| {algo} | {s['reward']} | {s['advantage']} | {loss['loss']}: {parts} | {differs}{source} |")
+    return [*lines, ""]
+
+
 def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: list[dict], missing: list[str],
                      summary_stats: dict[str, Any] | None = None) -> str:
     """The comparison as markdown; per-run numbers use ``eval/final.md``'s formats (score .1f, success .2f)."""
@@ -122,7 +156,8 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
              f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
              *expert_steps_text(results),
              ("Learning curves: `curves.png` (eval success rate and eval score vs environment steps; line = mean over "
-              f"seeds, band = 95% t interval over seeds, drawn from {stats.MIN_CI} seeds on)."), ""]
+              f"seeds, band = 95% t interval over seeds, drawn from {stats.MIN_CI} seeds on)."), "",
+             *settings_text(meta.get("arm_settings", {}))]
     if summary_stats is not None:
         lines += ["## Final eval per arm (95% CIs over seeds)", "", *stats.arm_table(summary_stats["arms"]), ""]
         if summary_stats.get("success_pairs"):
@@ -209,7 +244,7 @@ def summarise(found: list[dict[str, Any]], out: Path, meta: dict[str, Any], algo
     first = found[0]["config"] if found else {}
     train, algo = first.get("train", {}), first.get("algo", {})
     summary_stats = stats.summarise_arms([{**r, "arm": r["algo"]} for r in results], algos)
-    meta = {**meta, "protocol": protocol(first, results),
+    meta = {**meta, "protocol": protocol(first, results), "arm_settings": arms_trained_on(found, algos),
             "budget_text": f"{train.get('iterations')} iterations × {train.get('tasks_per_batch')} tasks × "
                            f"G={algo.get('num_generations')} = {results[0]['train_episodes'] if results else '?'}"}
     summary = {**meta, "algorithms": per_algo, "stats": summary_stats, "runs": results, "missing": list(missing)}

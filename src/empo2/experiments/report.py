@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -42,11 +43,21 @@ from empo2.experiments import arms, ood_stats, records, stats
 def method_label(cfg) -> str:
     """``empo2``, ``grpo``, ``gigpo``, ``empo2+gigpo`` … from a Config (or its ``algo`` mapping); GiGPO with
     ``algo.gigpo_normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``), ProxMO with a part
-    switched off ``-no-psc`` / ``-no-psa`` (``proxmo``, ``empo2+proxmo``, ``proxmo-no-psa``); a run of an
-    ablation arm is labelled by its ``algo.arm`` (``empo2-no-offpolicy`` …)."""
+    switched off ``-no-psc`` / ``-no-psa`` (``proxmo``, ``empo2+proxmo``, ``proxmo-no-psa``); an algorithm whose
+    method has no novelty bonus, run with one, gets ``+novelty`` (``gigpo+novelty``); a run of an ablation arm is
+    labelled by its ``algo.arm`` (``empo2-no-offpolicy`` …)."""
     algo = cfg.get("algo", {}) if isinstance(cfg, dict) else vars(cfg.algo)
     if algo.get("arm"):
         return algo["arm"]
+    label = _estimator_label(algo)
+    spec = ALGORITHMS.get(algo.get("name", "empo2"))
+    defaults = {k: getattr(AlgoConfig, k) for k in ("intrinsic_weight", "intrinsic_schedule", "intrinsic_weight_start",
+                                                    "intrinsic_weight_end")}
+    bonus = arms.novelty_on(SimpleNamespace(**{**defaults, **algo}))
+    return f"{label}{arms.NOVELTY_SUFFIX}" if bonus and spec is not None and not spec.novelty else label
+
+
+def _estimator_label(algo: dict[str, Any]) -> str:
     name, advantage = algo.get("name", "empo2"), algo.get("advantage", "grpo")
     spec = ALGORITHMS.get(name)
     fixed = spec is not None and spec.advantage is not None  # e.g. gigpo: its own estimator, whatever the config says

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from empo2.algo.advantages import returns_of, step_rewards
+from empo2.algo.advantages import path_rewards, returns_of, step_rewards
 from empo2.episodes.episode import Episode, episode_record
 from empo2.rundir.metrics import peak_rss_gb
 from empo2.train.overlap import PendingReflection
@@ -52,30 +52,37 @@ class Batch:
         """The episodes that ran to the end: one lost to a crashed environment worker is left out of the update."""
         return [ep for ep in self.episodes if not ep.failed]
 
-    def intrinsic_returns(self, aggregation: str) -> list[float]:
-        """Each episode of :attr:`ran`'s intrinsic return (``algo.intrinsic_aggregation``)."""
-        return [ep.intrinsic_return(aggregation) for ep in self.ran]
-
     def returns(self, aggregation: str) -> np.ndarray:
         """Each episode of :attr:`ran`'s return R = Σ_t (r_t + w·r_int_t) = R_ext + w · R_int [N] float64, the sum of
-        :attr:`rewards` (made from the episodes where the batch has none yet, e.g. every rank's episodes)."""
-        return returns_of(self.rewards or step_rewards(self.ran, self.intrinsic_weight, aggregation))
+        :attr:`rewards` on its path (:func:`~empo2.algo.advantages.path_rewards`: an ELPO branch's prefix included;
+        made from the episodes where the batch has none yet, e.g. every rank's episodes)."""
+        rewards = self.rewards or step_rewards(self.ran, self.intrinsic_weight, aggregation)
+        return returns_of(path_rewards(self.ran, rewards))
 
 
 def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps: int,
                      expert_env_steps: int = 0) -> dict[str, Any]:
     """The metrics record of ``batch`` (the whole batch, on rank 0); ``env_steps`` is the run's running total of the
-    policy's environment steps, ``expert_env_steps`` that of the expert members' (algorithms with experts only)."""
-    episodes, ran, stats = batch.episodes, batch.ran, batch.stats
+    policy's environment steps, ``expert_env_steps`` that of the expert members' (algorithms with experts only).
+    ``train`` describes the policy's own episodes; the expert members' (LUFFY's gold paths) are in ``expert``."""
+    stats = batch.stats
+    policy = [not ep.expert for ep in batch.episodes]
+    episodes = [ep for ep, p in zip(batch.episodes, policy) if p]
+    returns = batch.returns(aggregation) if batch.ran else np.zeros(0)
+    ran = [(ep, r) for ep, r in zip(batch.ran, returns) if not ep.expert]
     scores = [ep.score for ep in episodes]
     expert = {}
     if "expert_slots" in stats:  # LUFFY's expert members, their steps apart from the policy's
+        played = [ep for ep, p in zip(batch.episodes, policy) if not p]
         expert = {"expert_env_steps": expert_env_steps,
                   "expert": {"slots": int(stats["expert_slots"]), "kept": int(stats["expert_kept"]),
                              "fallback": int(stats["expert_fallback"]),
                              "fallback_rate": stats["expert_fallback"] / max(stats["expert_slots"], 1),
                              "env_steps": int(stats["expert_steps"] + stats["expert_discarded_steps"]),
                              "discarded_env_steps": int(stats["expert_discarded_steps"]),
+                             "cut_actions": int(stats.get("expert_cut_actions", 0)),
+                             "score_mean": mean_or_zero([ep.score for ep in played]),
+                             "success_rate": mean_or_zero([ep.success for ep in played]),
                              "rows": int(batch.losses.get("expert_rows", 0))}}
     return {
         "iteration": batch.iteration,
@@ -85,10 +92,10 @@ def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps
         "mode_counts": dict(Counter(batch.modes)),
         "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
                   "success_rate": float(np.mean([ep.success for ep in episodes])),
-                  "return_mean": float(np.mean(batch.returns(aggregation))) if len(ran) else 0.0,
-                  "intrinsic_mean": mean_or_zero(batch.intrinsic_returns(aggregation)),
+                  "return_mean": mean_or_zero([r for _, r in ran]),
+                  "intrinsic_mean": mean_or_zero([ep.intrinsic_return(aggregation) for ep, _ in ran]),
                   "accepted_rate": mean_or_zero([s.accepted for ep in episodes for s in ep.steps]),
-                  "intrinsic_weight": batch.intrinsic_weight, "failed_episodes": len(episodes) - len(ran),
+                  "intrinsic_weight": batch.intrinsic_weight, "failed_episodes": sum(ep.failed for ep in episodes),
                   "steps_mean": float(np.mean([len(ep.steps) for ep in episodes])),
                   "env_steps": batch_env_steps(batch)},
         "advantage": batch.advantage_metrics,

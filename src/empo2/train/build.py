@@ -213,6 +213,8 @@ class TrainerParts:
         self.resumed_step_counter = state.get("step_counter", 0)
         self.env_steps = state.get("env_steps", 0)
         self.expert_env_steps = state.get("expert_env_steps", 0)
+        if self.expert is not None:
+            self.expert.load_state_dict(state.get("expert_unreachable", []))
         ckpt.set_rng_state(state["rng"])
         self.start_iteration = state["iteration"] + 1
         if self.dist.is_main:  # the iterations after the checkpoint are played again

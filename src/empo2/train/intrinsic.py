@@ -22,18 +22,23 @@ def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | Non
 
     With a data-parallel ``dist`` the counts are taken over every rank's episodes in global order
     (:func:`~empo2.parallel.distributed.gather_in_order`), so they see the whole batch and stay identical on every rank.
+
+    An expert member (LUFFY's gold path) is no visitor: the policy did not explore its states, so they are not
+    counted and its steps earn no novelty reward.
     """
-    texts = [state for ep in episodes for state in ep.reached_states()]
+    visits = [not ep.expert for ep in episodes]
+    texts = [state for ep, v in zip(episodes, visits) if v for state in ep.reached_states()]
     # Each distinct text is embedded once, in sorted order: the same text then has bit-identical embeddings (a
     # sentence encoder's padding makes them differ in the last bits across batches) whatever the episodes' order.
     unique = sorted(set(texts))
     row_of = {text: i for i, text in enumerate(unique)}
     embs = (np.asarray(embedder.encode(unique))[[row_of[t] for t in texts]] if texts
             else np.zeros((0, embedder.dim), dtype=np.float32))  # [total steps, dim]
-    bounds = np.cumsum([0] + [len(ep.steps) for ep in episodes])
+    bounds = np.cumsum([0] + [len(ep.steps) if v else 0 for ep, v in zip(episodes, visits)])
     per_episode = [(ep.task, embs[a:b]) for ep, a, b in zip(episodes, bounds[:-1], bounds[1:])]  # [steps_i, dim]
     fn = _novelty_fn(novelty)
     rewards_per_episode = gather_in_order(dist, episodes, per_episode, fn) if dist is not None else fn(per_episode)
+    rewards_per_episode = [r if v else np.zeros(len(ep.steps)) for ep, v, r in zip(episodes, visits, rewards_per_episode)]
     return [dataclasses.replace(ep, steps=[dataclasses.replace(s, intrinsic=float(r)) for s, r in zip(ep.steps, rewards)])
             for ep, rewards in zip(episodes, rewards_per_episode)]
 

@@ -187,6 +187,9 @@ class Trainer(TrainerParts):
             if self.expert is not None:  # LUFFY: gold-path members
                 batch.episodes, batch.stats = self.expert.play(self.ctx, batch.specs, self.sampling,
                                                                progress=progress_fn, seed=seed)
+                # every rank knows every unreachable expert, as one process would (and rank 0 checkpoints them)
+                found = self.dist.all_gather(self.expert.state_dict())
+                self.expert.load_state_dict([pair for part in found for pair in part])
             else:  # G independent episodes, or ELPO's tree
                 drive = rollout_driver(self.algorithm.rollout)
                 batch.episodes, batch.stats = drive(self.ctx, batch.specs, self.sampling, cfg, progress_fn, seed)
@@ -273,6 +276,7 @@ class Trainer(TrainerParts):
                  "novelty": self.novelty.state_dict(), "zero_adv_streak": self.zero_adv_streak,
                  "step_counter": self.ctx.step_counter,
                  "env_steps": self.env_steps, "expert_env_steps": self.expert_env_steps,
+                 "expert_unreachable": self.expert.state_dict() if self.expert is not None else [],
                  "config": self.cfg.to_dict(), "settings_digest": settings_digest(self.cfg)}
         copy = self.memory.copy_to if self.memory is not None else None
         if self.dist.sharded:

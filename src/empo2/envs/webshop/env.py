@@ -124,13 +124,14 @@ class WebShopEnv:
     def restore_prefix(self, task: str, variation: int, step_commands: list[list[str]]) -> tuple[str, dict[str, Any]]:
         """The state after the first ``len(step_commands)`` steps of a recorded episode: a fresh session of goal
         ``variation`` with each step's commands (its ``info['commands']``) applied. Returns ``(observation, info)`` as
-        :meth:`reset` does, with ``info['observations']``, the page after each replayed step."""
+        :meth:`reset` does, with ``info['observations']``, the page after each replayed step. A replay whose episode
+        ends before the prefix does (a purchase, the step cap) stops there, with ``info['done']`` set."""
         self.reset(task, variation)
         s = self._s
         observations = []
         for commands in step_commands:
-            if s.done:
-                raise EnvError("the replayed prefix goes past the end of its episode")
+            if s.done or s.steps >= self.max_steps:
+                break
             for command in commands:
                 self._apply(s, command)
             s.steps += 1
