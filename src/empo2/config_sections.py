@@ -128,6 +128,12 @@ class PolicyConfig:
     """Sampling temperature of the end-of-episode reflection (released code: 1.0)."""
     history_window: int = bounded(4, 0, 100_000)
     """How many recent (action, observation) steps the prompt shows."""
+    prompt_layout: Literal["window", "append"] = "window"
+    """How a step's prompt is made (:mod:`empo2.agent.prompts`): ``window`` (the released layout) renders the last
+    ``history_window`` steps and puts the hints, tips and observation at the end, afresh each step; ``append`` extends
+    the previous step's prompt by the model's response and a new user turn (hints, tips, observation), so generation
+    prefills only the new turn. An ``append`` prompt that would pass ``max_prompt_length`` starts over from the
+    ``window`` rendering."""
     few_shot: int = bounded(1, 0, 1000)
     """Number of gold demonstrations (from other variations) in the prompt."""
     prefix_sharing: bool = True
