@@ -7,7 +7,7 @@ Three parts, each printed as a table and written to ``benchmarks/results/profile
 
 1. ``model``: SmolLM2-135M with the trainer's LoRA (unmerged, as rollouts run it) in float32 and bfloat16 autocast:
    prefill tokens/s of B rows × S new tokens on top of a C-token KV cache, and decode tokens/s of B rows on a C-token
-   cache (``--shapes``), the medians of ``--repeats``.
+   cache (``--shapes``), the medians of ``--repeats`` after one warm-up.
 2. ``rollout``: one rollout of G episodes from the preset (``--task``, variation 0, mode ``on``), with forward hooks
    on the model: tokens prefilled and decoded per env step, seconds in prefill forwards, decode forwards, the rest
    of generation (sampling, cache layout: Python), the environment pool, memory and prompt rendering. The
@@ -61,7 +61,7 @@ def bench_model(trainer, args) -> list[dict]:
         options = px.ComputeOptions(compute_dtype=dtype)
         for kind, b, s, c in args.shapes:
             times = []
-            for _ in range(args.repeats):
+            for _ in range(args.repeats + 1):  # the first is a warm-up (kernel selection, allocator)
                 g = torch.Generator().manual_seed(0)
                 ctx = torch.randint(100, vocab - 100, (1, c), generator=g)
                 new = torch.randint(100, vocab - 100, (b, s if kind == "prefill" else 1), generator=g)
@@ -79,7 +79,7 @@ def bench_model(trainer, args) -> list[dict]:
                           position_ids=torch.arange(c, width)[None].expand(b, -1), use_cache=True,
                           logits_to_keep=1, **kw)
                     times.append(time.perf_counter() - t)
-            sec = statistics.median(times)
+            sec = statistics.median(times[1:])
             tokens = b * new.shape[1]
             rows.append({"dtype": dtype, "kind": kind, "rows": b, "new_tokens": new.shape[1], "cached": c,
                          "seconds": sec, "tokens_per_s": tokens / sec})
