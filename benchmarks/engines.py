@@ -21,6 +21,10 @@ Arms, each in its own process (one engine in memory at a time) built from ``conf
   response and one new user turn, and the rollout keeps each row's KV from one step to the next, so a step prefills
   only its new turn; ``hf_append_auto``: the same under this machine's precision (skipped where that is float32).
 
+- ``merged``: ``policy.backend=merged``: rollouts on a copy of the policy with the LoRA folded into its weights
+  (rebuilt after every update, π_old recomputed by the trainer, the reflection not overlapped with the update as on
+  every CPU preset); ``merged_bf16``: that copy in bfloat16 (``policy.engine_dtype=bfloat16``), the trainer in float32.
+
 ``--preset reach`` plays ``configs/scienceworld_reach_cpu.yaml`` (find-non-living-thing, 12-step episodes) instead of
 ``configs/scienceworld_cpu.yaml`` (find-animal, 6 steps).
 
@@ -49,7 +53,10 @@ ARMS = {"hf_fp32": ["policy.backend=hf", "policy.autocast=none"],
         "vllm_auto": ["policy.backend=vllm", "policy.autocast=auto"],
         "hf_growing": ["policy.backend=hf", "policy.autocast=none", "policy.history_window=100"],
         "hf_append": ["policy.backend=hf", "policy.autocast=none", "policy.prompt_layout=append"],
-        "hf_append_auto": ["policy.backend=hf", "policy.autocast=auto", "policy.prompt_layout=append"]}
+        "hf_append_auto": ["policy.backend=hf", "policy.autocast=auto", "policy.prompt_layout=append"],
+        "merged": ["policy.backend=merged", "policy.autocast=none", "memory.overlap_reflection=false"],
+        "merged_bf16": ["policy.backend=merged", "policy.autocast=none", "policy.engine_dtype=bfloat16",
+                        "memory.overlap_reflection=false"]}
 PRESETS = {"cpu": ("scienceworld_cpu.yaml", "find-animal", 6),
            "reach": ("scienceworld_reach_cpu.yaml", "find-non-living-thing", 12)}
 """``--preset``: (config, the task every arm plays, episode steps)."""

