@@ -17,6 +17,16 @@ Arms, each in its own process (one engine in memory at a time) built from ``conf
 - ``hf_growing``: ``hf_fp32`` with a history that only grows (``policy.history_window=100``, past ``env.max_steps``):
   every step's prompt extends the previous one until ``policy.max_prompt_length``, so the head cache reuses all of it
   (longer prompts, fewer new tokens per step).
+- ``hf_append``: ``hf_fp32`` with ``policy.prompt_layout=append``: each step's prompt is the last prompt, the model's
+  response and one new user turn, and the rollout keeps each row's KV from one step to the next, so a step prefills
+  only its new turn; ``hf_append_auto``: the same under this machine's precision (skipped where that is float32).
+
+- ``merged``: ``policy.backend=merged``: rollouts on a copy of the policy with the LoRA folded into its weights
+  (rebuilt after every update, π_old recomputed by the trainer, the reflection not overlapped with the update as on
+  every CPU preset); ``merged_bf16``: that copy in bfloat16 (``policy.engine_dtype=bfloat16``), the trainer in float32.
+
+``--preset reach`` plays ``configs/scienceworld_reach_cpu.yaml`` (find-non-living-thing, 12-step episodes) instead of
+``configs/scienceworld_cpu.yaml`` (find-animal, 6 steps).
 
 Each arm: start-up (model, environments, engine), one untimed rollout, ``--rounds`` timed rollouts of G episodes
 (env-steps/s), then ``--iterations`` whole training iterations (seconds, the first mini-batch's max ratio and the
@@ -41,7 +51,15 @@ ARMS = {"hf_fp32": ["policy.backend=hf", "policy.autocast=none"],
         "hf_auto": ["policy.backend=hf", "policy.autocast=auto"],
         "vllm": ["policy.backend=vllm", "policy.autocast=none"],
         "vllm_auto": ["policy.backend=vllm", "policy.autocast=auto"],
-        "hf_growing": ["policy.backend=hf", "policy.autocast=none", "policy.history_window=100"]}
+        "hf_growing": ["policy.backend=hf", "policy.autocast=none", "policy.history_window=100"],
+        "hf_append": ["policy.backend=hf", "policy.autocast=none", "policy.prompt_layout=append"],
+        "hf_append_auto": ["policy.backend=hf", "policy.autocast=auto", "policy.prompt_layout=append"],
+        "merged": ["policy.backend=merged", "policy.autocast=none", "memory.overlap_reflection=false"],
+        "merged_bf16": ["policy.backend=merged", "policy.autocast=none", "policy.engine_dtype=bfloat16",
+                        "memory.overlap_reflection=false"]}
+PRESETS = {"cpu": ("scienceworld_cpu.yaml", "find-animal", 6),
+           "reach": ("scienceworld_reach_cpu.yaml", "find-non-living-thing", 12)}
+"""``--preset``: (config, the task every arm plays, episode steps)."""
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
@@ -56,7 +74,7 @@ def machine() -> dict:
     auto = auto_precision("cpu")
     return {"cpu": model, "flags": [f for f in SHOWN_FLAGS if f in flags], "torch_threads": torch.get_num_threads(),
             "cores": os.cpu_count(), "auto_autocast": auto.autocast, "auto_reason": auto.reason,
-            "loadavg": os.getloadavg()}
+            "loadavg": os.getloadavg(), "all_flags": sorted(flags)}
 
 
 def run_arm(name: str, args) -> dict:
@@ -69,16 +87,17 @@ def run_arm(name: str, args) -> dict:
     from empo2.rundir.metrics import peak_rss_gb
     from empo2.train.trainer import Trainer
 
-    overrides = [f"train.seed={args.seed}", "env.tasks=[find-animal]", f"env.max_steps={args.max_steps}",
+    config, task, steps = PRESETS[args.preset]
+    overrides = [f"train.seed={args.seed}", f"env.tasks=[{task}]", f"env.max_steps={args.max_steps or steps}",
                  f"algo.num_generations={args.generations}", "train.progress=false", "train.tensorboard=false",
                  "train.eval_every=0", "train.iterations=100", "train.sample_trajectories=0", *ARMS[name]]
     t = time.perf_counter()
-    trainer = Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides),
+    trainer = Trainer(Config.load(ROOT / "configs" / config, overrides),
                       output_dir=Path(tempfile.mkdtemp(prefix=f"engines_{name}_")))
     out = {"arm": name, "startup_s": time.perf_counter() - t, "autocast": trainer.cfg.policy.autocast,
            "rollouts": [], "iterations": []}
     try:
-        tasks = [("find-animal", 0, 0, "on")] * args.generations
+        tasks = [(task, 0, 0, "on")] * args.generations
         run_episodes(trainer.ctx, tasks, Sampling.rollout(trainer.cfg.policy, 1.0))  # untimed: the demonstration fetch, allocator warm-up
         for rnd in range(args.rounds):
             torch.manual_seed(args.seed + rnd)
@@ -87,7 +106,9 @@ def run_arm(name: str, args) -> dict:
             seconds = time.perf_counter() - t
             steps = sum(len(e.steps) for e in episodes)
             out["rollouts"].append({"seconds": seconds, "steps": steps, "steps_per_s": steps / seconds,
-                                    "generate_s": stats["gen_time"]})
+                                    "generate_s": stats["gen_time"], "env_s": stats["env_time"],
+                                    "prompt_tokens": stats["prompt_tokens"], "gen_tokens": stats["gen_tokens"],
+                                    "score_mean": sum(e.score for e in episodes) / len(episodes)})
             print(f"[{name}] rollout {rnd}: {steps} steps in {seconds:.1f} s", flush=True)
         for it in range(args.iterations):
             t = time.perf_counter()
@@ -95,6 +116,7 @@ def run_arm(name: str, args) -> dict:
             loss = rec["loss"]
             out["iterations"].append({"seconds": time.perf_counter() - t, "rollout_s": rec["time"]["rollout"],
                                       "update_s": rec["time"]["update"], "sync_s": rec["time"]["sync"],
+                                      "env_steps": rec["train"]["env_steps"], "update_tokens": loss.get("tokens"),
                                       "ratio_max": loss.get("ratio_max"),
                                       "old_logp_gap_mean": loss.get("old_logp_gap_mean"), "modes": rec["modes"]})
             print(f"[{name}] iteration {it}: {out['iterations'][-1]['seconds']:.1f} s", flush=True)
@@ -145,7 +167,7 @@ def drive(args) -> None:
                                     text=True).stdout.strip(),
            "args": {k: str(v) for k, v in vars(args).items()}, "machine": machine(), "arms": {}}
     for name in args.arms:
-        if name in ("hf_auto", "vllm_auto") and res["machine"]["auto_autocast"] == "none":
+        if name.endswith("_auto") and res["machine"]["auto_autocast"] == "none":
             res["arms"][name] = {"skipped": f"auto is float32 on this CPU ({res['machine']['auto_reason']})"}
             continue
         python = args.vllm_python if name.startswith("vllm") else sys.executable
@@ -155,7 +177,7 @@ def drive(args) -> None:
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             cmd = [python, __file__, "--arm", name, "--arm-out", f.name, "--seed", str(args.seed), "--rounds",
                    str(args.rounds), "--iterations", str(args.iterations), "--generations", str(args.generations),
-                   "--max-steps", str(args.max_steps)]
+                   "--max-steps", str(args.max_steps), "--preset", args.preset]
             env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
             rc = subprocess.run(cmd, env=env).returncode
             arm = json.loads(Path(f.name).read_text()) if rc == 0 else {"skipped": f"the arm failed (exit {rc})"}
@@ -173,7 +195,8 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     ap.add_argument("--vllm-python", default=sys.executable, help="the interpreter whose environment has vllm")
     ap.add_argument("--generations", type=int, default=8, help="G: episodes per rollout and per iteration's group")
-    ap.add_argument("--max-steps", type=int, default=6)
+    ap.add_argument("--preset", choices=list(PRESETS), default="cpu", help="the config and task the arms play")
+    ap.add_argument("--max-steps", type=int, default=0, help="episode steps (0: the preset's)")
     ap.add_argument("--rounds", type=int, default=3, help="timed rollouts per arm")
     ap.add_argument("--iterations", type=int, default=2, help="timed whole iterations per arm")
     ap.add_argument("--seed", type=int, default=0)
@@ -188,7 +211,8 @@ def main() -> None:
         from empo2.policy.precision import cpu_flags, isa_flags
 
         widest = isa_flags(cpu_flags())
-        args.out = RESULTS / f"engines_{widest[-1] if widest else 'cpu'}.json"
+        suffix = "" if args.preset == "cpu" else f"_{args.preset}"
+        args.out = RESULTS / f"engines{suffix}_{widest[-1] if widest else 'cpu'}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     drive(args)
 

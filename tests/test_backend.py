@@ -21,10 +21,10 @@ from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.logprobs import response_logprobs
 from empo2.policy.sampling import Sampling
 
-BACKENDS = ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+BACKENDS = ["hf", "merged", pytest.param("vllm", marks=pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed: the vLLM backend is NOT tested"))]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-LOGP_TOL = {"hf": 1e-3, "vllm": 0.1 if DEVICE == "cuda" else 1e-3}  # vLLM computes in bfloat16 on a GPU
+LOGP_TOL = {"hf": 1e-3, "merged": 1e-3, "vllm": 0.1 if DEVICE == "cuda" else 1e-3}  # vLLM computes in bfloat16 on a GPU
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -35,6 +35,10 @@ def setup(request, smollm):
     if request.param == "hf":
         own = copy.deepcopy(model)
         yield "hf", HFBackend(own, tok), own, tok
+        return
+    if request.param == "merged":
+        own = copy.deepcopy(model)
+        yield "merged", make_backend("merged", own, tok), own, tok
         return
     from empo2.policy.loader import load_model, resolve_model_path
 
@@ -118,6 +122,37 @@ def test_samples_follow_an_update_after_sync(setup):
             model.model.norm.weight.neg_()
         backend.sync_weights(model)
     assert backend.generate(prompts, Sampling(8, greedy=True))[0].ids == before_greedy[0].ids  # and back again
+
+
+def test_the_merged_backend_samples_the_lora_policy(smollm):
+    """A LoRA whose update is not zero, folded into the merged copy: greedy tokens and log-probs of the PEFT model
+    (float32), and the copy follows the adapter after a sync; the training model keeps its adapter."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = smollm
+    peft = get_peft_model(copy.deepcopy(model), LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj",
+                                                                                               "down_proj"]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    backend = make_backend("merged", peft, tok)
+    prompts = _prompts(tok)
+    gens = backend.generate(prompts, Sampling(8, greedy=True))
+    for g, ref in zip(gens, _teacher_forced(peft, tok, prompts, gens)):
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref)) < 1e-3
+    assert hasattr(peft, "peft_config") and any("lora_B" in n for n, _ in peft.named_parameters())
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.mul_(-20)
+    stale = backend.generate(prompts, Sampling(8, greedy=True))
+    backend.sync_weights(peft)
+    fresh = backend.generate(prompts, Sampling(8, greedy=True))
+    assert [g.ids for g in stale] == [g.ids for g in gens] and [g.ids for g in fresh] != [g.ids for g in gens]
+    for g, ref in zip(fresh, _teacher_forced(peft, tok, prompts, fresh)):
+        assert max(abs(a - b) for a, b in zip(g.logprobs, ref)) < 1e-3
 
 
 def test_vllm_backend_without_vllm_is_one_clear_error():

@@ -20,7 +20,7 @@ def test_defaults_match_released_mode_probabilities():
     ("env.name=atari", "unknown environment 'atari'; valid environments: scienceworld, webshop"),
     ("env.tasks=[find-dragon]", "unknown ScienceWorld task 'find-dragon'"),
     ("memory.eviction=random", "memory.eviction: unknown eviction policy 'random'; valid: fifo, lru, utility"),
-    ("policy.backend=vlm", "policy.backend: unknown rollout backend 'vlm'; valid: auto, hf, vllm"),
+    ("policy.backend=vlm", "policy.backend: unknown rollout backend 'vlm'; valid: auto, hf, merged, vllm"),
 ])
 def test_registry_names_are_checked_at_load(override, message):
     with pytest.raises(ConfigError) as info:

@@ -140,22 +140,24 @@ def test_auto_engine_follows_the_measured_table():
 
     from empo2.policy.engine_choice import MEASURED, choose, settle_backend
 
-    # Per measured CPU feature: the committed engines.py result and the two arms at that machine's own precision
-    compared = {"avx2": ("hf_fp32", "vllm"), "avx512_bf16": ("hf_auto", "vllm_auto")}
+    # Per measured CPU feature: the committed engines.py results (file, arm) of HF and of the other engine
+    compared = {"avx2": (("engines_avx2", "hf_fp32"), ("engines_avx2", "vllm"), "vllm"),
+                "avx512_bf16": (("engines_avx512_bf16", "hf_auto"), ("engines_avx512_bf16", "vllm_auto"), "vllm"),
+                "amx_bf16": (("engines_reach_amx_bf16", "hf_fp32"), ("engines_reach_merged_amx_bf16", "merged_bf16"),
+                             "merged")}
     assert sorted(MEASURED) == sorted(compared)
-    for flag, (hf_arm, vllm_arm) in compared.items():
-        results = Path(__file__).parents[1] / f"benchmarks/results/engines_{flag}.json"
-        arms = json.loads(results.read_text())["arms"]
-        hf, vllm = arms[hf_arm]["summary"], arms[vllm_arm]["summary"]
+    results = Path(__file__).parents[1] / "benchmarks/results"
+    summary = lambda file, arm: json.loads((results / f"{file}.json").read_text())["arms"][arm]["summary"]  # noqa: E731
+    for flag, (hf_at, other_at, other) in compared.items():
+        hf, vllm = summary(*hf_at), summary(*other_at)
         steps, iteration = vllm["steps_per_s"] / hf["steps_per_s"], hf["iteration_s"] / vllm["iteration_s"]
         engine, why = MEASURED[flag]
-        assert engine == ("vllm" if iteration > 1 else "hf"), flag  # the shorter iteration of the measurement
+        assert engine == (other if iteration > 1 else "hf"), flag  # the shorter iteration of the measurement
         assert f"{steps:.2f}×" in why and f"{iteration:.2f}×" in why, (flag, why)
     assert choose("cpu", {"avx2", "fma"}) == (MEASURED["avx2"][0], f"avx2: {MEASURED['avx2'][1]}")
     bf16 = choose("cpu", {"avx2", "avx512f", "avx512_bf16"})
     assert bf16 == (MEASURED["avx512_bf16"][0], f"avx512_bf16: {MEASURED['avx512_bf16'][1]}")
-    engine, reason = choose("cpu", {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
-    assert engine == MEASURED["avx512_bf16"][0] and reason.startswith("amx_bf16 not measured; nearest measured, avx512_bf16")
+    assert choose("cpu", {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})[1].startswith("amx_bf16: ")
     engine, reason = choose("cpu", {"avx2", "avx512f"})
     assert engine == MEASURED["avx2"][0] and reason.startswith("avx512f not measured; nearest measured, avx2")
     assert choose("cuda", None)[0] == "hf"

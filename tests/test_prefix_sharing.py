@@ -205,8 +205,11 @@ def test_reused_heads_generate_the_same_and_skip_known_tokens():
         assert [x.ids for x in a] == [y.ids for y in b]
         for x, y in zip(a, b):
             np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
-    # step 1 skips both heads (40 + 30 tokens); step 2 (a lone row, its own head) the 40 of its group head
-    assert fresh_tokens - reused_tokens == 40 + 30 + 40, (fresh_tokens, reused_tokens)
+    # Step 1: fresh, the 40-token group head, row 3's own 36-token head and 4 tails 12 wide = 124 tokens; reused,
+    # every row leaves its group for its own head, of which the memo holds its step-0 prompt: 3 × 6 + 2 new tokens
+    # and 4 one-token tails = 24. Step 2 (a lone row): fresh, its 53-token own head and its tail; reused, the memo
+    # holds 52 of the 53 (its step-1 prompt). 100 + 52 tokens fewer.
+    assert fresh_tokens - reused_tokens == 100 + 52, (fresh_tokens, reused_tokens)
     assert not memo.active  # the memo ends with the block
     with memo.reuse(SHARED):
         assert memo.active
@@ -235,8 +238,11 @@ def test_compute_options_travel_as_arguments_and_nothing_is_set_on_the_model():
     prompts, responses = shared_rows(1)
     memo = px.HeadMemo()
     with memo.reuse(SHARED):
-        generate_batch(model, Tok(), prompts, Sampling(4, greedy=True), options=SHARED, heads=memo)
-        assert {len(ids) for ids, _ in memo.heads} == {22, 30, 16}  # the call's heads: two shared, one row's own
+        gens = generate_batch(model, Tok(), prompts, Sampling(4, greedy=True), options=SHARED, heads=memo)
+        fed = max(len(g.ids) for g in gens) - 1  # the last sampled token is never fed
+        # the call's rows: each prompt and the response tokens whose KV was computed
+        assert [ids for ids, _ in memo.heads] == [p + g.ids[:fed] for p, g in zip(prompts, gens)]
+        assert all(k.shape[2] == len(ids) for ids, kv in memo.heads for k, _ in kv)
     with px.heads_once_per_step(prompts, 8) as heads:
         lp, mask = response_logprobs(model, prompts, responses, PAD, options=SHARED, step_heads=heads)
         (lp * mask).sum().backward()

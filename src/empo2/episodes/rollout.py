@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from empo2.agent.prompts import PromptParts, hints_text, parse_action, render_prompt_ids
+from empo2.agent.prompts import PromptParts, append_prompt_ids, hints_text, parse_action, render_prompt_ids
 from empo2.algo.empo2 import MEMORY_MODES, training_prompt_has_tips
 from empo2.config_sections import MemoryConfig, PolicyConfig
 from empo2.envs.base import state_of
@@ -192,15 +192,23 @@ def _render(ctx, episodes, parts, active, tips, stats) -> tuple[list[list[int]],
         return [[] for _ in active], [[] for _ in active]
     prompts, train_prompts = [], []
     for r, i in enumerate(active):
-        p = parts[i]
+        p, last = parts[i], episodes[i].steps[-1] if episodes[i].steps else None
         p.tips = tuple(t.text for t in tips[r])
-        ids = render_prompt_ids(ctx.tokenizer, p, pcfg.history_window, pcfg.max_prompt_length)
+        ids = _prompt_ids(ctx, p, last and (last.prompt_ids, last.response_ids))
         stats["long_prompts"] += len(ids) > pcfg.max_prompt_length
         prompts.append(ids)
-        if p.tips and not training_prompt_has_tips(episodes[i].mode):
-            ids = render_prompt_ids(ctx.tokenizer, p.without_tips(), pcfg.history_window, pcfg.max_prompt_length)
+        if not training_prompt_has_tips(episodes[i].mode) and (p.tips or last and last.train_prompt_ids != last.prompt_ids):
+            ids = _prompt_ids(ctx, p.without_tips(), last and (last.train_prompt_ids, last.response_ids))
         train_prompts.append(ids)
     return prompts, train_prompts
+
+
+def _prompt_ids(ctx, parts: PromptParts, previous: tuple[list[int], list[int]] | None) -> list[int]:
+    """One step's prompt in the run's ``policy.prompt_layout``; ``previous``: the last step's (prompt, response)."""
+    pcfg = ctx.policy_cfg
+    if pcfg.prompt_layout == "append":
+        return append_prompt_ids(ctx.tokenizer, parts, pcfg.history_window, pcfg.max_prompt_length, previous)
+    return render_prompt_ids(ctx.tokenizer, parts, pcfg.history_window, pcfg.max_prompt_length)
 
 
 def _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips, embs) -> None:

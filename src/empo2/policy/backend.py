@@ -29,8 +29,9 @@ from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions
 from empo2.policy.sampling import Sampling
 
-BACKENDS = ("hf", "vllm", "auto")
-"""``auto``: the engine measured faster on this kind of machine (:mod:`empo2.policy.engine_choice`)."""
+BACKENDS = ("hf", "merged", "vllm", "auto")
+"""``merged``: the HF decoding on a copy of the policy with its LoRA folded in (:mod:`empo2.policy.merged_backend`);
+``auto``: the engine measured faster on this kind of machine (:mod:`empo2.policy.engine_choice`)."""
 
 
 class RolloutBackend(Protocol):
@@ -73,7 +74,7 @@ def check_backend(name: str, lora_rank: int = 0) -> None:
 
         check_lora_rank(lora_rank)
         _import_vllm()
-    elif name != "hf":
+    elif name not in ("hf", "merged"):
         raise BackendError(f"unknown policy.backend {name!r}; use {' or '.join(BACKENDS)}")
 
 
@@ -83,6 +84,10 @@ def make_backend(name: str, model, tokenizer, model_path: str | None = None, lor
     ``dtype``: the engine's (``None``: its device's default)."""
     if name == "hf":
         return HFBackend(model, tokenizer)
+    if name == "merged":
+        from empo2.policy.merged_backend import MergedBackend
+
+        return MergedBackend(model, tokenizer, dtype or "float32")
     if name == "vllm":
         from empo2.policy.vllm_backend import VLLMBackend
 

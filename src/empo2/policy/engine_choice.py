@@ -14,6 +14,8 @@ MEASURED: dict[str, tuple[str, str]] = {
     "avx2": ("hf", "vLLM 0.56× HF env-steps/s, 0.38× iteration speed (engines.py, AMD EPYC AVX2, 2026-12-01)"),
     "avx512_bf16": ("hf", "vLLM bf16 2.24× HF bf16 env-steps/s, 0.86× iteration speed "
                           "(engines.py, AMD EPYC AVX512-BF16, 2026-12-05)"),
+    "amx_bf16": ("hf", "merged bf16 copy 1.63× HF fp32 env-steps/s, 0.82× iteration speed; HF bf16 autocast 0.63× "
+                       "(engines.py --preset reach, Intel Xeon AMX, 2026-12-06)"),
 }
 """Widest CPU feature → (the engine with the shorter training iteration, the measurement). A training run pays for
 whole iterations, so the iteration decides where one engine rolls out faster and the other updates faster."""

@@ -67,8 +67,8 @@ def generate_batch(
                                                  sampling.top_k)
     with px.autocast(model, options):
         reusing = heads is not None and heads.active
-        groups = px.plan_layout(prompts, options.min_shared_tokens, own_heads=reusing) \
-            if options.prefix_sharing else None
+        groups = None if not options.prefix_sharing else heads.layout(prompts, options.min_shared_tokens) \
+            if reusing else px.plan_layout(prompts, options.min_shared_tokens)
         if groups:
             new_tokens, token_logp = _decode_shared(model, tokenizer, prompts, groups, max_new_tokens,
                                                     temperature if do_sample else 0.0, top_p, top_k, row_seeds, heads)
@@ -135,7 +135,7 @@ def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperatur
     ids, mask, pos = px.tail_batch(prompts, groups, tokenizer.pad_token_id, device)  # [B, S] each
     cache, head_mask = px.head_cache(model, prompts, groups, room=ids.shape[1] + max_new_tokens,  # head_mask [B, H]
                                      memo=heads)
-    mask = torch.cat([head_mask, mask], dim=1)  # [B, H + S]
+    mask = prompt_mask = torch.cat([head_mask, mask], dim=1)  # [B, H + S]
     next_pos = torch.tensor([len(p) for p in prompts], device=device)  # [B]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     seeded = SeededSampler(row_seeds, temperature, top_p, top_k) if row_seeds is not None and temperature > 0 else None
@@ -158,7 +158,12 @@ def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperatur
         next_pos = next_pos + 1
     if not tokens:
         return torch.zeros((len(prompts), 0), dtype=torch.long), torch.zeros((len(prompts), 0))
-    return torch.stack(tokens, dim=1), torch.stack(logps, dim=1)  # [B, N]
+    tokens = torch.stack(tokens, dim=1)  # [B, N]
+    if heads is not None and heads.active:  # the next call of the rollout may extend these rows
+        eos = tokenizer.eos_token_id
+        responses = [row[: row.index(eos) + 1] if eos in row else row for row in tokens.tolist()]
+        heads.keep_rows(cache, prompt_mask, prompts, responses)
+    return tokens, torch.stack(logps, dim=1)  # [B, N]
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:

@@ -64,12 +64,15 @@ def compute_options(policy_cfg, train_cfg) -> ComputeOptions:
 
 
 class HeadMemo:
-    """The heads one generation call computed, for the next call of the same rollout (:meth:`reuse`); a rollout's
-    generation calls pass it to :func:`empo2.policy.generate.generate_batch`."""
+    """The token sequences one generation call computed, with their KV, for the next call of the same rollout
+    (:meth:`reuse`); a rollout's generation calls pass it to :func:`empo2.policy.generate.generate_batch`. After a
+    call it holds each row's prompt and sampled response, so a next prompt that extends one of them (the ``append``
+    prompt layout) prefills only its new tokens; a next prompt that shares less reuses its longest known prefix."""
 
     def __init__(self):
         self.heads: list | None = None
-        """``[(head ids, per-layer KV)]`` of the last call; ``None`` outside :meth:`reuse`."""
+        """``[(token ids, per-layer KV [1, kv_heads, len(ids), head_dim])]`` of the last call; ``None`` outside
+        :meth:`reuse`."""
 
     @property
     def active(self) -> bool:
@@ -77,9 +80,9 @@ class HeadMemo:
 
     @contextlib.contextmanager
     def reuse(self, options: ComputeOptions):
-        """Within this block, generation reuses the KV of heads computed by the previous generation call (the
-        weights must not change inside it: one rollout). Memory: the heads of one call, which that call held anyway.
-        A no-op when ``options`` turn prefix sharing or head reuse off, or inside another such block."""
+        """Within this block, generation reuses the KV of the sequences computed by the previous generation call
+        (the weights must not change inside it: one rollout). Memory: the KV of one call's rows, which that call held
+        anyway. A no-op when ``options`` turn prefix sharing or head reuse off, or inside another such block."""
         if not (options.prefix_sharing and options.reuse_heads) or self.active:
             yield
             return
@@ -88,6 +91,44 @@ class HeadMemo:
             yield
         finally:
             self.heads = None
+
+
+    def known(self, ids: Sequence[int]) -> int:
+        """How many leading tokens of ``ids`` the memo holds KV for."""
+        return max((common_prefix_len(old, ids) for old, _ in self.heads or []), default=0)
+
+    def layout(self, prompts: Sequence[Sequence[int]], min_shared: int) -> list[tuple[list[int], int]] | None:
+        """:func:`plan_layout` inside :meth:`reuse`: a row whose kept tokens reach past its group's head leaves the
+        group for a head of its own (its prompt but the last token), which then prefills only what the memo lacks."""
+        groups = plan_layout(prompts, min_shared, own_heads=self.active)
+        if not groups or not self.heads:
+            return groups
+        known = [self.known(p) for p in prompts]
+        out = []
+        for rows, head in groups:
+            stay = [r for r in rows if known[r] <= head] if len(rows) > 1 else []
+            out += [([r], len(prompts[r]) - 1) for r in rows if r not in stay or len(stay) == 1]
+            if len(stay) > 1:
+                out.append((stay, head))
+        return out
+
+    def keep_rows(self, cache, prompt_mask: torch.Tensor, prompts: Sequence[Sequence[int]],
+                  responses: Sequence[Sequence[int]]) -> None:
+        """Keep each row's prompt and the part of its response whose KV ``cache`` holds, in place of the heads.
+
+        ``cache``: the decoding cache, columns = the ``prompt_mask`` [B, W] columns (each row's head and tail, padded)
+        then one column per fed response token; ``responses``: each row's sampled ids."""
+        layers = _layer_kv(cache)
+        width = prompt_mask.shape[1]
+        fed = layers[0][0].shape[2] - width  # the last sampled token of a call is never fed
+        kept = []
+        for r, (prompt, response) in enumerate(zip(prompts, responses)):
+            n = min(len(response), fed)
+            cols = torch.cat([prompt_mask[r].nonzero().squeeze(1),
+                              torch.arange(width, width + n, device=prompt_mask.device)])  # [len(prompt) + n]
+            kept.append((list(prompt) + list(response[:n]),
+                         [(k[r:r + 1].index_select(2, cols), v[r:r + 1].index_select(2, cols)) for k, v in layers]))
+        self.heads[:] = kept
 
 
 class StepHeads:

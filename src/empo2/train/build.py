@@ -170,7 +170,8 @@ class TrainerParts:
             self.ctx.backend = make_backend(cfg.policy.backend, self.model, self.tokenizer,
                                             loader.resolve_model_path(cfg.policy.model, cfg.policy.trust_remote_code),
                                             cfg.policy.lora_r if cfg.policy.lora else 0, cfg.policy.vllm_memory, seed,
-                                            self.compute.engine_dtype(weights))
+                                            self.compute.engine_dtype(weights) if cfg.policy.engine_dtype == "auto"
+                                            else cfg.policy.engine_dtype)
             if self.start_iteration > 0:  # a fresh engine loaded the model's own starting weights already
                 self.ctx.backend.sync_weights(self.model)
         self.reflection = None
