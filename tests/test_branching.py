@@ -1,6 +1,7 @@
-"""Branching from a prefix: a recorded episode is replayed on ANOTHER worker of the pool (its own JVM for
-ScienceWorld; a worker process, or a Ray actor) up to step m, and the state there is the recorded one. Real ScienceWorld and the WebShop fixture; the
-episodes are recorded through the training rollout (``run_episodes``) with a scripted action source."""
+"""Branching from a prefix: a recorded episode is replayed on ANOTHER worker of the pool (its own JVM for ScienceWorld;
+a worker process, or a Ray actor) up to step m, and the state there is the recorded one. Real ScienceWorld and the
+WebShop fixture; the episodes are recorded through the training rollout (``run_episodes``) with a scripted action
+source."""
 
 from __future__ import annotations
 

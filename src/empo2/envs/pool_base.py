@@ -102,7 +102,8 @@ class WorkerPool(ABC):
         replies = self._request({i: ("reset", (task, variation)) for i, task, variation in assignments})
         return {i: Failure(i, payload) if kind == "crash" else payload for i, (kind, payload) in replies.items()}
 
-    def restore(self, assignments: list[tuple[int, str, int, list[list[str]]]]) -> dict[int, tuple[str, dict] | Failure]:
+    def restore(self, assignments: list[tuple[int, str, int, list[list[str]]]],
+                ) -> dict[int, tuple[str, dict] | Failure]:
         """Put worker ``i`` into the state after a recorded prefix, ``(i, task, variation, step_commands)`` each, in
         parallel (the environment's ``restore_prefix``); failures and errors as :meth:`reset`."""
         replies = self._request({i: ("restore_prefix", (task, variation, steps))

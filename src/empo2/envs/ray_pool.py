@@ -77,8 +77,8 @@ class RayEnvPool(WorkerPool):
     """``size`` Ray actors (one CPU each), each hosting the registered environment ``env_name``.
 
     The registry entry's constructor is sent to the actors by reference, with the driver's ``sys.path``, as to
-    worker processes: an environment registered outside ``src/`` works where its module can be imported. ``timeout`` bounds one request (seconds);
-    ``start_timeout`` bounds an actor's start (placement on a node and JVM launch).
+    worker processes: an environment registered outside ``src/`` works where its module can be imported.
+    ``timeout`` bounds one request (seconds); ``start_timeout`` bounds an actor's start (placement and JVM launch).
     """
 
     def __init__(self, env_name: str, env_kwargs: dict | None = None, size: int = 2, timeout: float = 300.0,
@@ -108,7 +108,8 @@ class RayEnvPool(WorkerPool):
         except self._ray.exceptions.GetTimeoutError:  # most often unplaceable: a second try would wait as long
             cpus = self._ray.cluster_resources().get("CPU", 0)
             raise EnvError(f"{self.env_name} Ray actor {i} did not start within {self.start_timeout:.0f} s; each "
-                           f"actor takes one CPU and the Ray cluster has {cpus:g} for this pool's {self.size}") from None
+                           f"actor takes one CPU, and the Ray cluster has {cpus:g} for this pool's "
+                           f"{self.size}") from None
         except Exception as exc:  # noqa: BLE001 - the actor died (RayActorError) or its node is gone
             raise WorkerGone(_first_line(exc)) from None
 
