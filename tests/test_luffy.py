@@ -257,11 +257,12 @@ def test_one_luffy_iteration_on_the_webshop_fixture_logs_its_expert_rows(tiny_mo
     cfg = Config.load("configs/webshop_cpu.yaml", ["algo.name=luffy", "train.iterations=1",
                                                    f"policy.model={tiny_model}", "env.max_steps=5",
                                                    "env.eval_variations=1", "algo.num_generations=2",
-                                                   "policy.max_completion_length=8", "train.progress=false",
-                                                   "algo.loss_type=dr_grpo"])
+                                                   "policy.max_completion_length=20", "train.progress=false",
+                                                   "algo.loss_type=dr_grpo"])  # 20: the fixture's gold actions fit
     with Trainer(cfg) as trainer:
         rec = trainer.iteration()
     assert rec["expert"]["slots"] == 1 and rec["expert"]["kept"] == 1 and rec["expert"]["fallback"] == 0
+    assert rec["expert"]["cut_actions"] == 0 and rec["expert"]["success_rate"] == 1.0
     gold = rec["expert_env_steps"]  # search → item → options → buy: 4 or 5 steps on the fixture
     assert 4 <= gold <= 5 and rec["expert"]["rows"] == rec["expert"]["env_steps"] == rec["loss"]["expert_rows"] == gold
     assert rec["loss"]["rows"] == gold + rec["env_steps"]  # the policy's steps are counted apart
