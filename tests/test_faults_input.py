@@ -112,13 +112,27 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path, fake_model):
         assert tree(project) == before
 
 
-def test_overwrite_empties_a_run_folder_by_marker_or_by_layout(tmp_path, fake_model):
-    """A run made before the marker existed is recognised by its layout, emptied, and marked as a run."""
+def test_overwrite_empties_a_run_folder_by_its_marker_only(tmp_path, fake_model):
+    """A run made before the marker existed is not emptied by its names (another tool's folder can hold the same):
+    a fresh run there is refused, with and without --overwrite, nothing deleted. Once marked (``--resume`` marks such
+    a run), --overwrite empties what the marker lists and keeps the rest."""
+    from empo2.rundir.runlock import RUN_LAYOUT, mark_run_folder
+
     run = tmp_path / "old-run"
     (run / "checkpoints" / "iter_000000").mkdir(parents=True)
     (run / "config.yaml").write_text("train: {iterations: 1}\n")
     (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
     (run / "scores.png").write_bytes(b"png")
+    before = tree(run)
+    for extra in ([], ["--overwrite"]):
+        res = empo2("train", "--config", CPU, "--output-dir", run, *extra, f"policy.model={fake_model}")
+        assert res.returncode == 2
+        assert one_line(res) == (f"error: {run} holds a run without the .empo2-run marker (a run of an empo2 from "
+                                 "before the marker, or files of another tool named alike); nothing was deleted or "
+                                 f"written — continue an empo2 run with --resume {run}, or choose another "
+                                 "train.output_dir")
+        assert tree(run) == before and (run / "checkpoints" / "iter_000000").is_dir()
+    mark_run_folder(run, RUN_LAYOUT)  # what --resume of such a run does before it trains
     res = empo2("train", "--config", CPU, "--output-dir", run, f"policy.model={fake_model}")
     assert res.returncode == 2 and "already holds a run" in one_line(res)
     assert (run / "metrics.jsonl").exists()
@@ -133,6 +147,47 @@ def test_overwrite_empties_a_run_folder_by_marker_or_by_layout(tmp_path, fake_mo
     res = empo2("train", "--config", CPU, "--output-dir", run, "--overwrite", f"policy.model={fake_model}")
     assert res.returncode == 2 and not (run / "metrics.jsonl").exists()  # the run's own files go
     assert (run / "notes.txt").is_file() and (run / "data").is_dir()  # a marked folder's other files stay
+
+
+def test_a_folder_named_like_a_run_but_unmarked_is_never_emptied_or_written(tmp_path, fake_model):
+    """A folder of another tool that holds only names a run writes (``config.yaml``, ``trajectories.jsonl``,
+    ``checkpoints/x.ckpt``) and no marker: --overwrite deletes nothing (it used to empty the folder) and a plain run
+    replaces nothing (it used to write its own ``config.yaml`` and ``trajectories.jsonl`` over them)."""
+    folder = tmp_path / "F"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "config.yaml").write_text("trainer: {epochs: 3}\n")
+    (folder / "trajectories.jsonl").write_text('{"episode": 1, "reward": 0.5}\n')
+    (folder / "checkpoints" / "x.ckpt").write_bytes(b"weights of another tool")
+    before = tree(folder)
+    for extra in (["--overwrite"], []):
+        res = empo2("train", "--config", CPU, "--output-dir", folder, *extra, f"policy.model={fake_model}")
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert one_line(res).startswith(f"error: {folder} holds a run without the .empo2-run marker")
+        assert tree(folder) == before and sorted(p.name for p in folder.iterdir()) == [
+            "checkpoints", "config.yaml", "trajectories.jsonl"]
+
+
+def test_an_empty_checkpoints_folder_is_no_other_tools_run(tmp_path, fake_model):
+    """A scratch folder that holds only an empty ``checkpoints/`` (a mount point made ready for the run) is as good as
+    empty: the run starts there (here it gets as far as loading the model) and owns ``checkpoints/``, so a later
+    --overwrite clears what the run wrote into it."""
+    folder = tmp_path / "scratch"
+    (folder / "checkpoints").mkdir(parents=True)
+    res = empo2("train", "--config", CPU, "--output-dir", folder, f"policy.model={fake_model}")
+    assert res.returncode == 2 and "cannot load the tokenizer" in res.stderr.decode(), res.stderr[-2000:]
+    assert "checkpoints" in json.loads((folder / RUN_MARKER).read_text())["owns"]
+    (folder / "checkpoints" / "stale").write_text("x")
+    (folder / "checkpoints" / "nonempty").mkdir()
+    (folder / "checkpoints" / "nonempty" / "f").write_text("y")
+    res = empo2("train", "--config", CPU, "--output-dir", folder, "--overwrite", f"policy.model={fake_model}")
+    assert res.returncode == 2 and "cannot load the tokenizer" in res.stderr.decode()
+    assert not (folder / "checkpoints").exists()  # the run's own folder, emptied as the run's
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "x.ckpt").write_bytes(b"w")  # not empty: someone's
+    res = empo2("train", "--config", CPU, "--output-dir", other, "--overwrite", f"policy.model={fake_model}")
+    assert res.returncode == 2 and f"{other} is not an empo2 run folder (it holds checkpoints)" in one_line(res)
+    assert (other / "checkpoints" / "x.ckpt").read_bytes() == b"w"
 
 
 def test_a_folder_of_the_users_files_is_refused_before_anything_is_written(tmp_path, fake_model):
