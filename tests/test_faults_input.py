@@ -494,6 +494,34 @@ def test_bad_empo2_home_fails_at_once_with_one_line(tmp_path, request, kind):
     assert time.time() - started < 60 and not (tmp_path / "run").exists()
 
 
+@pytest.fixture()
+def small_home(tmp_path):
+    """A 16 MiB tmpfs mounted for the test (root only; skipped where mount is not permitted): room for a temporary
+    file, not for the model's safetensors copy."""
+    home = tmp_path / "small-home"
+    home.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(home)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield home
+    subprocess.run(["umount", "-l", str(home)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_empo2_home_on_the_first_model_conversion_is_one_line(tmp_path, small_home):
+    """The conversion of the bundled GGUF runs out of space while it writes the safetensors copy (a 36-line
+    ``SafetensorError`` traceback before): one line naming the folder and the sizes, exit 2, the partial copy
+    removed and no run folder made."""
+    res = empo2("train", "--config", CPU, f"train.output_dir={tmp_path / 'run'}", env={"EMPO2_HOME": str(small_home)},
+                timeout=600)
+    assert res.returncode == 2, res.stderr[-3000:]
+    msg = one_line(res)
+    target = small_home / "models" / "smollm2-135m"
+    assert msg.startswith(f"error: EMPO2_HOME={small_home} cannot hold the model cache ({target}: "), msg
+    assert "the copy needs about " in msg and msg.endswith(" MiB are free): free space there or point EMPO2_HOME at "
+                                                          "a larger folder"), msg
+    assert list((small_home / "models").iterdir()) == [] and not (tmp_path / "run").exists()
+
+
 def test_memory_stats_in_a_read_only_run_folder(read_only):
     source, view = read_only
     memory_file(source / "memory.sqlite", tips=30)

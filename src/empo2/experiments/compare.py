@@ -163,7 +163,7 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
         if fixed_by:  # the arm's own value would win silently over the one asked for
             raise ConfigError(f"{key} is fixed by the ablation arm {fixed_by[0]} ({ARMS[fixed_by[0]].what}); "
                               "drop the override or that arm")
-    plans, recorded = [], records.read(Path(out) / records.RECORD_FILE)
+    plans, recorded = [], records.read(Path(out) / records.RECORD_FILE, missing_ok=True)  # made by this command
     command = {"config": config, "overrides": list(overrides)}
     for seed in seeds:  # seed-major: an interrupted comparison has every algorithm on its first seeds
         for algo in algos:
@@ -370,7 +370,7 @@ def earlier_runs(config: str, out: Path, overrides: list[str], plans: list[RunPl
     runs in one summary, even one whose command stopped before writing it. A run with other settings is left out,
     with a line; its folder and record stay, so a later command with its settings finds it again."""
     named = {(p.algo, p.seed) for p in plans}
-    found = {(r["algo"], r["seed"]) for r in records.read(Path(out) / records.RECORD_FILE).values()}
+    found = {(r["algo"], r["seed"]) for r in records.read(Path(out) / records.RECORD_FILE, missing_ok=True).values()}
     for folder in sorted((Path(out) / "runs").glob("*-seed*")):
         algo, _, seed = folder.name.rpartition("-seed")
         if folder.is_dir() and seed.isdigit():
