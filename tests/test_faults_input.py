@@ -602,3 +602,68 @@ def test_run_whose_stdout_closes_finishes_with_one_warning(tmp_path, tiny_model)
     assert "standard output was closed (its reader exited); the command goes on" in one_line(res)
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]
     assert (run / "eval" / "final.md").exists()
+
+
+# ---------------------------------------------------------------------------------- malformed data, long names
+WEBSHOP = "configs/webshop_cpu.yaml"
+FIXTURE = REPO / "src" / "empo2" / "envs" / "webshop" / "fixture"
+
+
+def webshop_data(folder: Path) -> Path:
+    """The bundled fixture under the official files' names (their checksums differ: a warning each, as for any
+    catalog that is not the official one)."""
+    folder.mkdir()
+    for mine, official in (("items_shuffle.json", "items_shuffle_1000.json"),
+                           ("items_ins_v2.json", "items_ins_v2_1000.json"), ("items_human_ins.json",
+                                                                             "items_human_ins.json")):
+        (folder / official).write_bytes((FIXTURE / mine).read_bytes())
+    return folder
+
+
+def _list_for_object(folder: Path) -> tuple[Path, str]:
+    path = folder / "items_ins_v2_1000.json"
+    path.write_text(json.dumps(list(json.loads(path.read_text()).items())))
+    return path, "the file is a list, where WebShop's data has an object"
+
+
+def _string_for_object(folder: Path) -> tuple[Path, str]:
+    path = folder / "items_shuffle_1000.json"
+    products = json.loads(path.read_text())
+    products[0]["customization_options"] = {"Scent": ["Lavender"]}
+    path.write_text(json.dumps(products))
+    return path, "a value of product 0's option 'Scent' is a string, where WebShop's data has an object"
+
+
+def _nested(folder: Path) -> tuple[Path, str]:
+    path = folder / "items_human_ins.json"
+    path.write_text("[" * 5000 + "]" * 5000)
+    return path, "nests its JSON deeper than"
+
+
+@pytest.mark.parametrize("damage", [_list_for_object, _string_for_object, _nested],
+                         ids=["a list for an object", "a string for an object", "nested 5000 deep"])
+def test_malformed_webshop_data_is_one_line_naming_the_file(tmp_path, tiny_model, damage):
+    """WebShop data of another shape (it used to end in AttributeError, TypeError or RecursionError tracebacks):
+    exit 2, the last line names the file and what is wrong, no traceback, no run folder."""
+    path, what = damage(webshop_data(tmp_path / "data"))
+    res = empo2("train", "--config", WEBSHOP, f"env.webshop_data={path.parent}", f"train.output_dir={tmp_path / 'run'}",
+                f"policy.model={tiny_model}")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: WebShop data file {path}") and what in last, last
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_output_folder_name_longer_than_the_file_system_allows_is_one_line(tmp_path, fake_model):
+    """``train.output_dir``, ``compare --out`` and ``eval --out`` with a 300-byte name (the file system allows 255):
+    one line naming the limits, exit 2, nothing written (an ``OSError: [Errno 36]`` traceback before)."""
+    long = tmp_path / ("x" * 300)
+    limits = f"its longest name 300 bytes; {tmp_path} allows 255 bytes a name and 4096 a path); choose a shorter name"
+    for args in (["train", "--config", CPU, f"train.output_dir={long}", f"policy.model={fake_model}"],
+                 ["compare", "--config", CPU, "--algos", "grpo", "--seeds", "1", "--out", long],
+                 ["eval", "--model", fake_model, "--out", long]):
+        res = empo2(*args)
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert one_line(res).endswith(limits), one_line(res)
+        assert list(tmp_path.iterdir()) == [fake_model]
