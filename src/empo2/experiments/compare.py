@@ -249,14 +249,23 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | 
     into this run's folder, so the trainer skips its own start eval. A fresh run's folder is first emptied of an
     earlier attempt's run files; a resumed run gets the copy only if it stopped before its start eval was written
     and before any checkpoint. Returns the donor's name, or ``None``: the run evaluates itself."""
-    from empo2.rundir.runlock import LOCK_NAME, RunLock, clear_run_folder, is_run_file, mark_run_folder, run_folder_owns
+    from empo2.rundir.runlock import (
+        LOCK_NAME,
+        RunLock,
+        clear_run_folder,
+        empty_layout_folders,
+        is_run_file,
+        mark_run_folder,
+        run_folder_owns,
+    )
 
     if status == "resume" and ((plan.folder / "eval" / "start.json").is_file()
                                or ckpt.latest_checkpoint(plan.folder) is not None):
         return None
     if status == "fresh" and plan.folder.is_dir():
         names = [p.name for p in plan.folder.iterdir()]
-        if any(not is_run_file(n) for n in names) or (run_folder_owns(plan.folder) is None and set(names) - {LOCK_NAME}):
+        unknown = set(names) - {LOCK_NAME} - empty_layout_folders(plan.folder, names)
+        if any(not is_run_file(n) for n in names) or (run_folder_owns(plan.folder) is None and unknown):
             return None  # someone else's files, or files not known to be empo2's: train's own check refuses them
         with RunLock(plan.folder):
             clear_run_folder(plan.folder)

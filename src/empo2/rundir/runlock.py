@@ -128,7 +128,7 @@ def run_folder_owns(run_dir: Path) -> list[str] | None:
     return sorted(RUN_LAYOUT)
 
 
-def _empty_layout_folders(run_dir: Path, names: list[str]) -> set[str]:
+def empty_layout_folders(run_dir: Path, names: list[str]) -> set[str]:
     """The entries of ``names`` that are empty real folders a run writes into (``checkpoints/`` of a scratch mount):
     nothing in them can be lost, so they do not make a folder someone else's."""
     empty = set()
@@ -160,7 +160,7 @@ def check_new_run_folder(run_dir: Path, overwrite: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise RunLockError(f"{run_dir} is a file, not a folder; choose another train.output_dir")
     names = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    if not set(names) - {LOCK_NAME} - _empty_layout_folders(run_dir, names):
+    if not set(names) - {LOCK_NAME} - empty_layout_folders(run_dir, names):
         return  # a new or empty folder (a lock file left by a command that wrote nothing, empty layout folders)
     owns = run_folder_owns(run_dir)
     if owns is None and looks_like_an_old_run(run_dir, set(names)):
@@ -198,7 +198,7 @@ def mark_run_folder(run_dir: Path, ours=None) -> None:
     run_dir = Path(run_dir)
     if ours is None:
         names = [p.name for p in run_dir.iterdir()]
-        ours = run_folder_owns(run_dir) or sorted(_empty_layout_folders(run_dir, names))
+        ours = run_folder_owns(run_dir) or sorted(empty_layout_folders(run_dir, names))
     others = {p.name for p in run_dir.iterdir() if not _owned(p.name, ours)} - {LOCK_NAME, RUN_MARKER}
     owns = sorted(n for n in RUN_LAYOUT if n not in others)
     tmp = run_dir / f".{RUN_MARKER}.tmp"
@@ -220,11 +220,13 @@ def is_run_file(name: str) -> bool:
 
 def clear_run_folder(run_dir: Path) -> None:
     """Delete what empo2 wrote in ``run_dir`` (``train --overwrite``): the entries its marker lists, except the lock
-    this process holds and the marker, which the fresh run rewrites; anything else stays. An unmarked folder keeps
-    everything."""
+    this process holds and the marker, which the fresh run rewrites; anything else stays. Of an unmarked folder only
+    its empty layout folders go (nothing in them can be lost)."""
     import shutil
 
-    owns = run_folder_owns(run_dir) or []
+    owns = run_folder_owns(run_dir)
+    if owns is None:
+        owns = sorted(empty_layout_folders(Path(run_dir), [p.name for p in Path(run_dir).iterdir()]))
     for child in Path(run_dir).iterdir():
         if child.name not in (LOCK_NAME, RUN_MARKER) and _owned(child.name, owns):
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
