@@ -166,6 +166,40 @@ def test_live_run_owns_its_folder_and_survives_a_killed_jvm(tmp_path, tiny_model
 
 
 @pytest.mark.slow
+def test_jvms_killed_in_the_middle_of_a_rollout_cost_their_episodes_only(tmp_path, tiny_model):
+    """kill -9 of the JVMs while episodes are between steps (the progress line after a step, with episodes still
+    playing): each unfinished episode is lost at its next step and dropped from the update, the novelty reward and
+    the rest of the iteration go on, the workers restart, and the next iteration loses nothing. It used to end the run
+    with ``ValueError: an episode with steps needs the state its last step reached (final_state)``. Trained in this
+    process (the Python API) so that the progress callback can kill at that moment."""
+    from empo2 import Trainer
+
+    cfg = Config.load("configs/scienceworld_cpu.yaml", [
+        f"policy.model={tiny_model}", *FAST, "algo.num_generations=4", "env.max_steps=3", "train.iterations=3",
+        "algo.intrinsic_weight=1.0", "algo.novelty_threshold=1.0", "train.eval_at_start=false"])
+    killed: dict[str, int] = {}
+
+    def progress(label: str, done: int, total: int) -> None:
+        if killed or not label.endswith("rollouts") or done == total or label.startswith("iter 2"):
+            return
+        victims = javas(os.getpid())
+        for victim in victims:
+            victim.kill()
+        killed.update(jvms=len(victims), unfinished=total - done, iteration=int(label.split()[1].rstrip(":")))
+
+    with Trainer(cfg, output_dir=tmp_path / "run") as trainer:
+        records = [trainer.iteration(it, progress) for it in range(3)]
+    assert javas(os.getpid()) == []
+    assert killed, "every episode ended at its first step in two iterations: nothing was killed mid-rollout"
+    assert killed["jvms"] == 4
+    hit = records[killed["iteration"]]
+    assert hit["train"]["failed_episodes"] == killed["unfinished"]  # each unfinished episode, no other
+    assert (hit["loss"].get("rows", 0) > 0) == (killed["unfinished"] < 4)  # the update trained on the rest
+    assert [r["train"]["failed_episodes"] for r in records[killed["iteration"] + 1:]] == [0] * (
+        2 - killed["iteration"])  # restarted workers: later iterations lose nothing
+
+
+@pytest.mark.slow
 def test_jvms_that_keep_dying_stop_the_run_with_one_line(tmp_path, tiny_model):
     """N crashed episodes in a row (here N=1) end the run: exit 2, one line, no JVM left, lock released."""
     run = tmp_path / "run"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from empo2.rundir import checkpoint as ckpt
 from test_faults import corrupt
@@ -196,6 +197,46 @@ def test_damaged_latest_checkpoint_falls_back_to_the_previous(trained, tmp_path,
     assert ckpt.load_state(run / "checkpoints" / "iter_000001")["iteration"] == 1  # written again, whole
 
 
+@pytest.mark.slow
+def test_eval_and_export_of_a_damaged_checkpoint_fall_back_or_refuse(trained, tmp_path):
+    """``eval --run`` and ``export`` read the newest checkpoint whose files match its manifest: with flipped bits in
+    the latest adapter (it still parses, and both used to evaluate or write it out) they say so in one warning line
+    and use the previous checkpoint; with every checkpoint damaged they exit 2 with one line and write nothing."""
+    from safetensors.torch import load_file
+
+    run = copy_of(trained, tmp_path)
+    latest, previous = run / "checkpoints" / "iter_000001", run / "checkpoints" / "iter_000000"
+    _flip_adapter_bits(latest)
+    warning = (f"warning: iter_000001: model/adapter_model.safetensors does not match its checksum in {MANIFEST}; "
+               f"using {previous}, the newest checkpoint that matches its manifest")
+    res = empo2("eval", "--run", run, "--split", "dev", "--variations", "1", "--batch", "1", "--max-steps", "1",
+                "--allow-unreachable")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert one_line(res) == warning
+    assert json.loads(res.stdout.decode().strip().splitlines()[-1])["episodes"] == 1
+    out = tmp_path / "exported"
+    res = empo2("export", run, out)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert one_line(res) == warning
+    assert json.loads(res.stdout)["checkpoint"] == str(previous) and (out / "model.safetensors").is_file()
+    only_previous = tmp_path / "only-previous"
+    shutil.copytree(trained, only_previous, symlinks=True)
+    shutil.rmtree(only_previous / "checkpoints" / "iter_000001")
+    assert empo2("export", only_previous, tmp_path / "reference").returncode == 0
+    got, want = load_file(str(out / "model.safetensors")), load_file(str(tmp_path / "reference" / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)  # iter_000000's weights
+
+    _flip_adapter_bits(previous)
+    before = tree(run)
+    for args in (["eval", "--run", run, "--split", "dev", "--variations", "1", "--batch", "1", "--max-steps", "1",
+                  "--allow-unreachable"], ["export", run, tmp_path / "again"]):
+        res = empo2(*args)
+        assert res.returncode == 2
+        assert one_line(res).startswith(f"error: no checkpoint of {run} matches its manifest (iter_000001: "), res
+        assert res.stdout == b""
+    assert not (tmp_path / "again").exists() and tree(run) == before
+
+
 def test_checkpoint_files_are_readable_as_the_umask_allows(trained):
     """Checkpoints are shared with a team: folders and files get the modes ``mkdir`` and ``open`` would give them
     (a temporary folder is 0700 and safetensors writes 0600 whatever the umask); the manifest lists every file."""
@@ -301,22 +342,65 @@ def test_eval_into_a_read_only_run_folder_fails_before_evaluating(trained, read_
     assert res.stdout == b""
 
 
-def test_pool_beyond_the_process_limit_is_refused_before_forking(tmp_path, tiny_model):
-    """``ulimit -u`` lower than 8 workers need (each a Python process and a JVM with its threads): one line, exit 2,
-    nothing forked or written (``BlockingIOError`` half-way through the pool before)."""
-    run = tmp_path / "run"
-    uid = os.getuid()
-    used = sum(p.info["num_threads"] or 0 for p in psutil.process_iter(["uids", "num_threads"])
+NOBODY = 65534
+
+
+def as_a_user(command: list[str]) -> list[str]:
+    """``command`` run by an ordinary user (nobody), who is held to ``ulimit -u``, when this process is root: with
+    ``setpriv`` and the one capability to read root's files (the interpreter and the checkout), nothing else."""
+    if os.getuid() != 0:
+        return command
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv missing: the process limit of an ordinary user was not tested")
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=+dac_read_search",
+            "--ambient-caps=+dac_read_search", *command]
+
+
+def threads_of(uid: int) -> int:
+    return sum(p.info["num_threads"] or 0 for p in psutil.process_iter(["uids", "num_threads"])
                if p.info["uids"] is not None and p.info["uids"].real == uid)
-    limit = used + 60
+
+
+def test_pool_beyond_the_process_limit_is_refused_before_forking(tmp_path, tiny_model):
+    """``ulimit -u`` lower than 8 workers need (each a Python process and a JVM with its threads), for an ordinary
+    user: one line, exit 2, nothing forked or written (``BlockingIOError`` half-way through the pool before)."""
+    run = tmp_path / "run"
+    uid = NOBODY if os.getuid() == 0 else os.getuid()
+    limit = threads_of(uid) + 60
 
     def low_limit():
         resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
 
-    res = subprocess.run([sys.executable, "-m", "empo2.cli", "train", "--config", CONFIG, f"train.output_dir={run}",
-                          f"policy.model={tiny_model}", *FAST, "algo.num_generations=8", "env.max_workers=8"],
-                         capture_output=True, cwd=REPO, timeout=300, preexec_fn=low_limit)
+    command = [sys.executable, "-m", "empo2.cli", "train", "--config", CONFIG, f"train.output_dir={run}",
+               f"policy.model={tiny_model}", *FAST, "algo.num_generations=8", "env.max_workers=8"]
+    res = subprocess.run(as_a_user(command), capture_output=True, cwd=REPO, timeout=300, preexec_fn=low_limit)
     assert res.returncode == 2, res.stderr[-3000:]
     assert one_line(res).startswith("error: train.tasks_per_batch × algo.num_generations = 8 environment workers "
                                     "need about ")
     assert "process limit (ulimit -u)" in one_line(res) and not run.exists()
+
+
+def test_root_is_not_held_to_the_process_limit():
+    """The kernel exempts root (of the initial user namespace) from ``ulimit -u``: under a limit that 8 workers would
+    not pass, the check lets root's pool start (it refused before, counting root's threads against a limit that does not
+    apply), and root forks 140 processes where the limit leaves room for 60."""
+    if os.getuid() != 0:
+        pytest.skip("not root: root's exemption was not tested")
+    limit = threads_of(0) + 60
+    probe = ("import os, resource, sys, time\n"
+             f"resource.setrlimit(resource.RLIMIT_NPROC, ({limit}, {limit}))\n"
+             "from empo2.config_bounds import check_process_limit\n"
+             "check_process_limit(8, 'train.tasks_per_batch × algo.num_generations')\n"
+             "children = []\n"
+             "for _ in range(140):\n"
+             "    pid = os.fork()\n"
+             "    if pid == 0:\n"
+             "        time.sleep(3)\n"
+             "        os._exit(0)\n"
+             "    children.append(pid)\n"
+             "for pid in children:\n"
+             "    os.waitpid(pid, 0)\n"
+             "print(len(children))\n")
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, cwd=REPO, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.decode().split() == ["140"]

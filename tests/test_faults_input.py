@@ -112,13 +112,27 @@ def test_overwrite_refuses_a_folder_that_is_not_a_run(tmp_path, fake_model):
         assert tree(project) == before
 
 
-def test_overwrite_empties_a_run_folder_by_marker_or_by_layout(tmp_path, fake_model):
-    """A run made before the marker existed is recognised by its layout, emptied, and marked as a run."""
+def test_overwrite_empties_a_run_folder_by_its_marker_only(tmp_path, fake_model):
+    """A run made before the marker existed is not emptied by its names (another tool's folder can hold the same):
+    a fresh run there is refused, with and without --overwrite, nothing deleted. Once marked (``--resume`` marks such
+    a run), --overwrite empties what the marker lists and keeps the rest."""
+    from empo2.rundir.runlock import RUN_LAYOUT, mark_run_folder
+
     run = tmp_path / "old-run"
     (run / "checkpoints" / "iter_000000").mkdir(parents=True)
     (run / "config.yaml").write_text("train: {iterations: 1}\n")
     (run / "metrics.jsonl").write_text('{"iteration": 0}\n')
     (run / "scores.png").write_bytes(b"png")
+    before = tree(run)
+    for extra in ([], ["--overwrite"]):
+        res = empo2("train", "--config", CPU, "--output-dir", run, *extra, f"policy.model={fake_model}")
+        assert res.returncode == 2
+        assert one_line(res) == (f"error: {run} holds a run without the .empo2-run marker (a run of an empo2 from "
+                                 "before the marker, or files of another tool named alike); nothing was deleted or "
+                                 f"written — continue an empo2 run with --resume {run}, or choose another "
+                                 "train.output_dir")
+        assert tree(run) == before and (run / "checkpoints" / "iter_000000").is_dir()
+    mark_run_folder(run, RUN_LAYOUT)  # what --resume of such a run does before it trains
     res = empo2("train", "--config", CPU, "--output-dir", run, f"policy.model={fake_model}")
     assert res.returncode == 2 and "already holds a run" in one_line(res)
     assert (run / "metrics.jsonl").exists()
@@ -133,6 +147,47 @@ def test_overwrite_empties_a_run_folder_by_marker_or_by_layout(tmp_path, fake_mo
     res = empo2("train", "--config", CPU, "--output-dir", run, "--overwrite", f"policy.model={fake_model}")
     assert res.returncode == 2 and not (run / "metrics.jsonl").exists()  # the run's own files go
     assert (run / "notes.txt").is_file() and (run / "data").is_dir()  # a marked folder's other files stay
+
+
+def test_a_folder_named_like_a_run_but_unmarked_is_never_emptied_or_written(tmp_path, fake_model):
+    """A folder of another tool that holds only names a run writes (``config.yaml``, ``trajectories.jsonl``,
+    ``checkpoints/x.ckpt``) and no marker: --overwrite deletes nothing (it used to empty the folder) and a plain run
+    replaces nothing (it used to write its own ``config.yaml`` and ``trajectories.jsonl`` over them)."""
+    folder = tmp_path / "F"
+    (folder / "checkpoints").mkdir(parents=True)
+    (folder / "config.yaml").write_text("trainer: {epochs: 3}\n")
+    (folder / "trajectories.jsonl").write_text('{"episode": 1, "reward": 0.5}\n')
+    (folder / "checkpoints" / "x.ckpt").write_bytes(b"weights of another tool")
+    before = tree(folder)
+    for extra in (["--overwrite"], []):
+        res = empo2("train", "--config", CPU, "--output-dir", folder, *extra, f"policy.model={fake_model}")
+        assert res.returncode == 2, res.stderr[-2000:]
+        assert one_line(res).startswith(f"error: {folder} holds a run without the .empo2-run marker")
+        assert tree(folder) == before and sorted(p.name for p in folder.iterdir()) == [
+            "checkpoints", "config.yaml", "trajectories.jsonl"]
+
+
+def test_an_empty_checkpoints_folder_is_no_other_tools_run(tmp_path, fake_model):
+    """A scratch folder that holds only an empty ``checkpoints/`` (a mount point made ready for the run) is as good as
+    empty: the run starts there (here it gets as far as loading the model) and owns ``checkpoints/``, so a later
+    --overwrite clears what the run wrote into it."""
+    folder = tmp_path / "scratch"
+    (folder / "checkpoints").mkdir(parents=True)
+    res = empo2("train", "--config", CPU, "--output-dir", folder, f"policy.model={fake_model}")
+    assert res.returncode == 2 and "cannot load the tokenizer" in res.stderr.decode(), res.stderr[-2000:]
+    assert "checkpoints" in json.loads((folder / RUN_MARKER).read_text())["owns"]
+    (folder / "checkpoints" / "stale").write_text("x")
+    (folder / "checkpoints" / "nonempty").mkdir()
+    (folder / "checkpoints" / "nonempty" / "f").write_text("y")
+    res = empo2("train", "--config", CPU, "--output-dir", folder, "--overwrite", f"policy.model={fake_model}")
+    assert res.returncode == 2 and "cannot load the tokenizer" in res.stderr.decode()
+    assert not (folder / "checkpoints").exists()  # the run's own folder, emptied as the run's
+    other = tmp_path / "other"
+    (other / "checkpoints").mkdir(parents=True)
+    (other / "checkpoints" / "x.ckpt").write_bytes(b"w")  # not empty: someone's
+    res = empo2("train", "--config", CPU, "--output-dir", other, "--overwrite", f"policy.model={fake_model}")
+    assert res.returncode == 2 and f"{other} is not an empo2 run folder (it holds checkpoints)" in one_line(res)
+    assert (other / "checkpoints" / "x.ckpt").read_bytes() == b"w"
 
 
 def test_a_folder_of_the_users_files_is_refused_before_anything_is_written(tmp_path, fake_model):
@@ -439,6 +494,34 @@ def test_bad_empo2_home_fails_at_once_with_one_line(tmp_path, request, kind):
     assert time.time() - started < 60 and not (tmp_path / "run").exists()
 
 
+@pytest.fixture()
+def small_home(tmp_path):
+    """A 16 MiB tmpfs mounted for the test (root only; skipped where mount is not permitted): room for a temporary
+    file, not for the model's safetensors copy."""
+    home = tmp_path / "small-home"
+    home.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(home)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    yield home
+    subprocess.run(["umount", "-l", str(home)], check=False)
+
+
+@pytest.mark.slow
+def test_a_full_empo2_home_on_the_first_model_conversion_is_one_line(tmp_path, small_home):
+    """The conversion of the bundled GGUF runs out of space while it writes the safetensors copy (a 36-line
+    ``SafetensorError`` traceback before): one line naming the folder and the sizes, exit 2, the partial copy
+    removed and no run folder made."""
+    res = empo2("train", "--config", CPU, f"train.output_dir={tmp_path / 'run'}", env={"EMPO2_HOME": str(small_home)},
+                timeout=600)
+    assert res.returncode == 2, res.stderr[-3000:]
+    msg = one_line(res)
+    target = small_home / "models" / "smollm2-135m"
+    assert msg.startswith(f"error: EMPO2_HOME={small_home} cannot hold the model cache ({target}: "), msg
+    assert "the copy needs about " in msg and msg.endswith(" MiB are free): free space there or point EMPO2_HOME at "
+                                                          "a larger folder"), msg
+    assert list((small_home / "models").iterdir()) == [] and not (tmp_path / "run").exists()
+
+
 def test_memory_stats_in_a_read_only_run_folder(read_only):
     source, view = read_only
     memory_file(source / "memory.sqlite", tips=30)
@@ -519,3 +602,68 @@ def test_run_whose_stdout_closes_finishes_with_one_warning(tmp_path, tiny_model)
     assert "standard output was closed (its reader exited); the command goes on" in one_line(res)
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]
     assert (run / "eval" / "final.md").exists()
+
+
+# ---------------------------------------------------------------------------------- malformed data, long names
+WEBSHOP = "configs/webshop_cpu.yaml"
+FIXTURE = REPO / "src" / "empo2" / "envs" / "webshop" / "fixture"
+
+
+def webshop_data(folder: Path) -> Path:
+    """The bundled fixture under the official files' names (their checksums differ: a warning each, as for any
+    catalog that is not the official one)."""
+    folder.mkdir()
+    for mine, official in (("items_shuffle.json", "items_shuffle_1000.json"),
+                           ("items_ins_v2.json", "items_ins_v2_1000.json"), ("items_human_ins.json",
+                                                                             "items_human_ins.json")):
+        (folder / official).write_bytes((FIXTURE / mine).read_bytes())
+    return folder
+
+
+def _list_for_object(folder: Path) -> tuple[Path, str]:
+    path = folder / "items_ins_v2_1000.json"
+    path.write_text(json.dumps(list(json.loads(path.read_text()).items())))
+    return path, "the file is a list, where WebShop's data has an object"
+
+
+def _string_for_object(folder: Path) -> tuple[Path, str]:
+    path = folder / "items_shuffle_1000.json"
+    products = json.loads(path.read_text())
+    products[0]["customization_options"] = {"Scent": ["Lavender"]}
+    path.write_text(json.dumps(products))
+    return path, "a value of product 0's option 'Scent' is a string, where WebShop's data has an object"
+
+
+def _nested(folder: Path) -> tuple[Path, str]:
+    path = folder / "items_human_ins.json"
+    path.write_text("[" * 5000 + "]" * 5000)
+    return path, "nests its JSON deeper than"
+
+
+@pytest.mark.parametrize("damage", [_list_for_object, _string_for_object, _nested],
+                         ids=["a list for an object", "a string for an object", "nested 5000 deep"])
+def test_malformed_webshop_data_is_one_line_naming_the_file(tmp_path, tiny_model, damage):
+    """WebShop data of another shape (it used to end in AttributeError, TypeError or RecursionError tracebacks):
+    exit 2, the last line names the file and what is wrong, no traceback, no run folder."""
+    path, what = damage(webshop_data(tmp_path / "data"))
+    res = empo2("train", "--config", WEBSHOP, f"env.webshop_data={path.parent}", f"train.output_dir={tmp_path / 'run'}",
+                f"policy.model={tiny_model}")
+    err = res.stderr.decode()
+    assert res.returncode == 2 and "Traceback" not in err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"error: WebShop data file {path}") and what in last, last
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_output_folder_name_longer_than_the_file_system_allows_is_one_line(tmp_path, fake_model):
+    """``train.output_dir``, ``compare --out`` and ``eval --out`` with a 300-byte name (the file system allows 255):
+    one line naming the limits, exit 2, nothing written (an ``OSError: [Errno 36]`` traceback before)."""
+    long = tmp_path / ("x" * 300)
+    limits = f"its longest name 300 bytes; {tmp_path} allows 255 bytes a name and 4096 a path); choose a shorter name"
+    for args in (["train", "--config", CPU, f"train.output_dir={long}", f"policy.model={fake_model}"],
+                 ["compare", "--config", CPU, "--algos", "grpo", "--seeds", "1", "--out", long],
+                 ["eval", "--model", fake_model, "--out", long]):
+        res = empo2(*args)
+        assert res.returncode == 2, res.stderr[-3000:]
+        assert one_line(res).endswith(limits), one_line(res)
+        assert list(tmp_path.iterdir()) == [fake_model]

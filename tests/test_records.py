@@ -119,3 +119,28 @@ def test_a_plain_record_of_an_earlier_version_is_read_and_replaced_by_the_gzippe
     target.write_bytes(first[: len(first) // 2])  # a truncated copy: one line naming the file, nothing written
     with pytest.raises(records.ConfigError, match="scores.jsonl.gz cannot be read"):
         records.read(target)
+
+
+def test_a_record_that_does_not_exist_is_an_error_unless_the_command_creates_it(tmp_path, capsys):
+    """A mistyped record path is one line naming it (it read as a comparison of no runs); ``compare`` and ``merge``,
+    which create the record, read none there; ``report --out`` of an existing file is one line, before any input is
+    read, and the file is left as it was."""
+    from empo2.cli import main
+    from empo2.config import ConfigError
+    from empo2.experiments import records
+
+    missing = tmp_path / "cmp" / records.RECORD_FILE
+    with pytest.raises(ConfigError, match=f"{missing} does not exist"):
+        records.read(missing)
+    assert records.read(missing, missing_ok=True) == {}
+    runs = records.read(RESULTS / "webshop" / records.RECORD_FILE)
+    missing.parent.mkdir()
+    records.merge(missing, list(runs.values()))  # the first write of a comparison
+    assert records.read(missing) == runs
+
+    taken = tmp_path / "report.txt"
+    taken.write_text("mine")
+    assert main(["report", str(RESULTS / "webshop"), "--out", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --out {taken} is a file; give a folder for report.md, report.json and the PNGs\n"
+    assert taken.read_text() == "mine"

@@ -11,6 +11,7 @@ if __name__ == "__main__":  # python -m empo2.cli: Ctrl-C waits for main()'s han
     block_for_exec()
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -300,12 +301,41 @@ def _main(argv: list[str] | None) -> int:
     except UserError as exc:  # every error a user can cause: one line, exit 2
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        if exc.errno != errno.ENAMETOOLONG:
+            raise
+        print(f"error: {name_too_long(exc.filename)}", file=sys.stderr)  # a path the user gave
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
     finally:
         sys.stdout.flush()
         sys.stdout = stdout
+
+
+def name_too_long(path) -> str:
+    """One line for a path the file system refuses as too long, with its limits (a name, the whole path)."""
+    path = Path(os.fsdecode(path or "?"))
+    folder = path.absolute().parent
+    while folder != folder.parent and not _is_dir(folder):
+        folder = folder.parent
+    try:
+        name_max, path_max = os.pathconf(folder, "PC_NAME_MAX"), os.pathconf(folder, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    longest = max((len(os.fsencode(part)) for part in path.parts), default=0)
+    shown = str(path) if len(str(path)) <= 100 else f"{str(path)[:60]}…{str(path)[-30:]}"
+    return (f"{shown}: the path is too long for its file system ({len(os.fsencode(str(path)))} bytes, its longest "
+            f"name {longest} bytes; {folder} allows {name_max} bytes a name and {path_max} a path); choose a "
+            "shorter name")
+
+
+def _is_dir(path: Path) -> bool:
+    try:
+        return path.is_dir()
+    except OSError:  # itself too long
+        return False
 
 
 def entry() -> None:

@@ -50,15 +50,13 @@ def policy_context(args, with_memory_path: Path | None):
     from empo2.rundir import checkpoint as ckpt
 
     cfg = policy_config(args)
+    last = ckpt.latest_intact(Path(args.run), lambda line: print(line, file=sys.stderr)) if args.run else None
+    if last is not None and (last / "sharded").is_dir():
+        raise ConfigError(f"{last} is sharded (train.sharding=fsdp): write Hugging Face weights with "
+                          f"`empo2 export {args.run} OUT`, then use --model OUT")
     model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                   cfg.policy.trust_remote_code)
-    if args.run:
-        last = ckpt.latest_checkpoint(Path(args.run))
-        if last is None:
-            raise ConfigError(f"{args.run} has no checkpoint")
-        if (last / "sharded").is_dir():
-            raise ConfigError(f"{last} is sharded (train.sharding=fsdp): write Hugging Face weights with "
-                              f"`empo2 export {args.run} OUT`, then use --model OUT")
+    if last is not None:
         if cfg.policy.lora:
             from peft import PeftModel
 

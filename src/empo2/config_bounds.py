@@ -16,6 +16,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 from empo2.errors import UserError
@@ -188,7 +189,7 @@ def check_process_limit(workers: int, what: str) -> None:
     import psutil
 
     limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if limit == resource.RLIM_INFINITY:
+    if limit == resource.RLIM_INFINITY or exempt_from_process_limit():
         return
     uid = os.getuid()
     used = 0
@@ -199,6 +200,24 @@ def check_process_limit(workers: int, what: str) -> None:
     if used + needed > limit:
         raise _error(f"{what} = {workers} environment workers need about {needed} processes and threads, but the "
                      f"process limit (ulimit -u) is {limit} with {used} in use: lower it, or raise the limit")
+
+
+def exempt_from_process_limit() -> bool:
+    """Whether the kernel lets this process fork past ``ulimit -u``: it holds root of the initial user namespace to
+    no process limit, nor a process with CAP_SYS_RESOURCE or CAP_SYS_ADMIN there (root inside a container's own user
+    namespace is another user to the kernel, and is held to it)."""
+    try:
+        maps = [tuple(map(int, line.split())) for line in Path("/proc/self/uid_map").read_text().splitlines()]
+        status = Path("/proc/self/status").read_text().splitlines()
+        caps = int(next(line.split()[1] for line in status if line.startswith("CapEff:")), 16)
+    except (OSError, ValueError, StopIteration, IndexError):  # no /proc: assume the limit holds
+        return False
+    uid = os.getuid()
+    kernel_uid = next((outside + uid - inside for inside, outside, count in maps if inside <= uid < inside + count),
+                      None)
+    initial_namespace = maps == [(0, 0, 2**32 - 1)]
+    cap_sys_admin, cap_sys_resource = 1 << 21, 1 << 24
+    return kernel_uid == 0 or (initial_namespace and bool(caps & (cap_sys_admin | cap_sys_resource)))
 
 
 def _error(message: str) -> ConfigError:

@@ -9,6 +9,11 @@ afresh: the recent steps as chat turns, the hints, tips and observation in the l
 (:func:`append_prompt_ids`) renders the first step the same way, and every later step as the previous prompt, the
 model's own response tokens and one new user turn (hints, tips, observation), so each prompt extends the last one
 token for token and generation keeps its KV cache from turn to turn.
+
+Text from the environment, the memory or the model's own actions may hold the text of the tokenizer's special tokens
+(``<|im_start|>``, ``<|im_end|>`` …). Rendered as it is, a tip ``<|im_start|>system …`` would become real control
+tokens and open a new system turn. :func:`chat_prompt_ids` therefore breaks every such text in the messages'
+contents with a zero-width space (:func:`neutralise`): it still reads the same, and tokenises as plain text.
 """
 
 from __future__ import annotations
@@ -71,18 +76,47 @@ def build_messages(parts: PromptParts, history_window: int, obs_chars: int = 600
     return messages
 
 
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+def special_texts(tokenizer) -> tuple[str, ...]:
+    """The texts ``tokenizer`` turns into special tokens wherever they appear: its special tokens and its added
+    tokens marked special (SmolLM2: ``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>``, ``<file_sep>`` …), longest
+    first."""
+    texts = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    texts |= {str(t) for t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values()
+              if getattr(t, "special", True)}
+    return tuple(sorted((t for t in texts if len(t) > 1), key=lambda t: (-len(t), t)))
+
+
+def neutralise(text: str, specials: tuple[str, ...]) -> str:
+    """``text`` with every occurrence of a special token's text broken by a zero-width space after its first
+    character, so that the tokenizer reads it as plain text (a broken occurrence cannot form a new one, so one pass
+    per text is enough; the loop catches occurrences that overlapped)."""
+    while any(s in text for s in specials):
+        for s in specials:
+            text = text.replace(s, s[0] + ZERO_WIDTH_SPACE + s[1:])
+    return text
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of ``messages`` under the tokenizer's chat template, generation prompt added; the template's own
+    control tokens are the only special tokens in them (every content is :func:`neutralise`-d)."""
+    specials = special_texts(tokenizer)
+    safe = [{**m, "content": neutralise(m["content"], specials)} for m in messages]
+    ids = tokenizer.apply_chat_template(safe, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
 def render_prompt_ids(tokenizer, parts: PromptParts, history_window: int, max_prompt_length: int) -> list[int]:
     """Token ids of the chat prompt, shortened from the oldest history until it fits ``max_prompt_length``."""
     window = history_window
     demo = parts.demonstration
     while True:
         current = replace(parts, demonstration=demo)
-        ids = tokenizer.apply_chat_template(
-            build_messages(current, window), add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        ids = list(ids)
+        ids = chat_prompt_ids(tokenizer, build_messages(current, window))
         if len(ids) <= max_prompt_length:
             return ids
         if window > 0 and parts.history:
@@ -119,9 +153,10 @@ _SENTINEL = "\x00empo2-response\x00"
 
 def _turn_ids(tokenizer, content: str) -> list[int]:
     """Tokens that follow an assistant turn's end-of-turn token: the chat template's separator, a user message
-    ``content`` and the opening of the next assistant turn."""
+    ``content`` (:func:`neutralise`-d) and the opening of the next assistant turn."""
     glue = _turn_template(tokenizer)
-    return list(tokenizer(glue[0] + content + glue[1], add_special_tokens=False)["input_ids"])
+    safe = neutralise(content, special_texts(tokenizer))
+    return list(tokenizer(glue[0] + safe + glue[1], add_special_tokens=False)["input_ids"])
 
 
 def _turn_template(tokenizer) -> tuple[str, str]:

@@ -46,6 +46,13 @@ order of the readings changes between loads (``open drawer (in cupboard, ...)`` 
 DEFAULT_JAVA_OPTIONS = "-Xmx1g -XX:+UseSerialGC"
 """A small heap and the serial collector: a worker's JVM holds far less memory and steps faster than with the JVM's
 defaults (G1, heap = RAM/4), measured in docs/benchmarks.md."""
+CONSTANT_HASH = "-XX:+UnlockExperimentalVMOptions -XX:hashCode=2"
+"""Every Java object gets the same identity hash. The simulator lists a room's objects, names the referents of its
+valid actions ("paint in cup containing red paint") and breaks ties in the order of sets hashed by identity, and the
+JVM's default hashes depend on everything the JVM ran before: an evaluation's episodes, or a resume's fresh JVM,
+would change the episodes of the training after them. With one constant hash the order is the one the world was
+built in, the same in every JVM. Gold paths keep being computed without it (:func:`fresh_gold_path`), so the cached
+ones stay valid; they replay the same either way, and steps take as long."""
 
 
 class ScienceWorldEnv:
@@ -62,7 +69,7 @@ class ScienceWorldEnv:
 
     def __init__(self, simplification: str = "easy", max_steps: int | None = None, action_correction: bool = True,
                  step_caps: dict[str, int] | None = None, valid_actions_in_info: bool = True,
-                 java_options: str | None = DEFAULT_JAVA_OPTIONS, action_cutoff: float = 0.0):
+                 java_options: str | None = f"{DEFAULT_JAVA_OPTIONS} {CONSTANT_HASH}", action_cutoff: float = 0.0):
         if shutil.which("java") is None:
             raise EnvError(f"java not found. {JAVA_HINT}")
         try:
@@ -369,7 +376,8 @@ def fresh_gold_path(task: str, variation: int, simplification: str) -> list[str]
     The simulator makes some of a gold path's choices (which object a find task moves, say) by shuffling sets whose
     order follows Java identity hashes, and those depend on everything the JVM ran before. The same JVM therefore gives
     another path after other episodes, and only a fresh one gives the same path every time."""
-    with ScienceWorldEnv(simplification=simplification, valid_actions_in_info=False) as env:
+    with ScienceWorldEnv(simplification=simplification, valid_actions_in_info=False,
+                         java_options=DEFAULT_JAVA_OPTIONS) as env:  # as every cached gold path was computed
         env._check_task(task)
         try:
             env._sim.load(task, variation, simplification, generateGoldPath=True)

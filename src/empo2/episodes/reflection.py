@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from empo2.agent.prompts import chat_prompt_ids
 from empo2.agent.reflection import memory_entry, parse_tip, reflection_messages
 from empo2.algo.empo2 import MEMORY_MODES
 from empo2.config_sections import MemoryConfig
@@ -126,8 +127,7 @@ def reflection_prompts(ctx: RolloutContext, episodes: list[Episode]) -> list[lis
     for ep in episodes:
         messages = reflection_messages(ep.task_description, [(s.action, s.observation) for s in ep.steps], ep.score,
                                        max_words=ctx.memory_cfg.max_tip_words)
-        ids = ctx.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        prompts.append(chat_prompt_ids(ctx.tokenizer, messages))
     return prompts
 
 

@@ -181,7 +181,7 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
         if fixed_by:  # the arm's own value would win silently over the one asked for
             raise ConfigError(f"{key} is fixed by the ablation arm {fixed_by[0]} ({ARMS[fixed_by[0]].what}); "
                               "drop the override or that arm")
-    plans, recorded = [], records.read(Path(out) / records.RECORD_FILE)
+    plans, recorded = [], records.read(Path(out) / records.RECORD_FILE, missing_ok=True)  # made by this command
     command = {"config": config, "overrides": list(overrides)}
     for seed in seeds:  # seed-major: an interrupted comparison has every algorithm on its first seeds
         for algo in algos:
@@ -274,14 +274,24 @@ def share_start_eval(plan: RunPlan, plans: list[RunPlan], status: str) -> str | 
     into this run's folder, so the trainer skips its own start eval. A fresh run's folder is first emptied of an
     earlier attempt's run files; a resumed run gets the copy only if it stopped before its start eval was written
     and before any checkpoint. Returns the donor's name, or ``None``: the run evaluates itself."""
-    from empo2.rundir.runlock import RunLock, clear_run_folder, is_run_file, mark_run_folder
+    from empo2.rundir.runlock import (
+        LOCK_NAME,
+        RunLock,
+        clear_run_folder,
+        empty_layout_folders,
+        is_run_file,
+        mark_run_folder,
+        run_folder_owns,
+    )
 
     if status == "resume" and ((plan.folder / "eval" / "start.json").is_file()
                                or ckpt.latest_checkpoint(plan.folder) is not None):
         return None
     if status == "fresh" and plan.folder.is_dir():
-        if any(not is_run_file(p.name) for p in plan.folder.iterdir()):  # runs/NAME of compare's own folder
-            return None  # someone else's files: train's own check refuses this folder
+        names = [p.name for p in plan.folder.iterdir()]
+        unknown = set(names) - {LOCK_NAME} - empty_layout_folders(plan.folder, names)
+        if any(not is_run_file(n) for n in names) or (run_folder_owns(plan.folder) is None and unknown):
+            return None  # someone else's files, or files not known to be empo2's: train's own check refuses them
         with RunLock(plan.folder):
             clear_run_folder(plan.folder)
     donor = _start_eval_donor(plan, plans)
@@ -394,7 +404,7 @@ def earlier_runs(config: str, out: Path, overrides: list[str], plans: list[RunPl
     runs in one summary, even one whose command stopped before writing it. A run with other settings is left out,
     with a line; its folder and record stay, so a later command with its settings finds it again."""
     named = {(p.algo, p.seed) for p in plans}
-    found = {(r["algo"], r["seed"]) for r in records.read(Path(out) / records.RECORD_FILE).values()}
+    found = {(r["algo"], r["seed"]) for r in records.read(Path(out) / records.RECORD_FILE, missing_ok=True).values()}
     for folder in sorted((Path(out) / "runs").glob("*-seed*")):
         algo, _, seed = folder.name.rpartition("-seed")
         if folder.is_dir() and seed.isdigit():

@@ -105,6 +105,7 @@ def _protocol_text(p: dict[str, Any], results: list[dict[str, Any]]) -> list[str
     if p["eval_split"] != "test" or p["eval_episodes"] < PROTOCOL_EPISODES:
         lines.append(f"Note: the evidence protocol is ≥ {PROTOCOL_EPISODES} held-out episodes per run "
                      f"(`env.eval_split=test`); these runs used {p['eval_episodes']} on the `{p['eval_split']}` split.")
+    lines += machine_warnings(results)
     reused = sorted({(r["seed"], r["start_from"]) for r in results if r["start_from"]})
     if reused:
         lines.append("Start eval (untrained model): run once per seed and reused by that seed's other arms ("
@@ -144,6 +145,17 @@ def settings_text(settings: dict[str, dict[str, Any]]) -> list[str]:
         source = f" ({s['official']})" if s["differs_from_official"] else ""
         lines.append(f"| {algo} | {s['reward']} | {s['advantage']} | {loss['loss']}: {parts} | {differs}{source} |")
     return [*lines, ""]
+
+
+def machine_warnings(results: list[dict[str, Any]]) -> list[str]:
+    """A warning per seed whose runs (paired by that seed across arms) computed under different thread counts, CPU
+    kernel paths or library versions (:data:`empo2.machine.FIXES`): their differences then hold the machines'."""
+    seeds = sorted({r["seed"] for r in results})
+    found = [(seed, machine.differences({r["name"]: r.get("machines", []) for r in results if r["seed"] == seed}))
+             for seed in seeds]
+    return [f"**Warning: seed {seed}'s runs did not compute alike** ({'; '.join(diff)}): with one seed, runs "
+            "sample the same only under the same threads, kernels and versions, so the paired differences of this "
+            "seed also hold the machines' difference." for seed, diff in found if diff]
 
 
 def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: list[dict], missing: list[str],
@@ -262,7 +274,7 @@ def rebuild(folder: Path, out: Path | None = None, algos: list[str] | None = Non
     """The summary of the comparison ``folder/scores.jsonl.gz`` records, from that file alone, written into ``out``
     (default ``folder``): its runs of ``algos`` (default: every arm, in the order first recorded) and ``seeds``
     (default: all). The command shown is the first run's."""
-    found = list(records.read(Path(folder) / records.RECORD_FILE).values())
+    found = list(records.read(Path(folder) / records.RECORD_FILE, missing_ok=True).values())
     if not found:
         from empo2.config import ConfigError
 

@@ -108,11 +108,15 @@ def source(path: Path) -> Path:
     return plain if path.name == RECORD_FILE and not path.exists() and plain.is_file() else path
 
 
-def read_lines(path: Path) -> list[str]:
-    """The text lines of the record ``path`` names (gzipped or plain, see :func:`source`); none when it does not exist."""
+def read_lines(path: Path, missing_ok: bool = False) -> list[str]:
+    """The text lines of the record ``path`` names (gzipped or plain, see :func:`source`). A record that does not
+    exist is an error naming the path, or no lines with ``missing_ok`` (a command that creates it)."""
     path = source(path)
-    if not path.is_file():
+    if not path.exists() and missing_ok:
         return []
+    if not path.is_file():
+        what = "does not exist" if not path.exists() else "is not a file"
+        raise ConfigError(f"{path} {what} (a comparison's record, {RECORD_FILE}); check the path")
     data = path.read_bytes()
     try:
         text = gzip.decompress(data).decode() if data[:2] == b"\x1f\x8b" else data.decode()
@@ -121,10 +125,11 @@ def read_lines(path: Path) -> list[str]:
     return text.splitlines()
 
 
-def read(path: Path) -> dict[str, dict[str, Any]]:
-    """The runs ``path`` records (none when it does not exist); a damaged line is one clear error naming it."""
+def read(path: Path, missing_ok: bool = False) -> dict[str, dict[str, Any]]:
+    """The runs ``path`` records; a damaged line is one clear error naming it, and so is a path that does not exist
+    unless ``missing_ok`` (a command that creates the record reads none there)."""
     lines = []
-    for n, text in enumerate(read_lines(path), 1):
+    for n, text in enumerate(read_lines(path, missing_ok), 1):
         if not text.strip():
             continue
         try:
@@ -157,6 +162,6 @@ def write(path: Path, records: list[dict[str, Any]]) -> None:
 def merge(path: Path, records: list[dict[str, Any]]) -> None:
     """Put ``records`` into ``path``: a run already there is replaced, the others are kept (a run left out of this
     summary for its settings stays recorded, for the command that has them)."""
-    kept = read(path)
+    kept = read(path, missing_ok=True)
     kept.update({r["name"]: r for r in records})
     write(path, list(kept.values()))

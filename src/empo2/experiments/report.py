@@ -76,7 +76,7 @@ def collect(paths: list[str | Path], partial: bool = False) -> dict[str, list]:
     for p in map(Path, paths):
         if not p.is_dir():
             raise ConfigError(f"no such folder: {p}")
-        recorded = records.read(p / records.RECORD_FILE)
+        recorded = records.read(p / records.RECORD_FILE, missing_ok=True)  # a run folder holds none
         runs = [p] if (p / "config.yaml").is_file() else sorted(q for q in (p / "runs").glob("*") if q.is_dir()
                                                                     and q.name not in recorded)
         adapts = [p] if (p / "adapt.json").is_file() else sorted(q.parent for q in p.glob("*/adapt.json"))
@@ -350,6 +350,8 @@ def write_report(paths: list[str | Path], out: Path, partial: bool = False) -> d
     """Read ``paths``, then write ``report.md``, ``report.json`` and the PNGs into ``out``; returns the tables. With
     ``partial``, runs that have not finished are left out: report.md names them above the tables, and report.json
     lists them as ``unfinished`` in the table they will join (a table none of whose runs has finished is not made)."""
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder for report.md, report.json and the PNGs")
     found = collect(paths, partial)  # every input is read (and may fail) before anything is written
     tabs = tables(found)
     out = Path(out)

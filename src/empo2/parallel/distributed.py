@@ -150,10 +150,9 @@ class Dist:
                                    rewards=[])  # this rank's step rewards only: the returns are taken from episodes
 
     def seed_iteration(self, seed: int, iteration: int) -> None:
-        """Per-rank, per-iteration seeds for python/numpy/torch: ranks draw different streams, and a resumed run
-        draws what the uninterrupted one would have (no per-rank RNG state in checkpoints)."""
-        if not self.enabled:
-            return
+        """Per-rank, per-iteration seeds for python/numpy/torch: ranks draw different streams, and an iteration draws
+        the same whatever came before it in this process (an evaluation, a resume, another run, a cached embedder's
+        load), so a resumed run draws what the uninterrupted one would have."""
         s = _seed_from(seed, iteration, self.rank)
         random.seed(s), np.random.seed(s % 2**32), torch.manual_seed(s)
 

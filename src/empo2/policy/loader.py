@@ -9,6 +9,7 @@ a safetensors copy with tokenizer and chat template to ``$EMPO2_HOME/models/smol
 from __future__ import annotations
 
 import contextlib
+import errno
 import importlib.util
 import logging
 import os
@@ -167,9 +168,34 @@ def cached_model_dir(name: str) -> Path:
         if target.exists():
             shutil.rmtree(target)
         os.replace(tmp, target)
+    except Exception as exc:  # noqa: BLE001 - only a full disk is translated, the rest is re-raised
+        reason = _out_of_space(exc)
+        if reason is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # give the space back before saying how much there is
+        needed = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        free = shutil.disk_usage(target.parent).free / 2**20
+        raise ModelLoadError(f"EMPO2_HOME={empo2_home()} cannot hold the model cache ({target}: {reason}; the "
+                             f"copy needs about {needed:.0f} MiB, {free:.0f} MiB are free): free space there or point "
+                             "EMPO2_HOME at a larger folder") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _out_of_space(exc: BaseException) -> str | None:
+    """The reason, when ``exc`` or an exception it came from says the disk or the quota is full (safetensors reports
+    it in its own words, ``IoError(Os { code: 28, kind: StorageFull ... })``); else ``None``."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            return exc.strerror or str(exc)
+        text = str(exc).lower()
+        if "no space left" in text or "storagefull" in text or "quota exceeded" in text:
+            return "no space left on device"
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def check_writable_home() -> None:

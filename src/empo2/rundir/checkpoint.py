@@ -14,6 +14,7 @@ folder whose origin the user trusts (``python -m empo2.rundir.checkpoint --conve
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -31,7 +32,7 @@ import torch
 from empo2.config import ConfigError
 from empo2.file_modes import share_tree
 from empo2.parallel import sharding
-from empo2.rundir.manifest import write_manifest
+from empo2.rundir.manifest import ChecksumError, verify_manifest, write_manifest
 
 PREFIX = "iter_"
 STATE = "state.json"
@@ -65,6 +66,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(list(gpu[: torch.cuda.device_count()]))
 
 
+@contextlib.contextmanager
+def separate_stream(seed: int):
+    """Within the block python, numpy and torch draw from streams seeded by ``seed``; after it they continue where
+    they were, as if the block had drawn nothing."""
+    saved = rng_state()
+    random.seed(seed), np.random.seed(seed % 2**32), torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        set_rng_state(saved)
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
@@ -76,6 +89,27 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def latest_intact(run_dir: Path, say: Callable[[str], None]) -> Path:
+    """The newest checkpoint whose files match its manifest (one of an empo2 from before manifests is taken as it
+    is), for commands that read weights without resuming (``eval --run``, ``export``). A newer one that does not
+    match is passed over with one ``say`` line; none at all, or none that matches, is a :class:`CheckpointError`."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"{run_dir} has no checkpoint")
+    reasons = []
+    for folder in reversed(found):
+        try:
+            verify_manifest(folder)
+        except ChecksumError as exc:
+            reasons.append(f"{folder.name}: {exc}")
+            continue
+        if reasons:
+            say(f"warning: {'; '.join(reasons)}; using {folder}, the newest checkpoint that matches its manifest")
+        return folder
+    raise CheckpointError(f"no checkpoint of {run_dir} matches its manifest ({'; '.join(reasons)[:400]}); put back "
+                          "an intact checkpoint folder")
 
 
 def save_checkpoint(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -22,15 +23,14 @@ from empo2.rundir import checkpoint as ckpt
 
 
 def export(run_dir: Path, out: Path) -> Path:
-    """Write ``run_dir``'s newest checkpoint to ``out`` (which must not exist, or be empty); returns the checkpoint."""
+    """Write ``run_dir``'s newest checkpoint that matches its manifest to ``out`` (which must not exist, or be empty);
+    returns the checkpoint."""
     from empo2.policy.loader import load_model
 
     run_dir, out = Path(run_dir), Path(out)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run folder (no config.yaml)")
-    last = ckpt.latest_checkpoint(run_dir)
-    if last is None:
-        raise ConfigError(f"{run_dir} has no checkpoint")
+    last = ckpt.latest_intact(run_dir, lambda line: print(line, file=sys.stderr))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; give a new folder")
     cfg = Config.load(run_dir / "config.yaml")

@@ -33,7 +33,8 @@ EMPO2_ONLY = {"memory.sqlite", "machine.jsonl", "trajectories.jsonl", "scores.pn
               "mlflow-run-id"}
 """Names of :data:`RUN_LAYOUT` that other trainers do not write (``config.yaml``, ``checkpoints/``, ``eval/``,
 ``tb/`` and ``wandb/`` are everyone's): with a ``checkpoints/iter_NNNNNN`` folder they recognise a run made before
-the marker existed."""
+the marker existed, which ``--resume`` continues (and then marks). Names are no proof of origin, so only the marker
+lets a fresh run delete or replace anything."""
 OLD_CHECKPOINT = re.compile(r"iter_\d{6}")
 
 
@@ -113,25 +114,29 @@ def owner_line() -> str:
 
 def run_folder_owns(run_dir: Path) -> list[str] | None:
     """The names (patterns) of ``run_dir``'s entries that empo2 wrote: its marker's ``owns`` list (a marker from before
-    the list: :data:`RUN_LAYOUT`); for an unmarked run made before the marker existed, :data:`RUN_LAYOUT` when the
-    folder holds ``config.yaml`` beside an empo2-only file (:data:`EMPO2_ONLY`, or an ``iter_NNNNNN`` checkpoint)
-    and nothing outside that layout. ``None``: not an empo2 run folder (or no folder)."""
-    run_dir = Path(run_dir)
-    marker = run_dir / RUN_MARKER
-    if marker.is_file():
-        try:
-            owns = json.loads(marker.read_text(encoding="utf-8"))["owns"]
-            if isinstance(owns, list):  # it may narrow what a run owns, never widen it
-                return sorted(n for n in owns if n in RUN_LAYOUT)
-        except (OSError, ValueError, KeyError, TypeError):  # the plain-text marker of earlier versions
-            pass
-        return sorted(RUN_LAYOUT)
-    if not run_dir.is_dir():
+    the list: :data:`RUN_LAYOUT`). ``None``: no marker, so nothing there is known to be empo2's (file names prove
+    nothing: another tool writes ``config.yaml`` and ``checkpoints/`` too, and a user may name a file anything)."""
+    marker = Path(run_dir) / RUN_MARKER
+    if not marker.is_file():
         return None
-    names = {p.name for p in run_dir.iterdir()}
-    if names - {LOCK_NAME} and looks_like_an_old_run(run_dir, names) and all(_owned(n, RUN_LAYOUT) for n in names):
-        return sorted(RUN_LAYOUT)
-    return None
+    try:
+        owns = json.loads(marker.read_text(encoding="utf-8"))["owns"]
+        if isinstance(owns, list):  # it may narrow what a run owns, never widen it
+            return sorted(n for n in owns if n in RUN_LAYOUT)
+    except (OSError, ValueError, KeyError, TypeError):  # the plain-text marker of earlier versions
+        pass
+    return sorted(RUN_LAYOUT)
+
+
+def empty_layout_folders(run_dir: Path, names: list[str]) -> set[str]:
+    """The entries of ``names`` that are empty real folders a run writes into (``checkpoints/`` of a scratch mount):
+    nothing in them can be lost, so they do not make a folder someone else's."""
+    empty = set()
+    for name in names:
+        path = run_dir / name
+        if name in RUN_LAYOUT and path.is_dir() and not path.is_symlink() and not any(path.iterdir()):
+            empty.add(name)
+    return empty
 
 
 def looks_like_an_old_run(run_dir: Path, names: set[str]) -> bool:
@@ -155,9 +160,13 @@ def check_new_run_folder(run_dir: Path, overwrite: bool) -> None:
     if run_dir.exists() and not run_dir.is_dir():
         raise RunLockError(f"{run_dir} is a file, not a folder; choose another train.output_dir")
     names = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
-    if not [n for n in names if n != LOCK_NAME]:
-        return  # a new or empty folder (a lock file left by a command that wrote nothing)
+    if not set(names) - {LOCK_NAME} - empty_layout_folders(run_dir, names):
+        return  # a new or empty folder (a lock file left by a command that wrote nothing, empty layout folders)
     owns = run_folder_owns(run_dir)
+    if owns is None and looks_like_an_old_run(run_dir, set(names)):
+        raise RunLockError(f"{run_dir} holds a run without the {RUN_MARKER} marker (a run of an empo2 from before "
+                           "the marker, or files of another tool named alike); nothing was deleted or written — "
+                           f"continue an empo2 run with --resume {run_dir}, or choose another train.output_dir")
     if owns is None:
         unusual = [n for n in names if not _owned(n, RUN_LAYOUT)] or [n for n in names if n != LOCK_NAME]
         found = ", ".join(unusual[:5]) + (f" and {len(unusual) - 5} more" if len(unusual) > 5 else "")
@@ -184,11 +193,12 @@ def check_run_to_resume(run_dir: Path) -> None:
 def mark_run_folder(run_dir: Path, ours=None) -> None:
     """Write the marker. The run owns every name of :data:`RUN_LAYOUT` except those the folder already holds for
     someone else: an entry already there is the run's only if it matches ``ours`` (default: what the folder's marker
-    lists; a run made before the marker: :data:`RUN_LAYOUT`). A fresh run's folder holds only its user's entries
-    after :func:`clear_run_folder`."""
+    lists; an unmarked folder: its empty layout folders; ``--resume`` of a run made before the marker passes
+    :data:`RUN_LAYOUT`). A fresh run's folder holds only its user's entries after :func:`clear_run_folder`."""
     run_dir = Path(run_dir)
     if ours is None:
-        ours = run_folder_owns(run_dir) if (run_dir / RUN_MARKER).is_file() else ()
+        names = [p.name for p in run_dir.iterdir()]
+        ours = run_folder_owns(run_dir) or sorted(empty_layout_folders(run_dir, names))
     others = {p.name for p in run_dir.iterdir() if not _owned(p.name, ours)} - {LOCK_NAME, RUN_MARKER}
     owns = sorted(n for n in RUN_LAYOUT if n not in others)
     tmp = run_dir / f".{RUN_MARKER}.tmp"
@@ -209,12 +219,14 @@ def is_run_file(name: str) -> bool:
 
 
 def clear_run_folder(run_dir: Path) -> None:
-    """Delete what empo2 wrote in ``run_dir`` (``train --overwrite``): the entries its marker lists (unmarked:
-    :data:`RUN_LAYOUT`; callers first make sure the folder is a run's), except the lock this process holds and the
-    marker, which the fresh run rewrites; anything else stays."""
+    """Delete what empo2 wrote in ``run_dir`` (``train --overwrite``): the entries its marker lists, except the lock
+    this process holds and the marker, which the fresh run rewrites; anything else stays. Of an unmarked folder only
+    its empty layout folders go (nothing in them can be lost)."""
     import shutil
 
-    owns = run_folder_owns(run_dir) or sorted(RUN_LAYOUT)
+    owns = run_folder_owns(run_dir)
+    if owns is None:
+        owns = sorted(empty_layout_folders(Path(run_dir), [p.name for p in Path(run_dir).iterdir()]))
     for child in Path(run_dir).iterdir():
         if child.name not in (LOCK_NAME, RUN_MARKER) and _owned(child.name, owns):
             shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()

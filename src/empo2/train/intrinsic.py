@@ -20,26 +20,31 @@ def novelty_rewards(novelty, embedder, episodes: list[Episode], dist: Dist | Non
     state an episode loops in earns less at every
     visit than one it sees once, and the rewards do not depend on the order of ``episodes``.
 
+    An episode lost to a crashed environment worker (``failed``) is left as it is: the update leaves it out, and the
+    states it reached before the crash (the last one unknown) are not counted.
+
     With a data-parallel ``dist`` the counts are taken over every rank's episodes in global order
     (:func:`~empo2.parallel.distributed.gather_in_order`), so they see the whole batch and stay identical on every rank.
 
     An expert member (LUFFY's gold path) is no visitor: the policy did not explore its states, so they are not
     counted and its steps earn no novelty reward.
     """
-    visits = [not ep.expert for ep in episodes]
-    texts = [state for ep, v in zip(episodes, visits) if v for state in ep.reached_states()]
+    # A crashed episode counts nothing; an expert member's states were not visited by the policy.
+    reached = [[] if ep.failed or ep.expert else ep.reached_states() for ep in episodes]
+    texts = [state for states in reached for state in states]
     # Each distinct text is embedded once, in sorted order: the same text then has bit-identical embeddings (a
     # sentence encoder's padding makes them differ in the last bits across batches) whatever the episodes' order.
     unique = sorted(set(texts))
     row_of = {text: i for i, text in enumerate(unique)}
     embs = (np.asarray(embedder.encode(unique))[[row_of[t] for t in texts]] if texts
             else np.zeros((0, embedder.dim), dtype=np.float32))  # [total steps, dim]
-    bounds = np.cumsum([0] + [len(ep.steps) if v else 0 for ep, v in zip(episodes, visits)])
+    bounds = np.cumsum([0] + [len(states) for states in reached])
     per_episode = [(ep.task, embs[a:b]) for ep, a, b in zip(episodes, bounds[:-1], bounds[1:])]  # [steps_i, dim]
     fn = _novelty_fn(novelty)
     rewards_per_episode = gather_in_order(dist, episodes, per_episode, fn) if dist is not None else fn(per_episode)
-    rewards_per_episode = [r if v else np.zeros(len(ep.steps)) for ep, v, r in zip(episodes, visits, rewards_per_episode)]
-    return [dataclasses.replace(ep, steps=[dataclasses.replace(s, intrinsic=float(r)) for s, r in zip(ep.steps, rewards)])
+    rewards_per_episode = [np.zeros(len(ep.steps)) if ep.expert else r for ep, r in zip(episodes, rewards_per_episode)]
+    return [ep if ep.failed else
+            dataclasses.replace(ep, steps=[dataclasses.replace(s, intrinsic=float(r)) for s, r in zip(ep.steps, rewards)])
             for ep, rewards in zip(episodes, rewards_per_episode)]
 
 

@@ -106,12 +106,9 @@ class Trainer(TrainerParts):
         last_eval = None
         start_done = self.dist.broadcast_object((self.run_dir / "eval" / "start.json").is_file())  # rank 0's view
         if cfg.train.eval_at_start and self.next_iteration == 0 and not start_done:
-            rng, counter = ckpt.rng_state(), self.ctx.step_counter  # training then runs as without this evaluation
             signals.set_phase("the start evaluation")
             # the untrained policy: a learning curve's point at 0 env steps
             start = self.evaluate(tag="start", progress=progress)
-            ckpt.set_rng_state(rng)
-            self.ctx.step_counter = counter
             self._say(f"start eval (no memory, {cfg.env.eval_split}): score {start['summary']['score_mean']:.1f}")
             signals.set_phase("the step from the start evaluation to iteration 0")
         if self.dist.is_main and self.next_iteration < cfg.train.iterations:  # training is left to do, so
@@ -259,12 +256,21 @@ class Trainer(TrainerParts):
 
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False, progress=None) -> dict[str, Any]:
+        """Play the held-out episodes (``env.eval_split``) and write ``eval/<tag>.json`` and ``.md``.
+
+        An evaluation leaves the training as it was: it draws from streams of its own, seeded by (``train.seed``,
+        ``tag``, rank), and its environment steps are not the run's (the step counter that dates tips is put back).
+        Its result is therefore a function of the weights, the seed and the tag: the start evaluation is the same for
+        every algorithm with the same untrained model and evaluation settings, whatever the process did before."""
         cfg = self.cfg
+        stream = row_seed(cfg.train.seed, zlib.crc32(tag.encode()), self.dist.rank)
         seed = row_seed(cfg.train.seed, zlib.crc32(tag.encode())) if cfg.policy.seeded_sampling else None
-        with sharding.generating(self.model, self.cfg.policy.autocast, self.ctx.backend):
+        counter = self.ctx.step_counter
+        with ckpt.separate_stream(stream), sharding.generating(self.model, self.cfg.policy.autocast, self.ctx.backend):
             result = evaluate(self.ctx, self.task_names, EvalPlan.from_config(cfg, self.pool_size, with_memory),
                               dist=self.dist, progress=None if progress is None else partial(progress, f"eval {tag}"),
                               seed=seed)
+        self.ctx.step_counter = counter
         if self.dist.is_main:
             write_eval_tables(result, self.run_dir / "eval", tag, label=env_label(cfg.env))
         return result

@@ -13,10 +13,12 @@ import json
 import os
 import random
 import re
+import sys
 import warnings
 from dataclasses import dataclass, field
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 from empo2.envs.base import EnvError
 
@@ -137,12 +139,9 @@ def load_catalog(data_dir: str | os.PathLike | None = None, seed: int = 0, num_p
         official_paths(root, need_human=human_goals)
         files = [root / n for n in OFFICIAL_FILES]
         source = "official"
-    try:
-        raw_products = json.loads(files[0].read_text())
-        attributes = json.loads(files[1].read_text())
-        human = json.loads(files[2].read_text()) if human_goals or files[2].is_file() else {}
-    except (OSError, json.JSONDecodeError) as exc:
-        raise EnvError(f"cannot read WebShop catalog in {root}: {exc}") from None
+    raw_products = check_products(read_json(files[0]), files[0])
+    attributes = check_attributes(read_json(files[1]), files[1])
+    human = check_human(read_json(files[2]), files[2]) if human_goals or files[2].is_file() else {}
     if num_products is not None:
         raw_products = raw_products[:num_products]
 
@@ -169,3 +168,90 @@ def load_catalog(data_dir: str | os.PathLike | None = None, seed: int = 0, num_p
             human_instructions=list(human.get(asin, [])),
         ))
     return Catalog(products=products, by_asin={p.asin: p for p in products}, source=source, data_dir=root)
+
+
+# ------------------------------------------------------------------------------------------------ the files' shapes
+# What the loader reads of each file, checked before it is used: a file of another shape (a list where WebShop has an
+# object, a number where it has a string) is one EnvError naming the file and the entry, not a traceback deep inside.
+_TEXT_FIELDS = ("asin", "name", "full_description", "category", "query", "product_category", "pricing")
+
+
+def read_json(path: Path) -> Any:
+    """The JSON value of a WebShop data file; one :class:`EnvError` naming the file when it is unreadable, not JSON,
+    or nested deeper than the parser takes (WebShop's files nest a few levels)."""
+    try:
+        return json.loads(path.read_bytes())
+    except RecursionError:
+        raise EnvError(f"WebShop data file {path} nests its JSON deeper than {sys.getrecursionlimit()} levels; "
+                       "WebShop's files nest a few levels: restore the file") from None
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise EnvError(f"cannot read WebShop data file {path}: {exc}") from None
+
+
+def check_products(value: Any, path: Path) -> list[dict]:
+    """``items_shuffle*.json``: a list of product objects whose text fields are strings (or null)."""
+    _expect(value, list, path, "the file")
+    for i, product in enumerate(value):
+        _expect(product, dict, path, f"product {i}")
+        for name in _TEXT_FIELDS:
+            _expect(product.get(name), (str, type(None)), path, f"product {i}'s {name!r}")
+        bullets = product.get("small_description")
+        _expect(bullets, (str, list, type(None)), path, f"product {i}'s 'small_description'")
+        for bullet in bullets if isinstance(bullets, list) else ():
+            _expect(bullet, (str, int, float), path, f"an entry of product {i}'s 'small_description'")
+        options = product.get("customization_options")
+        _expect(options, (dict, type(None)), path, f"product {i}'s 'customization_options'")
+        for name, contents in (options or {}).items():
+            _expect(contents, (list, type(None)), path, f"product {i}'s option {name!r}")
+            for choice in contents or ():
+                _expect(choice, dict, path, f"a value of product {i}'s option {name!r}")
+                _expect(choice.get("value"), str, path, f"a 'value' of product {i}'s option {name!r}")
+    return value
+
+
+def check_attributes(value: Any, path: Path) -> dict[str, dict]:
+    """``items_ins_v2*.json``: an object of asin → object with lists of strings and a string instruction."""
+    _expect(value, dict, path, "the file")
+    for asin, entry in value.items():
+        _expect(entry, dict, path, f"entry {asin!r}")
+        for name in ("attributes", "instruction_attributes"):
+            _expect_strings(entry.get(name), path, f"entry {asin!r}'s {name!r}")
+        _expect(entry.get("instruction"), (str, type(None)), path, f"entry {asin!r}'s 'instruction'")
+    return value
+
+
+def check_human(value: Any, path: Path) -> dict[str, list[dict]]:
+    """``items_human_ins.json``: an object of asin → list of instruction objects."""
+    _expect(value, dict, path, "the file")
+    for asin, entries in value.items():
+        _expect(entries, list, path, f"entry {asin!r}")
+        for ins in entries:
+            _expect(ins, dict, path, f"an instruction of {asin!r}")
+            _expect(ins.get("instruction"), (str, type(None)), path, f"an instruction of {asin!r}: 'instruction'")
+            _expect_strings(ins.get("instruction_attributes"), path, f"an instruction of {asin!r}: 'instruction_attributes'")
+            options = ins.get("instruction_options")
+            _expect(options, (list, type(None)), path, f"an instruction of {asin!r}: 'instruction_options'")
+            for option in options or ():  # shown as text (``str(option)``)
+                _expect(option, (str, int, float), path, f"an option of an instruction of {asin!r}")
+    return value
+
+
+def _expect(value: Any, kinds, path: Path, what: str) -> None:
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in _tuple(kinds):
+        wanted = " or ".join(dict.fromkeys(_JSON_NAMES[k] for k in _tuple(kinds)))
+        raise EnvError(f"WebShop data file {path}: {what[:120]} is {_JSON_NAMES.get(type(value), 'a value')}, where "
+                       f"WebShop's data has {wanted}; restore the file")
+
+
+def _expect_strings(value: Any, path: Path, what: str) -> None:
+    _expect(value, (list, type(None)), path, what)
+    for item in value or ():
+        _expect(item, str, path, f"an entry of {what}")
+
+
+def _tuple(kinds) -> tuple:
+    return kinds if isinstance(kinds, tuple) else (kinds,)
+
+
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "true or false", type(None): "null"}

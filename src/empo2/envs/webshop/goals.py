@@ -72,7 +72,7 @@ def human_goals(products: list[Product], seed: int = 0) -> list[Goal]:
     goals = []
     for p in products:
         for ins in p.human_instructions:
-            if not ins.get("instruction_attributes"):
+            if not ins.get("instruction_attributes") or not ins.get("instruction"):
                 continue
             upper, price_text = price_clause(p.price, rng)
             text = ins["instruction"].strip(".")
