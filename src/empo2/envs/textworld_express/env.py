@@ -301,6 +301,10 @@ class TextWorldExpressEnv:
                 break
         return "\n".join(lines)
 
+    def generation_properties(self) -> dict[str, int]:
+        """The package's record of the current game's generation (its seed and every parameter, defaults included)."""
+        return dict(self._sim.getGenerationProperties())
+
     def java_pid(self) -> int:
         """Process id of this instance's JVM."""
         return int(self._sim._gateway.java_process.pid)
