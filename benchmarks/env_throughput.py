@@ -1,16 +1,19 @@
-"""ScienceWorld environment throughput: steps per second with 1 worker vs N workers (EnvPool).
+"""Environment throughput: steps per second with 1 worker vs N workers (EnvPool), ScienceWorld and TextWorldExpress.
 
-    python benchmarks/env_throughput.py                  # 1, 2, 4 workers x {full, lean}; 15 s each; prints a
-                                                         # table, writes benchmarks/results/env_throughput.json
-    python benchmarks/env_throughput.py --workers 1 8 --seconds 30 --modes lean
+    python benchmarks/env_throughput.py                  # 1, 2, 4 workers x {full, lean} x both environments;
+                                                         # 15 s each; prints a table (and the CPU's lscpu flags),
+                                                         # writes benchmarks/results/env_throughput.json
+    python benchmarks/env_throughput.py --workers 1 8 --seconds 30 --modes lean --envs scienceworld
 
-Each worker plays gold paths of a few panel tasks (first 4 train variations each, cycling), in lockstep through
+Each worker plays gold paths of a few tasks (ScienceWorld: panel tasks; TextWorldExpress: its four games at the
+shipped presets' sizes; first 4 train variations each, cycling), in lockstep through
 ``EnvPool.step``; finished workers are reset together. Gold paths are fetched once, untimed, during warm-up.
 ``steps/s`` is agent steps divided by wall time *including* resets (a reset loads the task, as in training; no gold
 path is generated). Also reported: JVM/worker start time, mean step and
 reset latency as seen by the trainer, resident memory per worker (Python worker + its JVM), the CPU actually used
 (``cores_used``) and a CPU probe of how many cores the machine gives us at all (on a shared machine: often ~1).
 Modes: ``full`` = default env (``info['valid_actions']`` filled every step); ``lean`` = ``valid_actions_in_info=False``.
+TextWorldExpress has one mode, ``full``: the package computes the valid actions with every step.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -27,6 +31,21 @@ import psutil
 from empo2.envs.pool import EnvPool
 
 TASKS = ["find-animal", "use-thermometer", "lifespan-longest-lived", "chemistry-mix"]
+TWX_PARAMS = {"coin": {"numLocations": 6, "includeDoors": 1},
+              "mapreader": {"numLocations": 4, "maxDistanceApart": 1, "maxDistractorItemsPerLocation": 0},
+              "twc": {"numLocations": 1, "numItemsToPutAway": 2},
+              "cookingworld": {"numLocations": 1, "numIngredients": 1, "numDistractorItems": 0, "includeDoors": 0}}
+"""The games' sizes in configs/twx_*_cpu.yaml."""
+ENVS = {"scienceworld": (TASKS, lambda mode: {"valid_actions_in_info": mode == "full"}),
+        "textworld_express": (list(TWX_PARAMS), lambda mode: {"params": TWX_PARAMS, "max_steps": 10**6})}
+"""Environment -> (tasks, constructor arguments of a mode)."""
+
+
+def lscpu_flags() -> list[str]:
+    """The CPU's vector flags as ``lscpu`` lists them."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    flags = next((line.split(":", 1)[1].split() for line in out.splitlines() if line.lower().startswith("flags")), [])
+    return [f for f in flags if f.startswith(("avx", "amx", "sse4", "fma"))]
 
 
 def _burn(_: int) -> float:
@@ -56,9 +75,10 @@ def cpu_seconds(pool: EnvPool) -> float:
     return sum(sum(p.cpu_times()[:2]) for p in procs)
 
 
-def run(n: int, seconds: float, tasks: list[str], mode: str) -> dict:
+def run(n: int, seconds: float, env: str, mode: str) -> dict:
+    tasks, kwargs = ENVS[env]
     t0 = time.perf_counter()
-    pool = EnvPool("scienceworld", {"valid_actions_in_info": mode == "full"}, size=n)
+    pool = EnvPool(env, kwargs(mode), size=n)
     start_s = time.perf_counter() - t0
     try:
         pairs = [(t, v) for t in tasks for v in pool.call(0, "variations", t, "train")[:4]]
@@ -111,7 +131,7 @@ def run(n: int, seconds: float, tasks: list[str], mode: str) -> dict:
         for pid in pool.worker_pids().values():
             proc = psutil.Process(pid)
             rss.append(sum(p.memory_info().rss for p in [proc] + proc.children(recursive=True)))
-        return {"mode": mode, "workers": n, "steps": steps, "wall_s": round(wall, 2),
+        return {"env": env, "mode": mode, "workers": n, "steps": steps, "wall_s": round(wall, 2),
                 "steps_per_s": round(steps / wall, 1),
                 "start_s": round(start_s, 2), "step_call_ms": round(1000 * step_time / max(n_step_calls, 1), 1),
                 "reset_call_ms": round(1000 * reset_time / max(n_resets, 1), 1),
@@ -125,27 +145,33 @@ def main() -> None:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--modes", nargs="+", choices=["full", "lean"], default=["full", "lean"])
+    parser.add_argument("--envs", nargs="+", choices=list(ENVS), default=list(ENVS))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "env_throughput.json"))
     args = parser.parse_args()
 
     load_before = os.getloadavg()
     cores = available_cores()
     rows = []
-    for mode in args.modes:
-        mode_rows = [run(n, args.seconds, TASKS, mode) for n in args.workers]
-        for row in mode_rows:
-            row["ratio_vs_first"] = round(row["steps_per_s"] / mode_rows[0]["steps_per_s"], 2)
-        rows += mode_rows
+    for env in args.envs:
+        for mode in args.modes if env == "scienceworld" else ["full"]:
+            mode_rows = [run(n, args.seconds, env, mode) for n in args.workers]
+            for row in mode_rows:
+                row["ratio_vs_first"] = round(row["steps_per_s"] / mode_rows[0]["steps_per_s"], 2)
+            rows += mode_rows
 
-    print(f"{'mode':>5} {'workers':>7} {'steps/s':>8} {'ratio':>6} {'start s':>8} {'step ms':>8} {'reset ms':>9} "
-          f"{'MB/worker':>10} {'cores used':>10}")
+    flags = lscpu_flags()
+    print(f"lscpu flags: {' '.join(flags) or 'none'}")
+    print(f"{'env':>17} {'mode':>5} {'workers':>7} {'steps/s':>8} {'ratio':>6} {'start s':>8} {'step ms':>8} "
+          f"{'reset ms':>9} {'MB/worker':>10} {'cores used':>10}")
     for r in rows:
-        print(f"{r['mode']:>5} {r['workers']:>7} {r['steps_per_s']:>8} {r['ratio_vs_first']:>6} {r['start_s']:>8} "
-              f"{r['step_call_ms']:>8} {r['reset_call_ms']:>9} {r['rss_mb_per_worker']:>10} {r['cores_used']:>10}")
+        print(f"{r['env']:>17} {r['mode']:>5} {r['workers']:>7} {r['steps_per_s']:>8} {r['ratio_vs_first']:>6} "
+              f"{r['start_s']:>8} {r['step_call_ms']:>8} {r['reset_call_ms']:>9} {r['rss_mb_per_worker']:>10} "
+              f"{r['cores_used']:>10}")
     print(f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; "
           f"cores available to us (CPU probe): {cores}")
-    out = {"benchmark": "env_throughput", "env": "scienceworld", "tasks": TASKS, "seconds": args.seconds,
-           "cpus": os.cpu_count(), "available_cores_probe": cores,
+    out = {"benchmark": "env_throughput", "envs": args.envs,
+           "tasks": {env: ENVS[env][0] for env in args.envs}, "seconds": args.seconds,
+           "cpus": os.cpu_count(), "lscpu_flags": flags, "available_cores_probe": cores,
            "loadavg_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
            "python": platform.python_version(), "machine": platform.machine(),
            "note": "steps/s = agent steps / wall time including resets; step ms = one EnvPool.step call "

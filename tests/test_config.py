@@ -17,7 +17,7 @@ def test_defaults_match_released_mode_probabilities():
 @pytest.mark.parametrize("override, message", [
     ("algo.name=nope", "algo.name: unknown algorithm 'nope'; valid: "),
     ("algo.advantage=nope", "algo.advantage: unknown advantage estimator 'nope'; valid: "),
-    ("env.name=atari", "unknown environment 'atari'; valid environments: scienceworld, webshop"),
+    ("env.name=atari", "unknown environment 'atari'; valid environments: scienceworld, textworld_express, webshop"),
     ("env.tasks=[find-dragon]", "unknown ScienceWorld task 'find-dragon'"),
     ("memory.eviction=random", "memory.eviction: unknown eviction policy 'random'; valid: fifo, lru, utility"),
     ("policy.backend=vlm", "policy.backend: unknown rollout backend 'vlm'; valid: auto, hf, merged, vllm"),

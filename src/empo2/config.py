@@ -353,6 +353,28 @@ def _mapping_of_ints(key: str, value: Any) -> dict[str, int]:
     return out
 
 
-_PARSERS = (("list", _names), ("dict", _mapping_of_ints), ("bool", _bool), ("int", _int), ("float", _float),
+def _table_of_ints(key: str, value: Any) -> dict[str, dict[str, int]]:
+    """``{name: {name: N}}`` from a mapping of mappings, or from override text such as ``{coin: {numLocations: 5}}``."""
+    like = f"{key} must be a mapping like {{coin: {{numLocations: 5}}}}"
+    if isinstance(value, str):
+        try:
+            value = yaml.load(value, Loader=_ConfigLoader)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{like}: {_yaml_problem(exc)}") from None
+    if not isinstance(value, dict) or not all(isinstance(v, dict) or v is None for v in value.values()):
+        raise ConfigError(f"{like}, got {shown(value)}")
+    out: dict[str, dict[str, int]] = {}
+    for outer, inner in value.items():
+        out[str(outer)] = {}
+        for name, number in (inner or {}).items():
+            if isinstance(number, str) and _INT.match(number.strip()):
+                number = int(number)
+            if not isinstance(name, str) or isinstance(number, bool) or not isinstance(number, int):
+                raise ConfigError(f"{key}.{outer} must map names to integers, got {shown(name)}: {shown(number)}")
+            out[str(outer)][name] = number
+    return out
+
+
+_PARSERS = (("list", _names), ("dict[str, dict", _table_of_ints), ("dict", _mapping_of_ints), ("bool", _bool), ("int", _int), ("float", _float),
             ("str", _text), ("Literal", _text))
 """How a field's value is read, by the start of its annotation."""

@@ -19,9 +19,11 @@ class EnvConfig:
     """Which environment, which tasks, and how episodes are run."""
 
     name: str = "scienceworld"
-    """Environment registry name: ``scienceworld`` or ``webshop`` (or one registered with ``register_env``)."""
+    """Environment registry name: ``scienceworld``, ``webshop`` or ``textworld_express`` (or one registered with
+    ``register_env``)."""
     tasks: list[str] = field(default_factory=lambda: ["find-animal"])
-    """Task names or task-set names (``panel18``, ``biology1`` …) for ScienceWorld; ignored by WebShop."""
+    """Task names or task-set names (``panel18``, ``biology1`` …) for ScienceWorld; games (``coin``, ``mapreader``,
+    ``twc``, ``cookingworld``, or ``all``) for TextWorldExpress; ignored by WebShop."""
     train_variations: int = bounded(5, 1, 1_000_000)
     """Train on the first N train-split variations of each task (released code: 5)."""
     eval_split: Literal["dev", "test", "train", "eval"] = "dev"
@@ -33,7 +35,8 @@ class EnvConfig:
     max_steps: int | None = bounded(None, 1, 100_000)
     """Episode step cap; ``None``: the task's default (30; chemistry-mix 60; measure-melting-point-known-… 120)."""
     step_caps: dict[str, int] | None = None
-    """ScienceWorld per-task step caps, e.g. ``{chemistry-mix: 90}``; they win over ``max_steps`` for their tasks."""
+    """Per-task step caps, e.g. ``{chemistry-mix: 90}`` (ScienceWorld) or ``{coin: 12}`` (TextWorldExpress); they win
+    over ``max_steps`` for their tasks."""
     action_correction: bool = True
     """Map free-form model output to a valid action (raw and corrected strings are both kept)."""
     action_cutoff: float = bounded(0.0, 0, 100)
@@ -51,6 +54,13 @@ class EnvConfig:
     """Where a WebShop episode starts: ``search``, the search page (WebShop's protocol); ``results``, the results page
     of a search for the goal's instruction without its option and price clauses, an easier start for models too small
     to write a query. Its results are labelled apart (``webshop-fixture-from-results``)."""
+    twx_params: dict[str, dict[str, int]] | None = None
+    """TextWorldExpress game parameters by game, e.g. ``{coin: {numLocations: 5, includeDoors: 1}}`` (the
+    package's names; a parameter not given has the package's default). Checked at load: a wrong name or value is
+    refused with the game's valid parameters."""
+    twx_eval_params: dict[str, dict[str, int]] | None = None
+    """TextWorldExpress parameters of the dev and test games, on top of ``twx_params`` (an out-of-distribution
+    evaluation: train on small maps, evaluate on larger ones); ``None`` = the training games' parameters."""
     seed: int = bounded(0, 0, _SEED)
     """Seed for environment-side randomness (WebShop prices/goals)."""
     pool: Literal["process", "ray"] = "process"
