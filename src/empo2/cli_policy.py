@@ -48,10 +48,14 @@ def policy_context(args, with_memory_path: Path | None):
     from empo2.memory.embedder import get_embedder
     from empo2.policy.loader import load_model
     from empo2.rundir import checkpoint as ckpt
+    from empo2.rundir import warm_start
 
     cfg = policy_config(args)
+    warm_start.check(cfg.policy)  # before the model loads
     model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                   cfg.policy.trust_remote_code)
+    if cfg.policy.warm_start and (cfg.policy.lora or not args.run):  # a full fine-tune's checkpoint holds it already
+        model, _ = warm_start.start_from(model, cfg.policy)
     if args.run:
         last = ckpt.latest_checkpoint(Path(args.run))
         if last is None:
