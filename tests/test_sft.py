@@ -224,3 +224,33 @@ def test_sft_refuses_what_it_cannot_make(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err
         assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_compare_runs_the_warm_start_alone_and_sft_then_grpo(tiny_model, tmp_path):
+    """``compare --algos warm-start,sft-grpo`` from one warm start: both runs finish; the warm start alone never
+    updates (no optimizer step; its run's adapter is still the fresh one, B = 0, so it plays the warm-started policy);
+    both start from the
+    same policy, so the second run reuses the first one's start evaluation; the runs record the warm start's checksum."""
+    from empo2.cli import main
+
+    made = make_warm_start(tiny_model, tmp_path / "sft")
+    out = tmp_path / "cmp"
+    assert main(["compare", "--allow-unreachable", "--config", "configs/webshop_cpu.yaml", "--algos",
+                 "warm-start,sft-grpo", "--seeds", "0", "--out", str(out), f"policy.model={tiny_model}",
+                 f"policy.warm_start={tmp_path / 'sft'}", "env.max_steps=2", "env.eval_variations=1",
+                 "algo.num_generations=2", "train.iterations=1", "policy.max_completion_length=6",
+                 "train.progress=false", "train.report_to=none"]) == 0
+    frozen, grpo = out / "runs" / "warm-start-seed0", out / "runs" / "sft-grpo-seed0"
+    for run in (frozen, grpo):
+        assert Config.load(run / "config.yaml").policy.warm_start_sha256 == made["sha256"]
+    assert all(not t.any() for name, t in ckpt_weights(frozen).items() if "lora_B" in name)
+    losses = {run.name: json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["loss"] for run in (frozen, grpo)}
+    assert losses[frozen.name] == {} and losses[grpo.name]["optimizer_steps"] >= 1  # GRPO stepped; the frozen arm never
+    assert json.loads((grpo / "eval" / "start.json").read_text())["reused_from"] == "warm-start-seed0"
+
+
+def ckpt_weights(run: Path) -> dict:
+    from empo2.rundir import checkpoint as ckpt
+
+    return ckpt.read_weights(ckpt.latest_checkpoint(run), lora=True)
