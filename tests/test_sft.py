@@ -218,7 +218,7 @@ def test_sft_refuses_what_it_cannot_make(tmp_path, capsys):
     from empo2.cli import main
 
     for override, message in (("policy.lora=false", "empo2 sft trains a LoRA adapter"),
-                              ("policy.warm_start=somewhere", "empo2 sft starts from the model itself")):
+                              ("policy.warm_start=somewhere", "but policy.warm_start names somewhere")):
         assert main(["sft", "--config", "configs/webshop_cpu.yaml", override,
                      f"sft.output_dir={tmp_path / 'x'}"]) == 2
         err = capsys.readouterr().err.strip()

@@ -70,12 +70,14 @@ class SFTTrainer:
     def __init__(self, config: Config, model=None, tokenizer=None, env=None, *, output_dir: str | Path | None = None,
                  console=None):
         cfg = copy.deepcopy(config)
+        if output_dir is not None:
+            cfg.sft.output_dir = str(output_dir)
         self.check_config(cfg)
         if (model is None) != (tokenizer is None):
             raise ConfigError("SFTTrainer: give the model together with its tokenizer, or neither")
         self.cfg, self.compute = decide(cfg)
         self.console = console
-        self.run_dir = Path(output_dir or cfg.sft.output_dir)
+        self.run_dir = Path(cfg.sft.output_dir)
         seed = cfg.sft.seed
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, True, self.cfg.policy.autocast)
@@ -106,14 +108,17 @@ class SFTTrainer:
 
     @staticmethod
     def check_config(cfg: Config) -> None:
-        """What a warm start cannot be made under (one line, exit 2): full fine-tuning, or a warm start to start
-        from."""
+        """What a warm start cannot be made under (one line, exit 2): full fine-tuning, or ``policy.warm_start`` naming
+        another folder (a warm start is made from the model itself; a config may name the one it makes, so that one
+        preset serves ``empo2 sft`` and then ``empo2 train``)."""
         if not cfg.policy.lora:
             raise ConfigError("empo2 sft trains a LoRA adapter (the warm start a run merges into its model); set "
                               "policy.lora=true")
-        if cfg.policy.warm_start:
-            raise ConfigError("empo2 sft starts from the model itself; leave policy.warm_start empty (it names the "
-                              "warm start a training run starts from)")
+        made, named = Path(cfg.sft.output_dir).resolve(), cfg.policy.warm_start
+        if named and Path(named).expanduser().resolve() != made:
+            raise ConfigError(f"empo2 sft starts from the model itself and writes {cfg.sft.output_dir}, but "
+                              f"policy.warm_start names {named}; leave it empty or name that folder (one preset "
+                              "then makes the warm start and starts RL from it)")
 
     # ------------------------------------------------------------------------------------------------------ loop
     def train(self, progress=None) -> dict[str, Any]:
