@@ -254,3 +254,14 @@ def ckpt_weights(run: Path) -> dict:
     from empo2.rundir import checkpoint as ckpt
 
     return ckpt.read_weights(ckpt.latest_checkpoint(run), lora=True)
+
+
+def test_a_raw_output_is_valid_only_when_the_environment_ran_it_as_written():
+    from empo2.episodes.episode import Step
+
+    def step(raw, action, accepted=True):
+        return Step([1], [1], [2], [0.0], raw, action, "obs", 0.0, "state", accepted=accepted)
+
+    assert step("go to  Kitchen", "go to kitchen").raw_valid  # case and spacing are the cleaner's, not a correction
+    assert not step("pick a refilling cup", "pick up cup").raw_valid  # the corrector chose the action
+    assert not step("go to kitchen", "go to kitchen", accepted=False).raw_valid  # rejected as written
