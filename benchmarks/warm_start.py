@@ -39,6 +39,7 @@ def run_setting(name: str, out: Path, epochs: int, eval_variations: int, extra: 
     folder = out / name
     cmd = [sys.executable, "-m", "empo2.cli", "sft", "--config", PRESET, "--overwrite", *SETTINGS[name],
            f"sft.epochs={epochs}", f"sft.eval_variations={eval_variations}", f"sft.output_dir={folder}",
+           f"policy.warm_start={folder}",
            "train.report_to=none", *extra]
     t0 = time.perf_counter()
     subprocess.run(cmd, check=True, cwd=ROOT)
