@@ -30,7 +30,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel",),  # data-parallel ranks and FSDP sharding
     ("episodes", "rundir"),  # playing episodes (for train, eval, adapt, play); the run folder (checkpoints, metrics)
     ("train", "machine"),  # the training loop; the record of the machine a run used
-    ("play", "experiments"),  # commands built on the loop: play episodes by hand; compare, adapt, report
+    ("play", "experiments", "sft"),  # commands built on the loop: play episodes by hand; compare, adapt, report; the
+    # warm start before it
     ("cli",),
     ("empo2",),  # the package's public names (Config, Trainer), re-exported from the rooms below
 )

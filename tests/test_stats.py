@@ -185,3 +185,14 @@ def test_a_pair_below_005_alone_is_told_apart_from_one_that_survives_the_family(
     assert "distinguishable from zero alone, not among the 3 pairs tested" in pairs["b − a"]["verdict"]
     (one,) = stats.summarise_arms([r for r in runs if r["arm"] != "c"], ["a", "b"])["pairs"]
     assert one["p_holm"] == pytest.approx(one["p"]) and one["verdict"].endswith("distinguishable from zero at this n.")
+
+
+@pytest.mark.parametrize("k, n", [(0, 40), (2, 40), (13, 40), (40, 40), (1, 7)])
+def test_wilson_interval_is_the_score_interval(k, n):
+    """The closed form (p̂ + z²/2n ± z·sqrt(p̂(1 − p̂)/n + z²/4n²)) / (1 + z²/n), written out in float64."""
+    z = 1.959963984540054
+    p = k / n
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    low, high = (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+    assert stats.wilson(k, n) == pytest.approx([low, high], abs=1e-12)
+    assert stats.wilson(0, 0) is None

@@ -1,4 +1,4 @@
-"""``empo2`` command line: play · train · compare · eval · adapt · report · export · memory · gold.
+"""``empo2`` command line: play · sft · train · compare · eval · adapt · report · export · memory · gold.
 
 User errors (bad config, unknown task or model, missing Java or data) print one line and exit with code 2.
 """
@@ -136,7 +136,9 @@ def check_run_inputs(cfg) -> None:
     from empo2.envs.factory import resolve_tasks
     from empo2.memory.sqlite_file import check_seed_file
     from empo2.policy.loader import resolve_model_path
+    from empo2.rundir import warm_start
     from empo2.rundir.metrics import check_trackers
+
     cfg.check_training()
     check_trackers(cfg.train)
     resolve_tasks(cfg.env)
@@ -144,6 +146,7 @@ def check_run_inputs(cfg) -> None:
     if cfg.memory.seed_from:
         check_seed_file(Path(cfg.memory.seed_from))
     resolve_model_path(cfg.policy.model, cfg.policy.trust_remote_code)  # code in a model folder: only when allowed
+    warm_start.check(cfg.policy)  # whole, unchanged, made for this tokenizer and architecture
 
 
 def _tasks_text(cfg) -> str:
@@ -152,6 +155,54 @@ def _tasks_text(cfg) -> str:
 
     tasks = resolve_tasks(cfg.env)
     return ", ".join(tasks) if len(tasks) <= 4 else f"{', '.join(tasks[:3])} … ({len(tasks)} tasks)"
+
+
+# ---------------------------------------------------------------------------------------------------------- sft
+def cmd_sft(args) -> int:
+    """``empo2 sft``: a warm start made from gold demonstrations, in its own run folder (``sft.output_dir``)."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from empo2 import machine, signals
+    from empo2.cli_policy import own_run_folder
+    from empo2.config import Config
+    from empo2.config_bounds import check_machine_limits
+    from empo2.envs.factory import env_label, resolve_tasks
+    from empo2.policy.loader import resolve_model_path
+    from empo2.progress import ProgressBar
+    from empo2.rundir.runlock import check_new_run_folder, start_run_folder
+    from empo2.sft import SFTTrainer
+
+    console = Console(soft_wrap=True)
+    overrides = [*args.overrides, *([f"sft.output_dir={args.output_dir}"] if args.output_dir else [])]
+    cfg = Config.load(args.config, overrides)
+    run_dir = Path(cfg.sft.output_dir)
+    if (run_dir / "metrics.jsonl").is_file() and not args.overwrite:
+        raise _config_error(f"{run_dir} already holds a run; pass --overwrite or another sft.output_dir")
+    check_new_run_folder(run_dir, overwrite=True)  # a folder that is not empo2's is refused, whatever the flag
+    SFTTrainer.check_config(cfg)
+    demo_tasks, eval_tasks = resolve_tasks(cfg.sft_env()), resolve_tasks(cfg.env)
+    check_machine_limits(cfg)
+    resolve_model_path(cfg.policy.model, cfg.policy.trust_remote_code)
+    own_run_folder(args, run_dir)
+    start_run_folder(run_dir, args.overwrite)
+    s = cfg.sft
+    console.print("[bold]empo2 sft[/bold] " + escape(
+        f"env={env_label(cfg.env)} demonstrations={s.demos} gold episodes of {', '.join(demo_tasks)} (train split) "
+        f"epochs={s.epochs} lr={s.learning_rate:g} held-out={s.eval_variations} dev variations of "
+        f"{', '.join(eval_tasks)} model={cfg.policy.model} LoRA r={cfg.policy.lora_r} → {run_dir}"))
+    signals.set_phase("the start of the warm start (model, environment workers)")
+    trainer = SFTTrainer(cfg, output_dir=run_dir, console=console)
+    trainer.cfg.save(run_dir / "config.yaml")
+    machine.record(run_dir, "start")
+    try:
+        with ProgressBar(console, cfg.train.progress) as progress:
+            best = trainer.train(progress)
+    finally:
+        trainer.close()
+    print(json.dumps({"run": str(run_dir), "warm_start": str(run_dir / "warm_start"), "epoch": best["epoch"],
+                      "sha256": best["sha256"], "metrics": best["metrics"]}))
+    return 0
 
 
 # ------------------------------------------------------------------------------------------------------ compare
@@ -240,7 +291,7 @@ def _command(name: str):
         from empo2 import cli_policy
 
         return {"eval": cli_policy.cmd_eval, "adapt": cli_policy.cmd_adapt}[name]
-    return {"play": cmd_play, "train": cmd_train, "compare": cmd_compare,
+    return {"play": cmd_play, "sft": cmd_sft, "train": cmd_train, "compare": cmd_compare,
             "report": cmd_report, "export": cmd_export, "gold": cmd_gold}[name]
 
 

@@ -8,7 +8,7 @@ from empo2.envs.gold import REACHABLE_SHARE
 from empo2.experiments.arms import arms_help
 from empo2.memory.cli import add_memory_parser
 
-DESCRIPTION = "empo2 command line: play · train · compare · eval · adapt · report · export · memory · gold."
+DESCRIPTION = "empo2 command line: play · sft · train · compare · eval · adapt · report · export · memory · gold."
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,6 +63,13 @@ def _add_play_parser(sub) -> None:
 
 
 def _add_run_parsers(sub) -> None:
+    p = sub.add_parser("sft", help="a warm start: supervised fine-tuning on gold paths of training variations, so "
+                                   "that RL (policy.warm_start) starts from an agent that acts")
+    p.add_argument("--config", help="YAML config: its env, policy and sft sections (configs/*_sft_*.yaml)")
+    p.add_argument("--output-dir", help="the warm start's run folder (sft.output_dir)")
+    p.add_argument("--overwrite", action="store_true", help="allow writing into a folder that holds a run")
+    p.add_argument("overrides", nargs="*", metavar="key=value")
+
     p = sub.add_parser("train", help="train with EMPO² or GRPO")
     p.add_argument("--config", help="YAML config (configs/*.yaml)")
     p.add_argument("--algo", help="what compare --algos names: an algorithm (empo2, grpo, gigpo, luffy, …), NAME+ESTIMATOR "

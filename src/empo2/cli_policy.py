@@ -48,14 +48,18 @@ def policy_context(args, with_memory_path: Path | None):
     from empo2.memory.embedder import get_embedder
     from empo2.policy.loader import load_model
     from empo2.rundir import checkpoint as ckpt
+    from empo2.rundir import warm_start
 
     cfg = policy_config(args)
+    warm_start.check(cfg.policy)  # before the model loads
     last = ckpt.latest_intact(Path(args.run), lambda line: print(line, file=sys.stderr)) if args.run else None
     if last is not None and (last / "sharded").is_dir():
         raise ConfigError(f"{last} is sharded (train.sharding=fsdp): write Hugging Face weights with "
                           f"`empo2 export {args.run} OUT`, then use --model OUT")
     model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                   cfg.policy.trust_remote_code)
+    if cfg.policy.warm_start and (cfg.policy.lora or not args.run):  # a full fine-tune's checkpoint holds it already
+        model, _ = warm_start.start_from(model, cfg.policy)
     if last is not None:
         if cfg.policy.lora:
             from peft import PeftModel

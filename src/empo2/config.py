@@ -11,7 +11,8 @@ A YAML file has one mapping per section::
     env: {name: scienceworld, tasks: [find-animal]}
     algo: {name: empo2, beta: 0.0}
 
-Overrides on the command line are ``section.key=value`` or, when the key is unique across sections, ``key=value``.
+Overrides on the command line are ``section.key=value`` or, when the key is unique across sections, ``key=value``
+(a key ``sft`` shares with another section means the other's: the warm start's knobs are written dotted).
 A value is read by its field's declared type, never as YAML: a string or path is taken literally (``output_dir=/scratch/
 exp #2`` keeps `` #2``, ``dtype=on`` stays ``"on"``); an integer is decimal digits (``0755`` is 755); a bool is
 ``true``/``false`` (also ``yes``/``no``/``on``/``off``, as YAML files spell them); a list is ``[a, b]`` or ``a,b``; an
@@ -35,7 +36,14 @@ import yaml
 from empo2.config_bounds import MAX_CONFIG_BYTES, ConfigError, check_bounds, check_choices, check_size, shown
 from empo2.config_presets import preset_layers
 from empo2.config_renames import RENAMED, old_name, warn_renamed
-from empo2.config_sections import AlgoConfig, EnvConfig, MemoryConfig, PolicyConfig, TrainConfig  # noqa: F401
+from empo2.config_sections import (  # noqa: F401
+    AlgoConfig,
+    EnvConfig,
+    MemoryConfig,
+    PolicyConfig,
+    SftConfig,
+    TrainConfig,
+)
 
 
 @dataclass
@@ -45,8 +53,9 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
 
-    SECTIONS = ("env", "policy", "memory", "algo", "train")
+    SECTIONS = ("env", "policy", "memory", "algo", "train", "sft")
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -84,6 +93,8 @@ class Config:
                 return section, name
         else:
             owners = [s for s in self.SECTIONS if key in {f.name for f in fields(getattr(self, s))}]
+            if len(owners) > 1 and "sft" in owners:  # the warm start's knobs are reached dotted (sft.learning_rate)
+                owners.remove("sft")
             if len(owners) == 1:
                 return owners[0], key
             if len(owners) > 1:
@@ -186,12 +197,20 @@ class Config:
                               f"algo.num_generations must be more than that, got {self.algo.num_generations}")
         known("eviction policy", "memory.eviction", self.memory.eviction, EVICTION_POLICIES)
         known("rollout backend", "policy.backend", self.policy.backend, BACKENDS)
-        if (wrong_arm := check_arm(self.algo)) is not None:
+        if (wrong_arm := check_arm(self.algo, self.policy.warm_start)) is not None:
             raise ConfigError(wrong_arm)
         try:
             get_env_spec(self.env.name).tasks(self.env)
         except EnvError as exc:
             raise ConfigError(f"env: {exc}") from None
+        try:
+            get_env_spec(self.env.name).tasks(self.sft_env())
+        except EnvError as exc:
+            raise ConfigError(f"sft.tasks: {exc}") from None
+
+    def sft_env(self) -> EnvConfig:
+        """The ``env`` section with the warm start's demonstration tasks (``sft.tasks``, or ``env.tasks``)."""
+        return dataclasses.replace(self.env, tasks=list(self.sft.tasks or self.env.tasks))
 
     @property
     def algorithm(self):

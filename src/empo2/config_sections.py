@@ -1,4 +1,4 @@
-"""The five sections of a run configuration (``env``, ``policy``, ``memory``, ``algo``, ``train``): every field
+"""The sections of a run configuration (``env``, ``policy``, ``memory``, ``algo``, ``train``, ``sft``): every field
 with its default, its bounds if it is a number (``bounded(default, low, high)``: inclusive unless an end is marked
 open), and a comment saying what it does. Loading, overrides and checks live in :mod:`empo2.config`."""
 
@@ -158,6 +158,13 @@ class PolicyConfig:
     """With prefix sharing, a rollout's generation calls keep the previous step's head KV and compute only what
     follows its longest common prefix (the heads repeat across the steps of an episode). Same results up to float
     rounding of a prefill split in two."""
+    warm_start: str | None = None
+    """Start from a warm start: the run folder of ``empo2 sft`` (its ``warm_start/`` adapter is merged into the model
+    before the run's own LoRA goes on), so the start evaluation and the KL reference are the warm-started policy.
+    A warm start made for another base model or tokenizer is refused. ``None``: the model as loaded."""
+    warm_start_sha256: str | None = None
+    """The warm start's checksum (sha256 of its ``manifest.json``). ``train`` records it in the run's config and
+    refuses a warm start that no longer has it (on resume, or when a preset pins it)."""
 
 
 @dataclass
@@ -208,7 +215,8 @@ class AlgoConfig:
     """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
     only, no memory), ``gigpo`` or ``proxmo`` (GRPO's loop with the ``gigpo`` / ``proxmo`` estimator), ``luffy``
     (one member of each group plays the gold path; LUFFY's advantage and loss, ``algo.luffy_*``) or ``empo2_luffy``
-    (EMPO² with such an expert member). The algorithm decides memory use, mode probabilities, loss, (by default)
+    (EMPO² with such an expert member), ``elpo``, or ``frozen`` (plays and is evaluated, never updated: the policy it
+    starts from, e.g. a warm start). The algorithm decides memory use, mode probabilities, loss, (by default)
     estimator and expert members."""
     arm: str | None = None
     """The ablation this run is labelled as (``empo2.algo.arms``, e.g. ``empo2-no-novelty``), set by ``compare --algos``
@@ -419,3 +427,36 @@ class TrainConfig:
     ``mlflow`` (where ``MLFLOW_TRACKING_URI`` points), one name or a list, or ``none``.
     ``metrics.jsonl`` is always written. Each package is imported only when named; a missing one stops the run
     before it writes anything (``pip install wandb`` / ``mlflow``)."""
+
+
+@dataclass
+class SftConfig:
+    """The warm start (``empo2 sft``): behaviour cloning on the gold paths of training variations, before RL. Read by
+    ``empo2 sft`` only (with the ``env`` and ``policy`` sections, which decide how prompts are rendered and which
+    LoRA is trained); ``train`` starts from its result through ``policy.warm_start``."""
+
+    tasks: list[str] = field(default_factory=list)
+    """Tasks (or task sets) whose gold paths are the demonstrations; empty: ``env.tasks``. Neighbouring tasks
+    (find-animal and find-plant for find-non-living-thing) make the RL stage a transfer."""
+    demos: int = bounded(32, 1, _BIG)
+    """Gold episodes to learn from: the first train-split variations of the tasks, taken in turn, whose gold path
+    succeeds within the step cap (one that does not is skipped for the next)."""
+    epochs: int = bounded(3, 1, 10_000)
+    """Passes over the demonstrations."""
+    learning_rate: float = bounded(2e-4, 1e-12, 10)
+    """AdamW learning rate of the LoRA adapter (weight decay and gradient clip: ``train``'s)."""
+    batch_rows: int = bounded(16, 1, _BIG)
+    """Steps (a prompt and its gold action) per optimizer step. Episodes are shuffled whole, so most rows of a batch
+    share their episode's prompt head, computed once."""
+    validation_demos: int = bounded(8, 0, _BIG)
+    """Gold episodes of the dev split of ``env.tasks`` whose loss is the validation loss (0: none)."""
+    eval_variations: int = bounded(10, 0, _BIG)
+    """After each epoch, play the first N dev variations of each of ``env.tasks`` as a training run evaluates (no
+    memory, ``policy.eval_temperature``): held-out success and the share of raw outputs that are valid (0: none)."""
+    select: Literal["success", "loss"] = "success"
+    """The epoch that becomes the warm start: ``success``, the best held-out success (ties: lower validation loss);
+    ``loss``, the lowest validation loss. Without the measure asked for, the other one; without either, the last."""
+    output_dir: str = "runs/sft"
+    """The warm start's run folder (``policy.warm_start`` names it)."""
+    seed: int = bounded(0, 0, _SEED)
+    """Seed of the shuffling and the held-out evaluation's sampling."""

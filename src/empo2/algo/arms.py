@@ -33,6 +33,8 @@ class Arm:
     """``algo`` fields the arm fixes (field name -> value), besides ``advantage=grpo`` (:data:`ESTIMATOR`)."""
     needs_novelty: bool = False
     """The arm keeps the config's novelty bonus, so a config without one would run it under a false name."""
+    needs_warm_start: bool = False
+    """The arm starts from a warm start (``policy.warm_start``), which its name says."""
 
     def fixed(self) -> dict[str, Any]:
         """Every ``algo`` field the arm fixes."""
@@ -85,12 +87,17 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
         "advantages, ε_low 0.2 + ε_elc 0.115 on the critical suffix, ε_high 0.315; no intrinsic reward)",
         {"epsilon": 0.2, "epsilon_high": 0.315, "elpo_eps_elc": 0.115, "elpo_lambda": 0.5, "elpo_b_max": 3,
          "elpo_x_min": 1.0, "elpo_x_max": 3.0, "elpo_beta": 5.0, **NO_NOVELTY}),
+    Arm("warm-start", "frozen", "the warm start alone (policy.warm_start): it plays the budget's episodes, takes no "
+        "update and is evaluated like the others", needs_warm_start=True),
+    Arm("sft-grpo", "grpo", "SFT, then GRPO (LUFFY's baseline): plain GRPO from the warm start (policy.warm_start), "
+        "no intrinsic reward", NO_NOVELTY, needs_warm_start=True),
 )}
 """Every ablation arm, by name."""
 
 
-def check_arm(algo_cfg: Any) -> str | None:
-    """The reason ``algo_cfg`` cannot carry its ``arm`` label, or ``None`` when it can (or names no arm)."""
+def check_arm(algo_cfg: Any, warm_start: str | None = None) -> str | None:
+    """The reason ``algo_cfg`` cannot carry its ``arm`` label, or ``None`` when it can (or names no arm);
+    ``warm_start``: the config's ``policy.warm_start``."""
     if algo_cfg.arm is None:
         return None
     arm = ARMS.get(algo_cfg.arm)
@@ -104,6 +111,9 @@ def check_arm(algo_cfg: Any) -> str | None:
     if arm.needs_novelty and not novelty_on(algo_cfg):
         return (f"algo.arm={arm.name} keeps the config's novelty bonus, but it has none (algo.intrinsic_weight=0); "
                 "set algo.intrinsic_weight > 0 or run plain grpo")
+    if arm.needs_warm_start and not warm_start:
+        return (f"algo.arm={arm.name} starts from a warm start, but policy.warm_start is empty; make one with "
+                "`empo2 sft` and name its run folder there")
     return None
 
 

@@ -100,3 +100,5 @@ register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_lu
                                  expert_members=1, novelty=True))  # EMPO² with an expert member: no published method
 register_algorithm(AlgorithmSpec("elpo", uses_memory=False, loss="elpo", advantage="elpo",
                                  rollout="elpo", official=elpo.OFFICIAL))  # Liang et al. 2026
+register_algorithm(AlgorithmSpec("frozen", uses_memory=False, loss="grpo",
+                                 updates_weights=False))  # the policy it starts from, played and evaluated, never updated

@@ -38,6 +38,11 @@ class Step:
     """What the environment ran for this step (``info['commands']``: ScienceWorld's rejected tries, corrections and
     automatic answers included), so that the episode can be replayed up to here; empty = just ``action``."""
 
+    @property
+    def raw_valid(self) -> bool:
+        """Whether the environment ran the model's own output as written (no correction replaced it)."""
+        return self.accepted and " ".join(self.action.lower().split()) == " ".join(self.raw_action.lower().split())
+
     def __post_init__(self) -> None:
         if not isinstance(self.state_text, str) or not self.state_text.strip():
             # An empty state would put every such step of a group into one anchor and one memory key.

@@ -99,13 +99,14 @@ def summarise(episodes: list[Episode], tasks: list[str], plan: EvalPlan) -> dict
             per_task[task] = {"episodes": len(mine), "score_mean": float(np.mean([e.score for e in mine])),
                               "success_rate": float(np.mean([e.success for e in mine])),
                               "steps_mean": float(np.mean([len(e.steps) for e in mine])),
-                              "accepted_rate": _accepted(mine)}
+                              "accepted_rate": _accepted(mine), "raw_valid_rate": _raw_valid(mine)}
     scores = [ep.score for ep in episodes]
     return {
         "split": plan.split, "with_memory": plan.with_memory, "temperature": plan.temperature,
         "summary": {"episodes": len(episodes), "score_mean": float(np.mean(scores)) if scores else 0.0,
                     "success_rate": float(np.mean([e.success for e in episodes])) if episodes else 0.0,
-                    "failed_episodes": sum(e.failed for e in episodes), "accepted_rate": _accepted(episodes)},
+                    "failed_episodes": sum(e.failed for e in episodes), "accepted_rate": _accepted(episodes),
+                    "raw_valid_rate": _raw_valid(episodes)},
         "per_task": per_task,
         # the actions taken, so that a score (a collapse to one wrong action, say) can be explained from the file
         "episodes": [{**ep.summary(), "actions": [s.action for s in ep.steps]} for ep in episodes],
@@ -118,17 +119,23 @@ def _accepted(episodes) -> float:
     return float(np.mean(flags)) if flags else 1.0
 
 
+def _raw_valid(episodes) -> float:
+    """Fraction of the episodes' actions the environment ran as the model wrote them (before any correction)."""
+    flags = [s.raw_valid for e in episodes for s in e.steps]
+    return float(np.mean(flags)) if flags else 0.0
+
+
 def markdown_table(result: dict[str, Any], label: str) -> str:
     mem = "with memory" if result["with_memory"] else "no memory"
     lines = [f"### {label} — {result['split']} split, {mem}, temperature {result['temperature']}", "",
-             "| task | episodes | mean score | success rate | mean steps | actions accepted |",
-             "|---|---:|---:|---:|---:|---:|"]
+             "| task | episodes | mean score | success rate | mean steps | actions accepted | raw outputs valid |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for task, row in result["per_task"].items():
         lines.append(f"| {task} | {row['episodes']} | {row['score_mean']:.1f} | {row['success_rate']:.2f} | "
-                     f"{row['steps_mean']:.1f} | {row['accepted_rate']:.0%} |")
+                     f"{row['steps_mean']:.1f} | {row['accepted_rate']:.0%} | {row.get('raw_valid_rate', 0):.0%} |")
     s = result["summary"]
     lines.append(f"| **all** | {s['episodes']} | **{s['score_mean']:.1f}** | **{s['success_rate']:.2f}** | | "
-                 f"{s['accepted_rate']:.0%} |")
+                 f"{s['accepted_rate']:.0%} | {s.get('raw_valid_rate', 0):.0%} |")
     return "\n".join(lines) + "\n"
 
 

@@ -58,6 +58,7 @@ from empo2.experiments.arms import (
 )
 from empo2.policy.precision import settle_autocast
 from empo2.rundir import checkpoint as ckpt
+from empo2.rundir import warm_start
 from empo2.signals import set_phase
 
 SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "algo.proxmo_psc", "algo.proxmo_psa",
@@ -188,6 +189,7 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
             folder = Path(out) / "runs" / f"{algo}-seed{seed}"
             cfg = Config.load(config, [*overrides, *_own_overrides(algo, seed, folder)])
             settle_autocast(cfg.policy)  # as the run will record it, so a finished run's saved config matches
+            warm_start.settle(cfg.policy)  # likewise the warm start's checksum
             check_estimator_used(algo, cfg)
             if check is not None:
                 check(cfg)

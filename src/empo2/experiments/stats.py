@@ -59,6 +59,15 @@ def run_success(result: dict[str, Any]) -> float:
     return float(np.mean([bool(e["success"]) for e in result["episodes"]], dtype=np.float64))
 
 
+def wilson(successes: int, n: int, level: float = LEVEL) -> list[float] | None:
+    """The Wilson score interval of a success rate of ``successes`` in ``n`` episodes (``scipy.stats.binomtest``):
+    unlike the normal interval it stays inside [0, 1] and is not empty at 0 or n successes."""
+    if n <= 0:
+        return None
+    ci = sps.binomtest(int(successes), int(n)).proportion_ci(confidence_level=level, method="wilson")
+    return [float(ci.low), float(ci.high)]
+
+
 def mean_ci(values, unit: str = "seeds", bounds: tuple[float, float] | None = None) -> dict[str, Any]:
     """Mean over seeds (or another ``unit``) with its 95% Student t interval, clipped to ``bounds`` (a rate's [0, 1]);
     ``ci`` is ``None`` (and ``note`` says why) below :data:`MIN_CI` values."""

@@ -35,6 +35,10 @@ def export(run_dir: Path, out: Path) -> Path:
         raise ConfigError(f"{out} exists and is not empty; give a new folder")
     cfg = Config.load(run_dir / "config.yaml")
     model, tokenizer = load_model(cfg.policy.model, "cpu", cfg.policy.dtype, cfg.policy.trust_remote_code)
+    if cfg.policy.warm_start and cfg.policy.lora:  # the run's adapter was trained on top of its warm start
+        from empo2.rundir.warm_start import start_from
+
+        model, _ = start_from(model, cfg.policy)
     if cfg.policy.lora:
         model = with_adapter(model, cfg.policy)
     if sharding.is_sharded(last):

@@ -21,7 +21,7 @@ import sqlite3
 from pathlib import Path
 from urllib.parse import quote
 
-from empo2.config import Config, ConfigError
+from empo2.config import Config, ConfigError, SftConfig
 from empo2.config_renames import forward_flat
 from empo2.memory.sqlite_file import check_file
 from empo2.parallel import sharding
@@ -36,6 +36,8 @@ RESUME_SAFE = frozenset({
     "train.report_to",
     "policy.device", "policy.vllm_memory", "policy.trust_remote_code", "policy.prefix_sharing", "policy.reuse_heads",
     "memory.overlap_reflection", "env.pool", "env.max_workers",
+    "policy.warm_start",  # the folder may move; its checksum (policy.warm_start_sha256) may not change
+    *(f"sft.{name}" for name in SftConfig.__dataclass_fields__),  # how a warm start is made: not read by train
 })
 """Keys a ``--resume`` override may change (everything else must equal the run's ``config.yaml``)."""
 

@@ -27,7 +27,7 @@ RUN_MARKER = ".empo2-run"
 RUN_LAYOUT = {"config.yaml", "metrics.jsonl", "memory.sqlite", "memory.sqlite-wal", "memory.sqlite-shm",
               "memory.sqlite-journal", "checkpoints", "eval", "tb", "wandb", "trajectories.jsonl", "scores.png",
               "modes.png", "memory.png", "machine.jsonl", "mlflow-run-id", LOCK_NAME, RUN_MARKER,
-              "memory.sqlite.ahead-of-*"}
+              "memory.sqlite.ahead-of-*", "warm_start", ".warm_start-*", "demos.json"}
 """What a run writes in its folder (a pattern for the memories kept aside on resume)."""
 EMPO2_ONLY = {"memory.sqlite", "machine.jsonl", "trajectories.jsonl", "scores.png", "modes.png", "memory.png",
               "mlflow-run-id"}

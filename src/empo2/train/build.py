@@ -36,6 +36,7 @@ from empo2.policy.backend import check_backend, make_backend
 from empo2.policy.loader import autocast_context, load_model
 from empo2.policy.sampling import Sampling
 from empo2.rundir import checkpoint as ckpt
+from empo2.rundir import warm_start
 from empo2.rundir.metrics import MetricsLog, trackers
 from empo2.rundir.resume import align_memory, pick_checkpoint, truncate_samples
 from empo2.train import preflight
@@ -70,9 +71,14 @@ class TrainerParts:
             cfg.algo.intrinsic_schedule_iterations = cfg.train.iterations  # kept when a resume changes the length
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
         check_backend(cfg.policy.backend, cfg.policy.lora_r if cfg.policy.lora else 0)
+        if cfg.policy.warm_start and cfg.policy.backend != "hf":
+            raise ConfigError(f"policy.warm_start runs with policy.backend=hf only (the {cfg.policy.backend} engine "
+                              "loads the base model's files, without the warm start merged into them)")
         if model is None:
             model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                           cfg.policy.trust_remote_code)
+        if cfg.policy.warm_start:  # merged into the weights: the run's LoRA, its reference and start eval build on it
+            model, cfg.policy.warm_start_sha256 = warm_start.start_from(model, cfg.policy)
         self.tokenizer = tokenizer
         self.model = model if hasattr(model, "peft_config") else \
             loader.make_trainable(model, cfg.policy, cfg.train.gradient_checkpointing)
