@@ -73,8 +73,12 @@ def test_every_arm_but_the_novelty_ones_runs_without_the_bonus(tmp_path):
     from empo2.experiments.compare import plan_runs
     from empo2.experiments.report import method_label
 
+    warm = {name for name, arm in REGISTRY.items() if arm.needs_warm_start}  # planned only beside a real warm start
+    assert warm == {"warm-start", "sft-grpo"}
+    for name in warm:  # their bonus is off whatever the config says
+        assert {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}.items() <= REGISTRY[name].fixed().items()
     names = sorted({*REGISTRY, *ALGORITHMS, "gigpo-std", "empo2+gigpo", "empo2+proxmo", "empo2+gigpo-std",
-                    *NOVELTY_ARMS})
+                    *NOVELTY_ARMS} - warm)
     linear = tmp_path / "linear.yaml"
     Config.load(LEARN, ["algo.intrinsic_schedule=linear"]).save(linear)
     for config in (LEARN, str(linear)):

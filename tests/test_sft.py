@@ -195,6 +195,14 @@ def test_a_warm_start_that_changed_under_a_run_is_refused(tiny_model, tmp_path, 
     capsys.readouterr()
     recorded = Config.load(run / "config.yaml").policy
     assert recorded.warm_start_sha256 == warm_start.read(tmp_path / "sft").sha256
+    # the vLLM engine would load the base model's files: refused with one line before --overwrite empties the run
+    kept = sorted(p.relative_to(run) for p in run.rglob("*"))
+    assert main(["train", "--config", "configs/webshop_cpu.yaml", "--algo", "grpo", f"policy.model={tiny_model}",
+                 f"policy.warm_start={tmp_path / 'sft'}", f"train.output_dir={run}", "policy.backend=vllm",
+                 "--overwrite", *QUICK]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "does not run with policy.backend=vllm" in err
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == kept
 
     make_warm_start(tiny_model, tmp_path / "sft", "sft.learning_rate=1e-2", "sft.seed=1")
     capsys.readouterr()
@@ -206,6 +214,18 @@ def test_a_warm_start_that_changed_under_a_run_is_refused(tiny_model, tmp_path, 
     adapter.write_bytes(adapter.read_bytes()[:-8] + b"\0" * 8)
     with pytest.raises(ConfigError, match="is damaged"):
         warm_start.read(tmp_path / "sft")
+
+
+@pytest.mark.slow
+def test_a_preset_that_names_its_own_warm_start_makes_it_from_the_model(tiny_model, tmp_path):
+    """One preset for ``sft`` and then ``train`` names the warm start it makes; the sft run's own config names none,
+    so that playing or exporting that folder applies its adapter once, not the warm start's under it again."""
+    cfg = sft_config(tiny_model, f"policy.warm_start={tmp_path / 'sft'}", "sft.demos=1", "sft.epochs=1",
+                     "sft.validation_demos=0", "sft.eval_variations=0")
+    model, tok = load_model(tiny_model, "cpu", "float32")
+    with SFTTrainer(cfg, model, tok, env=webshop(cfg), output_dir=tmp_path / "sft") as sft:
+        assert (sft.cfg.policy.warm_start, sft.cfg.policy.warm_start_sha256) == (None, None)
+        assert sft.cfg.sft.output_dir == str(tmp_path / "sft") and cfg.policy.warm_start == str(tmp_path / "sft")
 
 
 def test_warm_start_arms_need_a_warm_start():

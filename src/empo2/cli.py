@@ -132,6 +132,7 @@ def train_config(args):
 def check_run_inputs(cfg) -> None:
     """Unknown task or model names, sampling that cannot train, missing or foreign files and a pool too big for the
     machine fail here, before a run writes anything."""
+    from empo2.config import ConfigError
     from empo2.config_bounds import check_machine_limits
     from empo2.envs.factory import resolve_tasks
     from empo2.memory.sqlite_file import check_seed_file
@@ -147,6 +148,9 @@ def check_run_inputs(cfg) -> None:
         check_seed_file(Path(cfg.memory.seed_from))
     resolve_model_path(cfg.policy.model, cfg.policy.trust_remote_code)  # code in a model folder: only when allowed
     warm_start.check(cfg.policy)  # whole, unchanged, made for this tokenizer and architecture
+    if cfg.policy.warm_start and cfg.policy.backend == "vllm":
+        raise ConfigError("policy.warm_start does not run with policy.backend=vllm (the engine loads the base "
+                          "model's files, without the warm start merged into them): use hf or merged")
 
 
 def _tasks_text(cfg) -> str:

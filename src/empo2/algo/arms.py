@@ -88,7 +88,7 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
         {"epsilon": 0.2, "epsilon_high": 0.315, "elpo_eps_elc": 0.115, "elpo_lambda": 0.5, "elpo_b_max": 3,
          "elpo_x_min": 1.0, "elpo_x_max": 3.0, "elpo_beta": 5.0, **NO_NOVELTY}),
     Arm("warm-start", "frozen", "the warm start alone (policy.warm_start): it plays the budget's episodes, takes no "
-        "update and is evaluated like the others", needs_warm_start=True),
+        "update and is evaluated like the others", NO_NOVELTY, needs_warm_start=True),
     Arm("sft-grpo", "grpo", "SFT, then GRPO (LUFFY's baseline): plain GRPO from the warm start (policy.warm_start), "
         "no intrinsic reward", NO_NOVELTY, needs_warm_start=True),
 )}
@@ -175,7 +175,8 @@ def arm_settings(algo_cfg: Any) -> dict[str, Any]:
     ``official`` (the source of its method's official settings, or "") and ``differs_from_official``."""
     spec = get_algorithm(algo_cfg.name)
     return {"reward": reward_text(algo_cfg), "advantage": advantage_text(algo_cfg),
-            "loss": settings_of(spec.loss, algo_cfg), "official": spec.official[0],
+            "loss": settings_of(spec.loss, algo_cfg) if spec.updates_weights else {"loss": "none (no update)"},
+            "official": spec.official[0],
             "differs_from_official": official_differences(algo_cfg)}
 
 

@@ -65,6 +65,7 @@ SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "algo.pro
                   "train.seed", "train.output_dir", "train.eval_at_start")
 """``--algos gigpo-std``: GiGPO divided by the group std (``mean_std_norm``); report's ``method_label`` writes it so."""
 COSMETIC = ("train.output_dir", "train.progress")  # may differ between invocations without changing a run
+"""Besides these, the ``sft`` section (how the warm start was made; its checksum is ``policy.warm_start_sha256``)."""
 
 
 @dataclass
@@ -237,7 +238,7 @@ def _check_same_settings(plan: RunPlan) -> None:
     else:
         return
     flat, new = _flat(old.to_dict()), _flat(plan.cfg.to_dict())
-    diff = [k for k in sorted(new) if k not in COSMETIC and flat.get(k) != new[k]]
+    diff = [k for k in sorted(new) if k not in COSMETIC and not k.startswith("sft.") and flat.get(k) != new[k]]
     if diff:
         shown = ", ".join(f"{k}: {flat.get(k)!r} → {new[k]!r}" for k in diff[:3])
         remedy = "that run folder" if saved.is_file() else f"its lines from {records.RECORD_FILE}"

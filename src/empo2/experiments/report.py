@@ -260,7 +260,8 @@ def markdown(tabs: dict[str, Any]) -> str:
             lines.append("| **average** | " + " | ".join(f"**{_fmt(v['average'])}**" for v in t["methods"].values())
                          + " |")
         elif t["kind"] == "webshop":
-            lines = [f"### WebShop — env `{label}`: score and success (eval without memory)", "",
+            title = "WebShop" if label.startswith("webshop") else "Score and success"
+            lines = [f"### {title} — env `{label}`: score and success (eval without memory)", "",
                      "| method | n | score | success (%) |", "|---|---:|---:|---:|"]
             for m, v in t["methods"].items():
                 lines.append(f"| {m} | {v['n']} | {_fmt(v['score'])} | {_fmt(v['success'])} |")

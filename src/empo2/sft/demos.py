@@ -70,7 +70,8 @@ def gold_actions() -> ActionSource:
                 except EnvError:  # no gold path here (WebShop's official data, where search misses the target)
                     plans[key] = []
             plan = plans[key]
-            out.append(expert_generation(ctx.tokenizer, plan[len(ep.steps)] if len(ep.steps) < len(plan) else RAN_OUT))
+            action = plan[len(ep.steps)] if len(ep.steps) < len(plan) else RAN_OUT
+            out.append(expert_generation(ctx.tokenizer, action, ctx.policy_cfg.max_completion_length))
         return out
 
     return act

@@ -62,7 +62,7 @@ class SFTTrainer:
     ``output_dir``: the run folder (default ``sft.output_dir``). :meth:`train` collects the demonstrations, runs the
     epochs and returns the warm start's record; ``policy.warm_start: <output_dir>`` then starts RL from it::
 
-        cfg = Config.load("configs/scienceworld_reach_sft_cpu.yaml", ["sft.demos=8", "sft.epochs=1"])
+        cfg = Config.load("configs/scienceworld_reach_warm_cpu.yaml", ["sft.demos=8", "sft.epochs=1"])
         with SFTTrainer(cfg, output_dir="runs/sft_demo") as sft:
             print(sft.train()["metrics"])
     """
@@ -73,6 +73,9 @@ class SFTTrainer:
         if output_dir is not None:
             cfg.sft.output_dir = str(output_dir)
         self.check_config(cfg)
+        # The warm start is made from the model itself; the run folder's config must not name it (an evaluation of
+        # this folder would merge it under its own adapter).
+        cfg.policy.warm_start, cfg.policy.warm_start_sha256 = None, None
         if (model is None) != (tokenizer is None):
             raise ConfigError("SFTTrainer: give the model together with its tokenizer, or neither")
         self.cfg, self.compute = decide(cfg)
@@ -251,7 +254,8 @@ class SFTTrainer:
         plan = EvalPlan("dev", cfg.sft.eval_variations, None, cfg.policy.eval_temperature, self.pool.size)
         seed = row_seed(cfg.sft.seed, epoch) if cfg.policy.seeded_sampling else None
         feed = None if progress is None else (lambda done, total: progress(f"epoch {epoch}: eval", done, total))
-        result = evaluate(self.ctx, resolve_tasks(cfg.env), plan, progress=feed, seed=seed)
+        with ckpt.separate_stream(row_seed(cfg.sft.seed, epoch, 1)):  # the training's draws stay as they were
+            result = evaluate(self.ctx, resolve_tasks(cfg.env), plan, progress=feed, seed=seed)
         write_eval_tables(result, self.run_dir / "eval", f"epoch_{epoch:03d}", env_label(cfg.env))
         return result["summary"]
 

@@ -71,9 +71,6 @@ class TrainerParts:
             cfg.algo.intrinsic_schedule_iterations = cfg.train.iterations  # kept when a resume changes the length
         loader.check_precision(cfg.policy.dtype, cfg.policy.device, cfg.policy.lora, cfg.policy.autocast)
         check_backend(cfg.policy.backend, cfg.policy.lora_r if cfg.policy.lora else 0)
-        if cfg.policy.warm_start and cfg.policy.backend != "hf":
-            raise ConfigError(f"policy.warm_start runs with policy.backend=hf only (the {cfg.policy.backend} engine "
-                              "loads the base model's files, without the warm start merged into them)")
         if model is None:
             model, tokenizer = load_model(cfg.policy.model, cfg.policy.device, cfg.policy.dtype,
                                           cfg.policy.trust_remote_code)
