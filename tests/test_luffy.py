@@ -389,7 +389,8 @@ def test_training_metrics_keep_the_expert_apart():
     stats = {"memory_time": 0.0, "gen_time": 1.0, "env_time": 0.0, "gen_tokens": 0, "long_prompts": 0,
              "expert_slots": 1, "expert_kept": 1, "expert_fallback": 0, "expert_steps": 3,
              "expert_discarded_steps": 0}
-    batch = Batch(0, ["on"], [], episodes=[sampled, expert], stats=stats, advantage_metrics={"groups": 1.0})
+    batch = Batch(0, ["on"], [], episodes=[sampled, expert], stats=stats, returns=np.array([8.0, 100.0]),
+                  advantage_metrics={"groups": 1.0})
     rec = iteration_record(batch, "mean", 0, 2, 3)
     train = rec["train"]
     assert (train["score_mean"], train["success_rate"], train["return_mean"], train["steps_mean"]) == (8.0, 0.0, 8.0,

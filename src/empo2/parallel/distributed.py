@@ -140,14 +140,15 @@ class Dist:
 
     def whole_batch(self, batch):
         """A training :class:`~empo2.train.batch.Batch` as rank 0 reports it: every rank's episodes (the others' as
-        :func:`light_episode`), rollout stats, advantage and loss metrics (:func:`merge_stats`); on one rank, the
-        batch itself."""
+        :func:`light_episode`) and their returns, rollout stats, advantage and loss metrics (:func:`merge_stats`); on
+        one rank, the batch itself."""
         if not self.enabled:
             return batch
         episodes = gather_episodes(self, batch.episodes)
+        returns = self.gather_ordered([((ep.group, ep.member), r) for ep, r in zip(batch.ran, batch.returns)])
         stats, adv, losses = merge_stats(self, batch.stats, batch.advantage_metrics, batch.losses)
         return dataclasses.replace(batch, episodes=episodes, stats=stats, advantage_metrics=adv, losses=losses,
-                                   rewards=[])  # this rank's step rewards only: the returns are taken from episodes
+                                   returns=np.array([r for _, r in returns], dtype=np.float64))
 
     def seed_iteration(self, seed: int, iteration: int) -> None:
         """Per-rank, per-iteration seeds for python/numpy/torch: ranks draw different streams, and an iteration draws

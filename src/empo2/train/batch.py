@@ -1,5 +1,5 @@
-"""One iteration's batch as the steps of :meth:`empo2.train.trainer.Trainer.iteration` fill it in, and the metrics
-record (one line of ``metrics.jsonl``) made from it."""
+"""What one iteration of :meth:`empo2.train.trainer.Trainer.iteration` produced, and the metrics record (one line of
+``metrics.jsonl``) made from it."""
 
 from __future__ import annotations
 
@@ -11,36 +11,28 @@ from typing import Any
 
 import numpy as np
 
-from empo2.algo.advantages import path_rewards, returns_of, step_rewards
 from empo2.episodes.episode import Episode, episode_record
 from empo2.rundir.metrics import peak_rss_gb
-from empo2.train.overlap import PendingReflection
 
 
 @dataclass
 class Batch:
-    """What one iteration has produced so far; each step of the loop fills in its own fields."""
+    """What one iteration produced, as :meth:`~empo2.train.trainer.Trainer.iteration` hands it to the record."""
 
     iteration: int
     modes: list[str]
     """The mode of each group of the global batch (the same on every rank)."""
     specs: list[tuple[str, int, int, str]]
     """This rank's rollouts, G per group: (task, variation, group, mode)."""
-    sampling_seed: int | None = None
-    """The iteration's sampling seed (``policy.seeded_sampling``): each row of its rollouts and reflections samples
-    from its own stream seeded by (this, group, member, turn); ``None``: unseeded."""
     episodes: list[Episode] = field(default_factory=list)
     stats: dict[str, float] = field(default_factory=dict)
     """The rollout's times and token counts (:func:`~empo2.episodes.rollout.run_episodes`); the memory time includes
     the reflection's."""
-    pending: PendingReflection | None = None
-    """Tips being generated beside the update (``memory.overlap_reflection``); written by the sync step."""
     intrinsic_weight: float = 0.0
-    rewards: list[np.ndarray] = field(default_factory=list)
-    """One array per episode of :attr:`ran`: each step's reward r_t + w·r_int_t (:func:`~empo2.algo.advantages.
-    step_rewards`), computed once; the estimators and the return read them."""
-    advantages: list[np.ndarray] = field(default_factory=list)
-    """One array per episode of :attr:`ran`: each step's advantage."""
+    returns: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    """Each episode of :attr:`ran`'s return R = Σ_t (r_t + w·r_int_t) = R_ext + w · R_int [N] float64, computed once
+    with the advantages: the sum of the step rewards on its path (:func:`~empo2.algo.advantages.path_rewards`, an
+    ELPO branch's prefix included)."""
     advantage_metrics: dict[str, float] = field(default_factory=dict)
     losses: dict[str, float] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: {"rollout": 0.0, "update": 0.0, "sync": 0.0})
@@ -49,15 +41,12 @@ class Batch:
 
     @property
     def ran(self) -> list[Episode]:
-        """The episodes that ran to the end: one lost to a crashed environment worker is left out of the update."""
-        return [ep for ep in self.episodes if not ep.failed]
+        return ran_episodes(self.episodes)
 
-    def returns(self, aggregation: str) -> np.ndarray:
-        """Each episode of :attr:`ran`'s return R = Σ_t (r_t + w·r_int_t) = R_ext + w · R_int [N] float64, the sum of
-        :attr:`rewards` on its path (:func:`~empo2.algo.advantages.path_rewards`: an ELPO branch's prefix included;
-        made from the episodes where the batch has none yet, e.g. every rank's episodes)."""
-        rewards = self.rewards or step_rewards(self.ran, self.intrinsic_weight, aggregation)
-        return returns_of(path_rewards(self.ran, rewards))
+
+def ran_episodes(episodes: list[Episode]) -> list[Episode]:
+    """The episodes that ran to the end: one lost to a crashed environment worker is left out of the update."""
+    return [ep for ep in episodes if not ep.failed]
 
 
 def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps: int,
@@ -68,8 +57,7 @@ def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps
     stats = batch.stats
     policy = [not ep.expert for ep in batch.episodes]
     episodes = [ep for ep, p in zip(batch.episodes, policy) if p]
-    returns = batch.returns(aggregation) if batch.ran else np.zeros(0)
-    ran = [(ep, r) for ep, r in zip(batch.ran, returns) if not ep.expert]
+    ran = [(ep, r) for ep, r in zip(batch.ran, batch.returns) if not ep.expert]
     scores = [ep.score for ep in episodes]
     expert = {}
     if "expert_slots" in stats:  # LUFFY's expert members, their steps apart from the policy's

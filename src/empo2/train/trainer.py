@@ -1,7 +1,8 @@
 """The EMPO² / GRPO / GiGPO training loop, with evaluation, atomic checkpoints, resume and metrics.
 
 One :meth:`Trainer.iteration` is one iteration of the paper's loop (EMPO², Liu et al., ICLR 2026, arXiv 2602.23008:
-the Method section and its figure of the three learning modes), one call per step:
+the Method section and its figure of the three learning modes), one call per step, each handing its values to the
+next (episodes → returns → advantages → rows → losses); :func:`stage` names and times the rollout, update and sync:
 
 1. sample (``_sample``): a batch of tasks u ~ p(U), each rolled out G times (the GRPO group), and a learning mode per
    batch or group, ``on`` / ``on_tips`` / ``off_tips`` (the three modes; ``TaskSampler``, ``ModeSampler``).
@@ -11,12 +12,14 @@ the Method section and its figure of the three learning modes), one call per ste
    (:func:`empo2.episodes.reflection.reflect`; beside the update with :mod:`empo2.train.overlap`).
 4. novelty (``_novelty``): the intrinsic reward r_int = 1/n of each state reached, n the number of similar states
    seen (the state-novelty reward; :func:`empo2.train.intrinsic.novelty_rewards`).
-5. returns and advantages (``_advantages``): R = R_ext + w·R_int and GRPO's group-normalised advantage
-   A_i = (R_i − mean_G R) / (std_G R + ε), or GiGPO's or ProxMO's (:func:`empo2.algo.advantages.compute_advantages`).
+5. returns and advantages (``_advantages``): R = R_ext + w·R_int (computed once, carried to the record) and GRPO's
+   group-normalised advantage A_i = (R_i − mean_G R) / (std_G R + ε), or GiGPO's or ProxMO's
+   (:func:`empo2.algo.advantages.compute_advantages`).
 6. update (``_update``): the modified GRPO loss, a clipped ratio ρ (for ``off_tips`` π_θ(a|s,u) / π_θold(a|s,u,tips)),
    the low-probability mask 1[π_θ(a|s,u) ≥ δ] and β·D_KL (:class:`empo2.train.update.PolicyUpdate`, ``algo.losses``).
 7. sync (``_sync``): tips generated beside the update are written, a separate rollout backend takes the new weights.
-8. record (``_record``): samples, warnings, one line of ``metrics.jsonl`` (:func:`empo2.train.batch.iteration_record`).
+8. record (``_env_steps``, ``_record``): the run's environment steps, samples, warnings, one line of ``metrics.jsonl``
+   (:func:`empo2.train.batch.iteration_record`).
 
 :meth:`Trainer.train` evaluates without memory on held-out variations (:mod:`empo2.episodes.evaluate`);
 ``docs/fidelity.md`` says where each step follows the paper, where the released code, and where neither.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,7 @@ from empo2.algo.advantages import (
 from empo2.algo.empo2 import intrinsic_weight
 from empo2.envs.factory import env_label
 from empo2.episodes.drivers import rollout_driver
+from empo2.episodes.episode import Episode
 from empo2.episodes.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.episodes.reflection import reflect, tip_writers
 from empo2.episodes.rollout import timed
@@ -56,9 +61,11 @@ from empo2.train.batch import (
     batch_expert_steps,
     iteration_record,
     no_signal_warnings,
+    ran_episodes,
 )
 from empo2.train.build import TrainerParts
 from empo2.train.intrinsic import novelty_rewards
+from empo2.train.overlap import PendingReflection
 from empo2.train.rows import update_rows
 
 
@@ -147,109 +154,124 @@ class Trainer(TrainerParts):
         return final
 
     def iteration(self, it: int | None = None, progress=None) -> dict[str, Any]:
-        """One iteration of the paper's loop, one call per step (the module docstring maps them to the paper).
+        """One iteration of the paper's loop, one call per step (the module docstring maps them to the paper); each
+        step takes the values it needs and returns the ones it makes.
 
         ``it`` (default: the one after the last played) seeds the iteration and sets the intrinsic schedule; the
         returned record is what :meth:`train` logs to ``metrics.jsonl`` (this call logs and saves nothing)."""
         it = self.next_iteration if it is None else it
         self.next_iteration = it + 1
-        batch = self._sample(it)
-        self._roll_out(batch, progress)
-        self._reflect(batch)
-        self._novelty(batch)
-        self._advantages(batch)
-        self._update(batch, progress)
-        self._sync(batch)
-        return self._record(batch)
+        seconds = {"rollout": 0.0, "update": 0.0, "sync": 0.0}
+        modes, specs, seed = self._sample(it)
+        with stage("rollout", it, seconds):
+            episodes, stats = self._roll_out(it, specs, seed, progress)
+            episodes, stats, pending = self._reflect(episodes, stats, seed)
+        weight, episodes = self._novelty(it, episodes)
+        returns, advantages, advantage_metrics = self._advantages(episodes, weight)
+        with stage("update", it, seconds):
+            losses = self._update(episodes, advantages, progress)
+        episodes, stats = self._sync(it, episodes, stats, pending, losses, seconds)
+        batch = Batch(it, modes, specs, episodes, stats, weight, returns, advantage_metrics, losses, seconds)
+        whole = self.dist.whole_batch(batch)  # rank 0 reports every rank's episodes, stats and losses
+        self.env_steps, self.expert_env_steps = self._env_steps(whole)
+        return self._record(batch, whole)
 
-    def _sample(self, it: int) -> Batch:
-        """Tasks and a mode per group: the same global batch on every rank; this rank's groups, G rollouts each."""
+    def _sample(self, it: int) -> tuple[list[str], list[tuple[str, int, int, str]], int | None]:
+        """Tasks and a mode per group: the same global batch on every rank. Returns the mode of each group, this
+        rank's rollouts (task, variation, group, mode), G per group, and the iteration's sampling seed
+        (``policy.seeded_sampling``: each row samples from its own stream seeded by (this, group, member, turn);
+        ``None``: unseeded)."""
         cfg = self.cfg
         self.dist.seed_iteration(cfg.train.seed, it)
         picks = self.task_sampler.sample(cfg.train.tasks_per_batch)
         modes = self.mode_sampler.sample(len(picks))
         specs = [(task, var, g, modes[g]) for g, (task, var) in enumerate(picks) if self.dist.owns(g)
                  for _ in range(cfg.algo.num_generations)]
-        seed = row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
-        return Batch(it, modes, specs, sampling_seed=seed)
+        return modes, specs, row_seed(cfg.train.seed, it) if cfg.policy.seeded_sampling else None
 
-    def _roll_out(self, batch: Batch, progress) -> None:
-        """Play every rollout to the end (with tips retrieved in the memory modes)."""
-        cfg, it = self.cfg, batch.iteration
-        seed = batch.sampling_seed
+    def _roll_out(self, it: int, specs, seed: int | None, progress) -> tuple[list[Episode], dict[str, float]]:
+        """Play every rollout to the end (with tips retrieved in the memory modes); returns the episodes and the
+        rollout's times and token counts."""
+        cfg = self.cfg
         reset_peak_rss()
-        signals.set_phase("the rollout", where=f"iteration {it}")
-        with timed(batch.seconds, "rollout"), sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
+        with sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
             progress_fn = partial(_rollout_progress, progress, it)
-            if self.expert is not None:  # LUFFY: gold-path members
-                batch.episodes, batch.stats = self.expert.play(self.ctx, batch.specs, self.sampling,
-                                                               progress=progress_fn, seed=seed)
-                # every rank knows every unreachable expert, as one process would (and rank 0 checkpoints them)
-                found = self.dist.all_gather(self.expert.state_dict())
-                self.expert.load_state_dict([pair for part in found for pair in part])
-            else:  # G independent episodes, or ELPO's tree
+            if self.expert is None:  # G independent episodes, or ELPO's tree
                 drive = rollout_driver(self.algorithm.rollout)
-                batch.episodes, batch.stats = drive(self.ctx, batch.specs, self.sampling, cfg, progress_fn, seed)
+                return drive(self.ctx, specs, self.sampling, cfg, progress_fn, seed)
+            episodes, stats = self.expert.play(self.ctx, specs, self.sampling, progress=progress_fn, seed=seed)
+            # LUFFY's gold-path members: every rank knows every unreachable expert, as one process would (and rank 0
+            # checkpoints them)
+            found = self.dist.all_gather(self.expert.state_dict())
+            self.expert.load_state_dict([pair for part in found for pair in part])
+            return episodes, stats
 
-    def _reflect(self, batch: Batch) -> None:
-        """Each finished episode writes its tip into memory (memory algorithms only); with ``overlap_reflection``
-        the tips are generated on another thread while the update trains, and written by :meth:`_sync`."""
+    def _reflect(self, episodes: list[Episode], stats: dict[str, float], seed: int | None):
+        """Each finished episode writes its tip into memory (memory algorithms only). Returns the episodes noting
+        their tips, the stats with the reflection's time added to the memory time, and ``None``; or, with
+        ``overlap_reflection``, the episodes and stats as they were and the reflection started on another thread
+        while the update trains (:meth:`_sync` writes its tips)."""
         if self.memory is None:
-            return
-        writers = tip_writers(batch.episodes, self.cfg.memory)
-        with timed(batch.seconds, "rollout"):
-            if self.reflection is not None:
-                batch.pending = self.reflection.start(self.ctx, batch.episodes, writers, batch.sampling_seed)
-                return
-            with timed(batch.stats, "memory_time"), sharding.generating(self.model, self.cfg.policy.autocast,
-                                                                        self.ctx.backend):
-                batch.episodes = reflect(self.ctx, batch.episodes, writers, batch.sampling_seed)
+            return episodes, stats, None
+        writers = tip_writers(episodes, self.cfg.memory)
+        if self.reflection is not None:
+            return episodes, stats, self.reflection.start(self.ctx, episodes, writers, seed)
+        stats = dict(stats)
+        with timed(stats, "memory_time"), sharding.generating(self.model, self.cfg.policy.autocast, self.ctx.backend):
+            episodes = reflect(self.ctx, episodes, writers, seed)
+        return episodes, stats, None
 
-    def _novelty(self, batch: Batch) -> None:
-        """The intrinsic weight of this iteration and, where it is on, every step's novelty reward."""
-        batch.intrinsic_weight = intrinsic_weight(self.cfg.algo, batch.iteration, self.cfg.train.iterations)
-        if batch.intrinsic_weight > 0:  # counted over the whole batch, over every rank's episodes
-            batch.episodes = novelty_rewards(self.novelty, self.embedder, batch.episodes, self.dist)
+    def _novelty(self, it: int, episodes: list[Episode]) -> tuple[float, list[Episode]]:
+        """The intrinsic weight w of this iteration and the episodes with every step's novelty reward where w > 0."""
+        weight = intrinsic_weight(self.cfg.algo, it, self.cfg.train.iterations)
+        if weight > 0:  # counted over the whole batch, over every rank's episodes
+            episodes = novelty_rewards(self.novelty, self.embedder, episodes, self.dist)
+        return weight, episodes
 
-    def _advantages(self, batch: Batch) -> None:
-        """Returns and per-step advantages of the episodes that ran (a streak of lost episodes stops the run)."""
-        episodes = batch.episodes
+    def _advantages(self, episodes: list[Episode], weight: float):
+        """The returns R [N] and per-step advantages of the episodes that ran, and the advantage metrics (a streak of
+        lost episodes stops the run)."""
         if self.env_failures.update([ep.error if ep.failed else None for ep in episodes], self.run_dir):
             self._say(f"[warning] {sum(ep.failed for ep in episodes)} episode(s) lost to a crashed environment "
                       "worker (restarted); they are left out of this update")
-        algo = self.cfg.algo
-        batch.rewards = step_rewards(batch.ran, batch.intrinsic_weight, algo.intrinsic_aggregation)
-        inputs = AdvantageInput.from_rewards(batch.ran, batch.rewards, AdvantageOptions.from_config(algo),
+        algo, ran = self.cfg.algo, ran_episodes(episodes)
+        rewards = step_rewards(ran, weight, algo.intrinsic_aggregation)
+        inputs = AdvantageInput.from_rewards(ran, rewards, AdvantageOptions.from_config(algo),
                                              gather=self.dist.all_gather)  # returns: the sums of the step rewards
-        batch.advantages, batch.advantage_metrics = compute_advantages(self.algorithm.estimator(algo), inputs)
+        advantages, metrics = compute_advantages(self.algorithm.estimator(algo), inputs)
+        return inputs.returns, advantages, metrics
 
-    def _update(self, batch: Batch, progress) -> None:
-        """The algorithm's policy-gradient steps on every generated action of the episodes that ran."""
-        signals.set_phase("the update", where=f"iteration {batch.iteration}")
-        with timed(batch.seconds, "update"):
-            rows = update_rows(batch.ran, batch.advantages)
-            batch.losses = self.update(rows, progress) if self.algorithm.updates_weights else {}
+    def _update(self, episodes: list[Episode], advantages, progress) -> dict[str, float]:
+        """The algorithm's policy-gradient steps on every generated action of the episodes that ran; returns the
+        loss metrics (none where the algorithm trains no weights)."""
+        rows = update_rows(ran_episodes(episodes), advantages)
+        return self.update(rows, progress) if self.algorithm.updates_weights else {}
 
-    def _sync(self, batch: Batch) -> None:
-        """Memory and the rollout backend catch up with the update: tips generated beside it are written, and a
-        separate backend (vLLM) takes the new weights, so the next rollouts sample from the updated policy."""
-        if batch.pending is not None:
-            with timed(batch.stats, "memory_time"):
-                batch.episodes = self.reflection.finish(self.ctx, batch.episodes, batch.pending)
-        if self.ctx.backend is not None and batch.losses.get("optimizer_steps"):
-            with timed(batch.seconds, "sync"):
+    def _sync(self, it: int, episodes: list[Episode], stats: dict[str, float], pending: PendingReflection | None,
+              losses: dict[str, float], seconds: dict[str, float]) -> tuple[list[Episode], dict[str, float]]:
+        """Memory and the rollout backend catch up with the update: tips generated beside it are written (returns
+        the episodes noting them, and the stats with their time), and a separate backend (vLLM) takes the new
+        weights, so the next rollouts sample from the updated policy."""
+        if pending is not None:
+            stats = dict(stats)
+            with timed(stats, "memory_time"):
+                episodes = self.reflection.finish(self.ctx, episodes, pending)
+        if self.ctx.backend is not None and losses.get("optimizer_steps"):
+            with stage("sync", it, seconds, mark=False):  # part of the update's phase
                 self.ctx.backend.sync_weights(self.model)
+        return episodes, stats
 
-    def _record(self, batch: Batch) -> dict[str, Any]:
+    def _env_steps(self, whole: Batch) -> tuple[int, int]:
+        """The run's environment steps, the policy's and the expert members', with the whole batch's added."""
+        return self.env_steps + batch_env_steps(whole), self.expert_env_steps + batch_expert_steps(whole)
+
+    def _record(self, batch: Batch, whole: Batch) -> dict[str, Any]:
         """Samples of this rank's episodes, the warnings, and the metrics record of the whole batch."""
         if self.dist.is_main:  # rank 0 writes samples of its own (full) episodes
             append_samples(self.run_dir / "trajectories.jsonl", batch, self.cfg.train.sample_trajectories, self.tokenizer)
-        whole = self.dist.whole_batch(batch)  # rank 0 reports every rank's episodes, stats and losses
         self.zero_adv_streak, warnings = no_signal_warnings(whole, self.zero_adv_streak, self.cfg.train)
         for text in warnings:
             self._say(text)
-        self.env_steps += batch_env_steps(whole)
-        self.expert_env_steps += batch_expert_steps(whole)
         memory_size = self.memory.stats()["tips"] if self.memory is not None else 0
         return iteration_record(whole, self.cfg.algo.intrinsic_aggregation, memory_size, self.env_steps,
                                 self.expert_env_steps)
@@ -296,6 +318,16 @@ class Trainer(TrainerParts):
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+@contextmanager
+def stage(name: str, it: int, seconds: dict[str, float], mark: bool = True):
+    """One stage of iteration ``it``: names it the process's phase (``the rollout of iteration 3``, for the stop
+    message and the ``-v`` log; a safe point) unless ``mark`` is off, and adds its wall time to ``seconds[name]``."""
+    if mark:
+        signals.set_phase(f"the {name}", where=f"iteration {it}")
+    with timed(seconds, name):
+        yield
 
 
 def _rollout_progress(progress, it: int, done: int, total: int) -> None:
