@@ -71,8 +71,10 @@ def test_two_ranks_match_one_rank(tmp_path, tiny_model):
         w1, w2 = _weights(one, it), _weights(two, it)
         assert w1.keys() == w2.keys()
         for name in w1:
-            # float32 sums in another order (micro-batches split by rank): measured max difference 2e-8, steps ~1e-4
-            torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=2e-7, msg=name)
+            # float32 sums in another order (micro-batches split by rank) and π_old from generation batches of
+            # another composition; on some CPUs Adam turns a near-zero gradient's noise into part of a step, so the
+            # bound is a twentieth of one Adam step (lr 1e-4), far below what a missed or doubled row would move
+            torch.testing.assert_close(w2[name], w1[name], rtol=0, atol=5e-6, msg=name)
     assert any(t.abs().max() > 0 for n, t in _weights(two, 1).items() if "lora_B" in n)  # it did learn
     assert _tips(two / "memory.sqlite") == _tips(one / "memory.sqlite") != []
     m1, m2 = _metrics(one), _metrics(two)

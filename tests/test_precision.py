@@ -2,7 +2,7 @@
 ``policy.autocast: auto`` picks bfloat16 only where the hardware has it, and a run records the choice.
 
 The training run uses the tiny random Llama (``conftest.tiny_model``), full fine-tuning, CPU autocast to bfloat16,
-on the real ScienceWorld simulator.
+on ChecksumRoom (tests/signal_env.py), whose groups always carry a signal.
 """
 
 from __future__ import annotations
@@ -42,18 +42,23 @@ def test_full_finetuning_with_bf16_weights_is_refused(tmp_path, capsys):
 @pytest.mark.slow
 def test_bf16_compute_at_lr_1e6_changes_fp32_weights(tmp_path, tiny_model, embedder):
     """The paper preset's GPU setting: fp32 weights, bf16 autocast, gradient checkpointing, full fine-tuning. Two
-    iterations through the Python API in this process, then the checkpoint the trainer writes after them."""
+    iterations through the Python API in this process, on ChecksumRoom (every group has a signal, so every
+    iteration steps), then the checkpoint the trainer writes after them."""
     from empo2 import Config, Trainer
+    from signal_env import ChecksumRoom, checksum_room
 
-    config, algo = FAST[1], FAST[3]  # --config FILE --algo NAME, then overrides
-    cfg = Config.load(config, [f"algo.name={algo}", *FAST[4:], f"policy.model={tiny_model}", "policy.dtype=float32",
-                               "policy.autocast=bfloat16", "train.gradient_checkpointing=true"])
-    with Trainer(cfg, output_dir=tmp_path / "amp", embedder=embedder) as trainer:
-        rows = [trainer.iteration() for _ in range(cfg.train.iterations)]
-        saved = trainer.save(rows[-1]["iteration"])
+    with checksum_room():
+        cfg = Config.load(None, ["env.name=checksum-room", "algo.name=grpo", "algo.num_generations=4",
+                                 "env.eval_variations=1", "policy.few_shot=0", "policy.max_completion_length=6",
+                                 "train.progress=false", "train.report_to=none", "algo.low_prob_threshold=0",
+                                 "train.iterations=2", "train.learning_rate=1.0e-6", "policy.lora=false",
+                                 f"policy.model={tiny_model}", "policy.dtype=float32", "policy.autocast=bfloat16",
+                                 "train.gradient_checkpointing=true"])
+        with Trainer(cfg, output_dir=tmp_path / "amp", env=ChecksumRoom, embedder=embedder) as trainer:
+            rows = [trainer.iteration() for _ in range(cfg.train.iterations)]
+            saved = trainer.save(rows[-1]["iteration"])
     assert saved.name == "iter_000001"
-    # iteration 0 may carry no signal (every state is new to the novelty reward); the run must step at least once
-    assert sum(r["loss"].get("optimizer_steps", 0) for r in rows) >= 1
+    assert all(r["advantage"]["zero_adv_groups"] == 0 and r["loss"]["optimizer_steps"] >= 1 for r in rows)
     before = load_file(f"{tiny_model}/model.safetensors")
     after = load_file(str(saved / "model" / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in after.values())  # master weights stay float32

@@ -69,8 +69,10 @@ def test_the_readme_quotes_the_reach_record():
         lo, hi = tdist.mean_interval(values) if len(set(values)) > 1 else (values[0], values[0])
         return f"[{fmt(max(lo, low), form)}, {fmt(min(hi, high), form)}]"
 
-    labels = {"empo2": "EMPO²", "grpo-no-novelty": "GRPO", "gigpo": "GiGPO", "luffy": "LUFFY", "proxmo": "ProxMO",
-              "grpo-novelty": "GRPO + novelty bonus", "empo2+luffy": "EMPO² + expert member", "elpo": "ELPO"}
+    # the record's arm names as they ran then: its gigpo and proxmo had the novelty bonus, its ELPO the prefix defect
+    labels = {"empo2": "EMPO²", "grpo-no-novelty": "GRPO", "gigpo": "GiGPO + novelty bonus", "luffy": "LUFFY",
+              "proxmo": "ProxMO + novelty bonus", "grpo-novelty": "GRPO + novelty bonus",
+              "empo2+luffy": "EMPO² + expert member", "elpo": "ELPO (branches scored without their prefix)"}
     for algo, label in labels.items():
         seeds = sorted(seed for a, seed in final if a == algo)
         assert len(seeds) >= 2, algo

@@ -116,12 +116,13 @@ def test_tensorboard_and_wandb_hold_the_scalars_of_metrics_jsonl(tmp_path, tiny_
 def test_a_resumed_run_continues_its_wandb_run_unless_it_replays_iterations(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb", reason="wandb is a test extra (pip install -e '.[dev]')")
     from empo2.rundir.metrics import MetricsLog
-    from empo2.rundir.runlock import clear_run_folder
+    from empo2.rundir.runlock import clear_run_folder, mark_run_folder
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
     run.mkdir()
+    mark_run_folder(run)  # as `train` does: the run's marker names wandb/ as the run's
 
     def process(iteration: int, kept_through: int | None = None) -> str:
         """A training process (a resume from the checkpoint of ``kept_through``) logging one iteration: the id of

@@ -100,6 +100,10 @@ def cmd_eval(args) -> int:
         raise ConfigError("--with-memory needs --run RUN_DIR (its memory.sqlite)")
     out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
     check_writable(out, "--out")  # before the evaluation, whose tables would otherwise be lost
+    if args.run:  # a run with no intact checkpoint is refused before anything else is said or loaded
+        from empo2.rundir import checkpoint as ckpt
+
+        ckpt.latest_intact(Path(args.run), lambda line: None)  # its warning comes once, when the model loads
     check_reachable(policy_config(args), args.split, args.variations, "evaluation",
                     args.allow_unreachable)  # before the model loads: a refused evaluation costs no load
     cfg, ctx = policy_context(args, mem_path)
