@@ -72,3 +72,19 @@ class TextEnv(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def stop_java_simulator(sim) -> None:
+    """Close a simulator that runs in a JVM of its own over py4j (ScienceWorld's, TextWorldExpress's) and wait for
+    the JVM to end, killing it if it has not within 5 s."""
+    proc = sim._gateway.java_process
+    try:
+        sim.close()
+    except Exception:
+        pass
+    sim.close = lambda: None  # the package's __del__ calls close() again
+    try:
+        proc.wait(timeout=5)
+    except Exception:
+        proc.kill()
+        proc.wait(timeout=5)

@@ -23,7 +23,7 @@ import shutil
 from typing import Any
 
 from empo2.envs.actions import clean_action, closest_actions, replayable_gold  # noqa: F401 - part of this module's API
-from empo2.envs.base import EnvError, StepResult
+from empo2.envs.base import EnvError, StepResult, stop_java_simulator
 from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.scienceworld_tasks import (  # noqa: F401 - re-exported: the task sets are part of this module's API
     DEFAULT_STEP_CAP,
@@ -350,18 +350,8 @@ class ScienceWorldEnv:
     def close(self) -> None:
         """Stop the JVM (idempotent)."""
         sim, self._sim = getattr(self, "_sim", None), None
-        if sim is None:
-            return
-        proc = sim._gateway.java_process
-        try:
-            sim.close()
-        except Exception:
-            pass
-        sim.close = lambda: None  # the package's __del__ calls close() again
-        try:
-            proc.wait(timeout=5)
-        except Exception:
-            proc.kill()
+        if sim is not None:
+            stop_java_simulator(sim)
 
     def __enter__(self) -> ScienceWorldEnv:
         return self

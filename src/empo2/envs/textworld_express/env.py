@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from empo2.envs.actions import clean_action, closest_actions, normalise
-from empo2.envs.base import EnvError, StepResult
+from empo2.envs.base import EnvError, StepResult, stop_java_simulator
 from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.scienceworld_text import short_line
 from empo2.envs.textworld_express import gold
@@ -312,19 +312,8 @@ class TextWorldExpressEnv:
     def close(self) -> None:
         """Stop the JVM (idempotent)."""
         sim, self._sim = getattr(self, "_sim", None), None
-        if sim is None:
-            return
-        proc = sim._gateway.java_process
-        try:
-            sim.close()
-        except Exception:
-            pass
-        sim.close = lambda: None  # the package's __del__ calls close() again
-        try:
-            proc.wait(timeout=5)
-        except Exception:
-            proc.kill()
-            proc.wait(timeout=5)
+        if sim is not None:
+            stop_java_simulator(sim)
 
     def __enter__(self) -> TextWorldExpressEnv:
         return self
