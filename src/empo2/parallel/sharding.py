@@ -103,7 +103,10 @@ def gathered(model: torch.nn.Module):
     finally:
         for unit in units:  # FSDP's own defaults: layers free their weights after forward, the root keeps them
             unit.set_reshard_after_forward(unit is not model, recurse=False)
-        model.reset_iter_state()  # reshards all, and forgets this block's forwards (backward prefetch follows them)
+        try:
+            model.reset_iter_state()  # reshards all, and forgets this block's forwards (backward prefetch follows them)
+        except AttributeError:  # FSDP's lazy init has not run yet (no forward since the wrap): nothing to reset
+            pass
 
 
 @contextmanager
