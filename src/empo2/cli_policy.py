@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 from empo2.config import ConfigError
@@ -89,9 +90,12 @@ def check_policy_source(args) -> None:
 
 
 def cmd_eval(args) -> int:
+    from rich.console import Console
+
     from empo2.envs.factory import env_label, resolve_tasks
     from empo2.envs.gold import check_reachable
     from empo2.episodes.evaluate import EvalPlan, evaluate, markdown_table, write_eval_tables
+    from empo2.progress import ProgressBar
     from empo2.rundir.storage import check_writable
 
     check_policy_source(args)
@@ -110,7 +114,8 @@ def cmd_eval(args) -> int:
     try:
         tasks = resolve_tasks(cfg.env)
         plan = EvalPlan(args.split, args.variations, None, args.temperature, args.batch, args.with_memory)
-        result = evaluate(ctx, tasks, plan)
+        with ProgressBar(Console(soft_wrap=True), True) as progress:
+            result = evaluate(ctx, tasks, plan, progress=partial(progress, f"eval {args.split}"))
     finally:
         ctx.pool.close()
     label = env_label(cfg.env)
