@@ -241,6 +241,7 @@ def test_registered_elpo_loss_widens_only_the_critical_rows():
     import dataclasses
 
     from empo2.algo.losses import get_policy_loss
+    from empo2.algo.registry import get_algorithm
     from empo2.config_sections import AlgoConfig
     from empo2.episodes.episode import Episode, Step
     from empo2.train.rows import update_rows
@@ -251,9 +252,9 @@ def test_registered_elpo_loss_widens_only_the_critical_rows():
         e = Episode("t", 0, 0, "on", critical_step=t_crit)
         e.steps = [Step([1], [1], [2, 3], [-1.0, -1.0], "a", "a", "o", 0.0, "s") for _ in range(n)]
         return e
-    rows = update_rows([ep(3, 2), ep(2)], [[-1.0] * 3, [-1.0] * 2])
-    assert [r.critical for r in rows] == [False, True, True, False, False]
-    critical = torch.tensor([r.critical for r in rows])
+    rows = update_rows([ep(3, 2), ep(2)], [[-1.0] * 3, [-1.0] * 2], get_algorithm("elpo").row_extras)
+    assert [r.extras["critical"] for r in rows] == [False, True, True, False, False]
+    critical = torch.tensor([r.extras["critical"] for r in rows])
     ratios = torch.tensor([0.75, 0.75, 0.9, 0.75, 0.75], dtype=torch.float64)
     logp_old = torch.full((5, 2), -1.0, dtype=torch.float64)
     logp_new = (logp_old + ratios.log()[:, None]).requires_grad_(True)

@@ -1,6 +1,7 @@
 """Extending empo2 from outside ``src/``: a toy environment and a toy algorithm registered in this file train one
 iteration through the real CLI (real pool worker processes, the tiny random model, a real run folder), and the toy
-loss's own knob reaches it through the ``algo`` section without an edit of the update.
+loss's own knob reaches it through the ``algo`` section without an edit of the update. The toy method brings its own
+rollout driver and its own row field, named in its one registration line, as ELPO does in ``empo2.algo.elpo``.
 
 The environment is a two-door room: the door that hides the prize depends on the variation's parity. It is small on
 purpose; what is tested is that registration alone is enough (no edit of the package)."""
@@ -21,6 +22,7 @@ from empo2.config import Config
 from empo2.config_sections import AlgoConfig
 from empo2.envs import EnvSpec, StepResult, register_env
 from empo2.envs.registry import ENVIRONMENTS
+from empo2.episodes.rollout import run_episodes
 
 
 class TwoDoors:
@@ -77,13 +79,31 @@ class ToyAlgoConfig(AlgoConfig):
     """Factor on the toy loss."""
 
 
-def plain_policy_gradient(logp_new, logp_old, advantages, response_mask, algo, **_):
+SEEN = {"driven": [], "first_step": []}
+"""What the toy's rollout driver played and what its loss received, for the tests to read."""
+
+
+def plain_policy_gradient(logp_new, logp_old, advantages, response_mask, algo, *, first_step=None, **_):
     """REINFORCE with a token mean, times the toy's own knob: −s·Σ A·log π / Σ mask (no ratio, no clip). A section
-    without the knob (the CLI's ``AlgoConfig``) means s = 1."""
+    without the knob (the CLI's ``AlgoConfig``) means s = 1. ``first_step`` [B]: the toy's own row field."""
     mask = response_mask.float()  # [B, T]
     scale = getattr(algo, "pg_scale", 1.0)
     loss = -scale * (advantages[:, None] * logp_new * mask).sum() / mask.sum().clamp(min=1)
+    if first_step is not None:
+        SEEN["first_step"].append(first_step.tolist())
     return loss, {"skipped": 0.0, "pg_loss": float(loss)}
+
+
+def toy_rollout(ctx, specs, sampling, cfg, progress, seed=None):
+    """The toy's rollout driver: the shared episodes, with the groups it played noted (a driver may play any way)."""
+    episodes, stats = run_episodes(ctx, specs, sampling, progress=progress, seed=seed)
+    SEEN["driven"].append(sorted({ep.group for ep in episodes}))
+    return episodes, stats
+
+
+def toy_row_extras(episode):
+    """The toy's row field: whether the row is its episode's first step."""
+    return {"first_step": [t == 0 for t in range(len(episode.steps))]}
 
 
 @pytest.fixture
@@ -92,7 +112,9 @@ def registered():
                          guide="Open the door that hides the prize. Answer with one action.",
                          tasks=lambda cfg: ["doors"]))
     register_policy_loss("toy_pg")(plain_policy_gradient)
-    register_algorithm(AlgorithmSpec("toy_reinforce", uses_memory=False, loss="toy_pg", advantage="grpo"))
+    register_algorithm(AlgorithmSpec("toy_reinforce", uses_memory=False, loss="toy_pg", advantage="grpo",
+                                     rollout=toy_rollout, row_extras=toy_row_extras))
+    SEEN["driven"].clear(), SEEN["first_step"].clear()
     yield
     ENVIRONMENTS.pop("two-doors"), POLICY_LOSSES.pop("toy_pg"), ALGORITHMS.pop("toy_reinforce")
 
@@ -116,6 +138,10 @@ def test_toy_algorithm_and_environment_train_without_editing_src(tmp_path, tiny_
     # adapter moved
     assert record["advantage"]["zero_adv_groups"] < 2 and record["loss"]["rows"] >= 2
     assert record["loss"]["optimizer_steps"] == math.ceil(record["loss"]["rows"] / 3)
+    # the toy's own rollout played the iteration's two groups, and its loss got its own row field (every episode's
+    # first step is a row, so some micro-batch holds one)
+    assert SEEN["driven"] == [[0, 1]]
+    assert any(any(flags) for flags in SEEN["first_step"])
     adapter = load_file(str(sorted((run / "checkpoints").glob("iter_*"))[-1] / "model" / "adapter_model.safetensors"))
     assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from empo2.algo.empo2 import step_rewards_with_novelty
+from empo2.algo.returns import step_rewards_with_novelty
 
 EQUAL_RTOL = 1e-9
 """Returns of a group that differ by at most this × max(1, |R|) count as equal (advantage exactly 0)."""

@@ -135,8 +135,8 @@ def reward_text(algo_cfg: Any) -> str:
         text += ", no novelty bonus"
     if spec.expert_members:
         text += f"; {spec.expert_members} gold-path member(s) per group, inside the group's baseline"
-    if spec.rollout == "elpo":
-        text += "; a tree leaf's R is its whole path's (the replayed prefix included)"
+    if spec.reward_note:
+        text += f"; {spec.reward_note}"
     return text
 
 

@@ -49,6 +49,7 @@ import torch
 
 from empo2.algo.advantages import AdvantageInput, register_advantage
 from empo2.algo.losses import clipped_surrogate_settings, policy_loss, register_policy_loss
+from empo2.algo.registry import AlgorithmSpec, register_algorithm
 
 # Table 2 (App. C). Its budget N_total (16) is the group size here, ``algo.num_generations``.
 B_MAX = 3
@@ -410,3 +411,15 @@ def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, fl
     flat = np.concatenate(out) if out else np.zeros(0)
     return out, {"groups": float(len(np.unique(inp.group_ids))), "adv_abs_mean": float(np.abs(flat).mean())
                  if flat.size else 0.0, "zero_adv_groups": float(silent)}
+
+
+def row_extras(episode) -> dict[str, np.ndarray]:
+    """What an ELPO update row carries: ``critical``, whether its step lies in Eq. 11's scope (:func:`critical_steps`
+    of the episode's ``critical_step``), which :func:`elpo_loss` widens."""
+    return {"critical": critical_steps(len(episode.steps), episode.critical_step)}
+
+
+register_algorithm(AlgorithmSpec(
+    "elpo", uses_memory=False, loss="elpo", advantage="elpo", rollout="empo2.episodes.elpo_rollout:drive",
+    row_extras=row_extras, reward_note="a tree leaf's R is its whole path's (the replayed prefix included)",
+    official=OFFICIAL))  # Liang et al. 2026

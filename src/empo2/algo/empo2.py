@@ -20,9 +20,7 @@ The loss (the paper's masked GRPO objective; fidelity *The loss*)::
 - :func:`behaviour_logp_for_ratio` — the off-policy denominator: ρ = π_θ(a|s,u) / π_θold(a|s,u,tips) for ``off_tips``.
 - :func:`low_probability_mask` — 1[π_θ(a_t|s_t,u) ≥ δ] per token (or the released code's whole-response variant).
 - :func:`trains_on_rollout_prompt` — the rows whose KL term estimates the KL on their training prompt.
-
-The clip, dual clip, k3 KL estimator and token aggregation are shared with GRPO and the other methods and live in
-:func:`empo2.algo.losses.policy_loss` (registered as ``empo2``), which calls the three functions above.
+- :func:`empo2_loss` — the registered ``empo2`` loss: the clipped surrogate with all three.
 
 The intrinsic reward and the return (fidelity *The novelty reward*):
 
@@ -31,31 +29,42 @@ The intrinsic reward and the return (fidelity *The novelty reward*):
 - :func:`intrinsic_weight` — the weight w of r_int, constant or annealed linearly (0.8 → 0.2).
 - :func:`intrinsic_return`, :func:`step_rewards_with_novelty`, :func:`combine_returns` — R = R_ext + w·R_int, with
   each step's reward r_t + w·r_int_t (w / T_i per step when R_int is the mean over the episode's steps).
+
+Every rollout, row and loss of any method carries a mode, every arm may add the novelty bonus, and GRPO, LUFFY and ELPO
+share the clipped surrogate with the mask switched off; so those functions are defined in the shared modules they
+serve (:mod:`empo2.algo.modes`, :mod:`empo2.algo.returns`, :mod:`empo2.algo.losses`) and imported here, the very
+functions training runs. What only EMPO² has, its mode probabilities, its loss's registration and its registry entry,
+is defined below.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from empo2.algo.losses import clipped_surrogate_settings, low_probability_mask, policy_loss, register_policy_loss
+from empo2.algo.modes import (
+    MEMORY_MODES,
+    MODES,
+    behaviour_logp_for_ratio,
+    check_mode,
+    rollout_has_tips,
+    training_prompt_has_tips,
+    trains_on_rollout_prompt,
+    uses_tip_free_old_logp,
+)
+from empo2.algo.registry import AlgorithmSpec, register_algorithm
+from empo2.algo.returns import intrinsic_return, intrinsic_weight, novelty_reward, step_rewards_with_novelty
+
+__all__ = ["MEMORY_MODES", "MODES", "OFFICIAL", "behaviour_logp_for_ratio", "check_mode", "combine_returns",
+           "empo2_loss", "empo2_modes", "intrinsic_return", "intrinsic_weight", "low_probability_mask",
+           "mode_probabilities", "novelty_reward", "rollout_has_tips", "step_rewards_with_novelty",
+           "training_prompt_has_tips", "trains_on_rollout_prompt", "uses_tip_free_old_logp"]
+
 OFFICIAL = ("the released EMPO² code", {"epsilon": 0.2, "epsilon_high": 0.3, "dual_clip": 10.0, "beta": 0.0})
 """The loss settings of the authors' released code (docs/fidelity.md, *The loss*): the defaults here."""
-
-# ------------------------------------------------------------------------------------------------- the three modes
-MODES = ("on", "on_tips", "off_tips")
-"""The paper's three learning modes, in a fixed order (the mode sampler's and the metrics')."""
-
-MEMORY_MODES = ("on_tips", "off_tips")
-"""The modes whose rollouts retrieve tips: a ~ π_θ(·|s_t, u, tips_t), tips_t = Retr(s_t; M)."""
-
-
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
 
 
 def mode_probabilities(p_memory: float, p_off_policy: float) -> dict[str, float]:
@@ -65,127 +74,18 @@ def mode_probabilities(p_memory: float, p_off_policy: float) -> dict[str, float]
     return {"on": 1 - p_memory, "on_tips": p_memory - p_off_policy, "off_tips": p_off_policy}
 
 
-def rollout_has_tips(mode: str) -> bool:
-    """Whether the mode samples its actions on the memory-augmented prompt π_θ(·|s_t, u, tips_t)."""
-    check_mode(mode)
-    return mode in MEMORY_MODES
-
-
-def training_prompt_has_tips(mode: str) -> bool:
-    """Whether ``logp_new`` for a row of this mode is computed on a prompt WITH tips (only ``on_tips``): ``off_tips``
-    rows train the tip-free policy π_θ(·|s_t, u) on actions sampled with tips (the knowledge-internalising update)."""
-    check_mode(mode)
-    return mode == "on_tips"
-
-
-def trains_on_rollout_prompt(mode: str) -> bool:
-    """Whether the mode trains on the prompt it sampled from (``on``, ``on_tips``). Only then does the k3 estimate
-    over its sampled tokens estimate D_KL(π_θ ‖ π_ref) on the training prompt; ``off_tips`` tokens were sampled with
-    tips, so the KL term leaves those rows out."""
-    return rollout_has_tips(mode) == training_prompt_has_tips(mode)
+def empo2_modes(algo_cfg: Any) -> dict[str, float]:
+    """EMPO²'s three modes from ``algo.p_memory`` (on_tips + off_tips) and ``algo.p_off_policy`` (off_tips)."""
+    return mode_probabilities(algo_cfg.p_memory, algo_cfg.p_off_policy)
 
 
 # ------------------------------------------------------------------------------------------------- the loss
-def uses_tip_free_old_logp(mode: str, variant: str) -> bool:
-    """Whether the ratio's denominator is the old policy on the tip-free prompt: ``off_tips`` rows under the
-    pre-release variant (``algo.off_policy_ratio = tip_free``); those old log-probs must be recomputed."""
-    check_mode(mode)
-    return mode == "off_tips" and variant == "tip_free"
-
-
-def behaviour_logp_for_ratio(
-    mode: str,
-    logp_old_with_tips: torch.Tensor,
-    logp_old_tip_free: torch.Tensor | None = None,
-    variant: str = "paper",
-) -> torch.Tensor:
-    """The denominator log-probs π_old(a|·) of the ratio for one row (or rows) of ``mode``. Shapes [T] or [B, T].
-
-    The paper's off-policy ratio ρ = π_θ(a_t | s_t, u) / π_θold(a_t | s_t, u, tips_t): the numerator is
-    always the training prompt's (:func:`training_prompt_has_tips`), the denominator the rollout prompt's.
-
-    ``logp_old_with_tips`` are the behaviour log-probs recorded at rollout on the rollout prompt (which has tips for
-    ``on_tips``/``off_tips``; for ``on`` it is simply the tip-free rollout prompt). ``logp_old_tip_free`` are
-    old-policy log-probs of the same tokens recomputed on the tip-free prompt (needed only for ``off_tips`` with
-    ``variant="tip_free"``). ``variant`` is ``algo.off_policy_ratio``.
-
-    - ``on`` / ``on_tips``: rollout prompt == training prompt -> ``logp_old_with_tips``.
-    - ``off_tips``, ``paper``:    ρ = π_θ(a|s,u) / π_old(a|s,u,tips) -> ``logp_old_with_tips``.
-    - ``off_tips``, ``tip_free``: ρ = π_θ(a|s,u) / π_old(a|s,u)      -> ``logp_old_tip_free``.
-    """
-    if uses_tip_free_old_logp(mode, variant):
-        if logp_old_tip_free is None:
-            raise ValueError("variant 'tip_free' needs logp_old_tip_free for off_tips rows")
-        return logp_old_tip_free
-    return logp_old_with_tips
-
-
-def low_probability_mask(logp_new: torch.Tensor, logp_old: torch.Tensor, valid: torch.Tensor, delta: float,
-                         granularity: str = "token") -> torch.Tensor:
-    """The paper's mask 1[π_θ(a_t | s_t, u) ≥ δ]: keep [B, T] bool, the valid tokens whose surrogate counts.
-
-    logp_new, logp_old [B, T]; valid [B, T] bool; δ = ``algo.low_prob_threshold`` (0: no mask).
-
-    - ``token`` (the paper): a token is kept when π_θ(a_t) ≥ δ on the row's training prompt (tip-free for ``on`` and
-      ``off_tips``); π_θ is detached, the mask carries no gradient.
-    - ``sequence`` (the released code's variant, shipped off there): a whole row is dropped when ANY valid token has
-      an old log-prob below log δ (the released code's fixed −5.0 ≈ log 0.0067).
-    """
-    if delta <= 0:
-        return valid
-    if granularity == "token":
-        return valid & (logp_new.detach() >= math.log(delta))  # π_θ(a_t) ≥ δ
-    bad_row = (valid & ~(logp_old >= math.log(delta))).any(dim=1, keepdim=True)  # [B, 1]
-    return valid & ~bad_row
+empo2_loss = register_policy_loss("empo2", settings=clipped_surrogate_settings)(policy_loss)
+"""The ``empo2`` loss: :func:`empo2.algo.losses.policy_loss` with every knob of the ``algo`` section, the
+low-probability mask included."""
 
 
 # ------------------------------------------------------------------------------------------------- novelty, return
-def novelty_reward(visits: np.ndarray) -> np.ndarray:
-    """The paper's r_intrinsic = 1/n with n the number of similar states: visits [N] (each visit's n: the
-    visits of its state before the batch plus those in it, every visit of a batch counted together) -> [N] float64
-    in (0, 1]. A state's first visit earns 1, and repeats earn less."""
-    return 1.0 / np.asarray(visits, dtype=np.float64)
-
-
-def intrinsic_weight(algo: Any, iteration: int, total_iterations: int) -> float:
-    """The weight w of the intrinsic reward at ``iteration`` (0-based) of ``total_iterations``, from an
-    ``AlgoConfig``: constant, or annealed over training (0.8 → 0.2 by default).
-
-    - ``algo.intrinsic_schedule = constant``: ``algo.intrinsic_weight`` (0 = intrinsic reward off).
-    - ``linear``: ``algo.intrinsic_weight_start`` at iteration 0, ``algo.intrinsic_weight_end`` at iteration
-      ``n - 1`` and after, linear in between (``algo.intrinsic_weight`` is ignored), where n is
-      ``algo.intrinsic_schedule_iterations``, or ``total_iterations`` where that is 0.
-    """
-    schedule = algo.intrinsic_schedule
-    if schedule == "constant":
-        return float(algo.intrinsic_weight)
-    if schedule == "linear":
-        start, end = algo.intrinsic_weight_start, algo.intrinsic_weight_end
-        span = max(int(getattr(algo, "intrinsic_schedule_iterations", 0) or total_iterations) - 1, 1)
-        frac = min(max(iteration / span, 0.0), 1.0)
-        return float(start + (end - start) * frac)
-    raise ValueError(f"unknown intrinsic schedule {schedule!r}; use 'constant' or 'linear'")
-
-
-def intrinsic_return(novelty: Sequence[float], aggregation: str = "mean") -> float:
-    """R_int of one episode from its steps' novelty rewards: the mean (``algo.intrinsic_aggregation``, the default:
-    a long episode is not paid for its length) or the sum; 0 for an episode without steps."""
-    if not len(novelty):
-        return 0.0
-    return float(np.mean(novelty) if aggregation == "mean" else np.sum(novelty))
-
-
-def step_rewards_with_novelty(extrinsic: Sequence[float], novelty: Sequence[float], weight: float,
-                              aggregation: str = "mean") -> np.ndarray:
-    """One episode's step rewards r_t + w_t·r_int_t [T] float64, the return's terms: they sum to
-    R_ext + w·R_int (:func:`combine_returns` with :func:`intrinsic_return`), so w_t = w / T under ``mean``
-    aggregation and w under ``sum``. extrinsic [T] (the environment's step rewards), novelty [T]."""
-    if len(extrinsic) != len(novelty):
-        raise ValueError(f"{len(extrinsic)} step rewards but {len(novelty)} novelty rewards")
-    w = weight / max(len(extrinsic), 1) if aggregation == "mean" else weight
-    return np.array([r + w * n for r, n in zip(extrinsic, novelty)], dtype=np.float64)
-
-
 def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:
     """R = R_ext + w · R_int, the return the advantage estimators normalise in their groups (the paper adds the
     intrinsic reward to the extrinsic one; the released code computes one and never adds it).
@@ -203,3 +103,7 @@ def _as_numpy(x) -> np.ndarray:
     if isinstance(x, torch.Tensor):
         x = x.detach().cpu().numpy()
     return np.asarray(x, dtype=np.float64).reshape(-1)
+
+
+register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes, novelty=True,
+                                 official=OFFICIAL))

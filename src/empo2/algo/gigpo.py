@@ -22,6 +22,7 @@ from difflib import SequenceMatcher
 import numpy as np
 
 from empo2.algo.advantages import AdvantageInput, group_normalise, register_advantage
+from empo2.algo.registry import AlgorithmSpec, register_algorithm
 
 OFFICIAL = ("verl-agent's GiGPO scripts (KL loss 0.01, low_var_kl) on verl's actor defaults",
             {"beta": 0.01, "epsilon": 0.2, "epsilon_high": 0.2, "dual_clip": 3.0, "entropy_coeff": 0.001})
@@ -114,3 +115,7 @@ def gigpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, f
     metrics.update(step_metrics, zero_adv_groups=float(sum(silent.values())))
     metrics["adv_abs_mean"] = float(np.abs(np.concatenate(adv)).mean()) if adv and sum(map(len, adv)) else 0.0
     return adv, metrics
+
+
+register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo",
+                                 official=OFFICIAL))  # Feng et al. 2025

@@ -1,7 +1,8 @@
-"""Policy losses (a registry, verl-style): the clipped surrogate GRPO, EMPO² and the other methods share, and EMPO²'s
-loss built from it (the paper's masked GRPO objective, Liu et al. 2026; docs/fidelity.md, *The loss*). EMPO²'s own
-terms, the off-policy ratio's denominator, the low-probability mask and the rows the KL term covers, are the
-functions of :mod:`empo2.algo.empo2`; this module adds the shared pieces (clip, dual clip, k3, aggregation, guards).
+"""Policy losses (a registry, verl-style): the clipped surrogate GRPO, EMPO² and the other methods share (the paper's
+masked GRPO objective, Liu et al. 2026; docs/fidelity.md, *The loss*), registered by each method's file (EMPO²'s as
+``empo2``, :mod:`empo2.algo.empo2`). The low-probability mask is one of its shared knobs (``low_prob_threshold``, which
+GRPO, LUFFY and ELPO switch off); the rows the KL term covers and the ratio's denominator follow the row's mode
+(:mod:`empo2.algo.modes`); this module adds the clip, dual clip, k3, aggregation and guards.
 
 Per valid response token t of row i (objective, to be maximised)::
 
@@ -11,8 +12,8 @@ Per valid response token t of row i (objective, to be maximised)::
     keep   = π_θ(a_t) ≥ δ             π_θ = exp(logp_new), detached   low-probability mask (δ = 0: off)
     loss_t = −obj·keep + β·k3·on,     k3 = exp(ref − new) − (ref − new) − 1
 
-where ``keep`` is :func:`empo2.algo.empo2.low_probability_mask` and ``on`` is 0 on ``off_tips`` rows
-(:func:`empo2.algo.empo2.trains_on_rollout_prompt`).
+where ``keep`` is :func:`low_probability_mask` and ``on`` is 0 on ``off_tips`` rows
+(:func:`empo2.algo.modes.trains_on_rollout_prompt`).
 
 ``token_mean``:    loss = Σ_{i,t} loss_t / Σ_{i,t} response_mask      (the paper's 1/(N·T); masked tokens count in T)
 ``sequence_mean``: loss = mean_i [ Σ_t loss_t / Σ_t response_mask ]   (rows with no valid token are left out)
@@ -24,7 +25,7 @@ and reads its knobs from ``algo``, the run's ``algo`` config section (ε_low = `
 ``loss_type``), so a new loss with a new knob reads it there and the update that calls it does not change. The
 section is checked when the config loads, so a loss does not check its knobs again.
 
-Which log-probs go where (the trainer's job; see :func:`empo2.algo.empo2.behaviour_logp_for_ratio`):
+Which log-probs go where (the trainer's job; see :func:`empo2.algo.modes.behaviour_logp_for_ratio`):
 
 - ``logp_new``: current policy on the TRAINING prompt: with tips for ``on_tips``, WITHOUT tips for ``on`` and
   ``off_tips``. So for ``off_tips`` rows the mask tests π_θ(a | tip-free prompt), as in the paper.
@@ -45,12 +46,13 @@ non-finite, :func:`policy_loss` returns a zero loss whose gradient is exactly ze
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from empo2.algo.empo2 import MODES, check_mode, low_probability_mask, trains_on_rollout_prompt
+from empo2.algo.modes import MODES, check_mode, trains_on_rollout_prompt
 
 LOG_RATIO_CLAMP = 20.0
 
@@ -109,7 +111,25 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     return POLICY_LOSSES[name]
 
 
-@register_policy_loss("empo2", settings=clipped_surrogate_settings)
+def low_probability_mask(logp_new: torch.Tensor, logp_old: torch.Tensor, valid: torch.Tensor, delta: float,
+                         granularity: str = "token") -> torch.Tensor:
+    """The paper's mask 1[π_θ(a_t | s_t, u) ≥ δ]: keep [B, T] bool, the valid tokens whose surrogate counts.
+
+    logp_new, logp_old [B, T]; valid [B, T] bool; δ = ``algo.low_prob_threshold`` (0: no mask).
+
+    - ``token`` (the paper): a token is kept when π_θ(a_t) ≥ δ on the row's training prompt (tip-free for ``on`` and
+      ``off_tips``); π_θ is detached, the mask carries no gradient.
+    - ``sequence`` (the released code's variant, shipped off there): a whole row is dropped when ANY valid token has
+      an old log-prob below log δ (the released code's fixed −5.0 ≈ log 0.0067).
+    """
+    if delta <= 0:
+        return valid
+    if granularity == "token":
+        return valid & (logp_new.detach() >= math.log(delta))  # π_θ(a_t) ≥ δ
+    bad_row = (valid & ~(logp_old >= math.log(delta))).any(dim=1, keepdim=True)  # [B, 1]
+    return valid & ~bad_row
+
+
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
                 algo: Any, *, logp_ref: torch.Tensor | None = None, modes: Sequence[str] | None = None,
                 clip_low: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:

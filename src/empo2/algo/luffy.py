@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from empo2.algo.advantages import AdvantageInput, group_normalise, register_advantage
+from empo2.algo.empo2 import empo2_modes
 from empo2.algo.losses import (
     aggregate_token_loss,
     clipped_surrogate_settings,
@@ -41,6 +42,7 @@ from empo2.algo.losses import (
     policy_loss,
     register_policy_loss,
 )
+from empo2.algo.registry import AlgorithmSpec, register_algorithm
 
 OFFICIAL = ("LUFFY's exp_scripts/train.sh (the paper: entropy 0.01)",
             {"beta": 0.0, "loss_type": "dr_grpo", "luffy_clip": False, "luffy_std": False, "luffy_shaping": True,
@@ -170,3 +172,9 @@ def empo2_luffy_loss(logp_new, logp_old, advantages, response_mask, algo,
                      **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """EMPO² with an expert member: EMPO²'s loss on the sampled rows, LUFFY's shaping (Eq. 6) on the expert rows."""
     return _loss(logp_new, logp_old, advantages, response_mask, algo, algo, **kwargs)
+
+
+register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy",
+                                 expert_members=1, official=OFFICIAL))  # Yan et al. 2025
+register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,
+                                 expert_members=1, novelty=True))  # EMPO² with an expert member: no published method

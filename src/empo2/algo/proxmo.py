@@ -34,6 +34,7 @@ import numpy as np
 
 from empo2.algo.advantages import EQUAL_RTOL, AdvantageInput, group_normalise, register_advantage
 from empo2.algo.gigpo import discounted_step_returns
+from empo2.algo.registry import AlgorithmSpec, register_algorithm
 
 OFFICIAL = ("ProxMO-RL's scripts (KL loss 0.01, low_var_kl) and ppo_trainer.yaml",
             {"beta": 0.01, "epsilon": 0.2, "epsilon_high": 0.2, "dual_clip": 3.0, "entropy_coeff": 0.001})
@@ -204,3 +205,7 @@ def proxmo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, 
     metrics["zero_adv_groups"] = float(sum(silent.values()))
     metrics["adv_abs_mean"] = float(np.abs(np.concatenate(adv)).mean()) if adv and sum(lengths) else 0.0
     return adv, metrics
+
+
+register_algorithm(AlgorithmSpec("proxmo", uses_memory=False, loss="grpo", advantage="proxmo",
+                                 official=OFFICIAL))  # arXiv 2602.19225

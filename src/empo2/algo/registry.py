@@ -7,32 +7,23 @@ branch on the algorithm's name. Adding an algorithm is one call::
     register_algorithm(AlgorithmSpec("my_algo", uses_memory=False, loss="grpo", advantage="grpo"))
 
 (plus, if it needs them, a new loss with ``@register_policy_loss`` and a new estimator with ``@register_advantage``).
+Each method's file makes that call for its own algorithm (:mod:`empo2.algo.elpo` …), and :mod:`empo2.algo` imports
+the method files, one line each; this module names no method, only the two that have no file of their own: ``grpo``
+(the shared estimator and loss) and ``frozen`` (no update).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from empo2.algo import (
-    elpo,  # registers the "elpo" advantage estimator and loss
-    empo2,
-    gigpo,  # registers the "gigpo" advantage estimator
-    luffy,  # registers the "luffy" advantage estimator and LUFFY's losses
-    proxmo,  # registers the "proxmo" advantage estimator
-)
-from empo2.algo.empo2 import MODES, mode_probabilities
+from empo2.algo.modes import MODES
 
 
 def on_policy_only(algo_cfg: Any) -> dict[str, float]:
     """Mode probabilities of a memory-free algorithm: always ``on``."""
     return {"on": 1.0, "on_tips": 0.0, "off_tips": 0.0}
-
-
-def empo2_modes(algo_cfg: Any) -> dict[str, float]:
-    """EMPO²'s three modes from ``algo.p_memory`` (on_tips + off_tips) and ``algo.p_off_policy`` (off_tips)."""
-    return mode_probabilities(algo_cfg.p_memory, algo_cfg.p_off_policy)
 
 
 @dataclass(frozen=True)
@@ -51,8 +42,16 @@ class AlgorithmSpec:
     expert_members: int = 0
     """Members of each group that play the environment's gold path instead of sampling (LUFFY's off-policy
     guidance, :mod:`empo2.episodes.expert`); their rows are marked off-policy for the loss."""
-    rollout: str = "episodes"
-    """Rollout driver (``empo2.episodes.drivers``): ``episodes`` (G independent episodes per group) or ``elpo``."""
+    rollout: str | Callable = "episodes"
+    """How its groups are played (:func:`empo2.episodes.drivers.rollout_driver`): ``episodes`` (G independent
+    episodes per group), a driver ``(ctx, specs, sampling, cfg, progress, seed) -> (episodes, stats)``, or the
+    ``"module:function"`` path of one, for a driver that lives above ``algo`` (ELPO's tree, in
+    :mod:`empo2.episodes.elpo_rollout`)."""
+    row_extras: Callable[[Any], dict[str, Sequence]] | None = None
+    """``episode -> {name: one value per step}``: what its update rows carry besides the shared fields, handed to its
+    loss by keyword as a [B] tensor (ELPO's ``critical``); a name no row of a micro-batch sets true is left out."""
+    reward_note: str = ""
+    """What its rollout changes about the return, for ``compare``'s description of an arm (ELPO's path returns)."""
     novelty: bool = False
     """The novelty reward is part of the method (EMPO²'s 1/n, SPEC §4). ``compare`` and ``train --algo`` run any
     other algorithm without it, unless its arm name says ``+novelty``, so two arms differ in their method only."""
@@ -87,18 +86,6 @@ def get_algorithm(name: str) -> AlgorithmSpec:
     return ALGORITHMS[name]
 
 
-register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes, novelty=True,
-                                 official=empo2.OFFICIAL))
 register_algorithm(AlgorithmSpec("grpo", uses_memory=False, loss="grpo"))
-register_algorithm(AlgorithmSpec("gigpo", uses_memory=False, loss="grpo", advantage="gigpo",
-                                 official=gigpo.OFFICIAL))  # Feng et al. 2025
-register_algorithm(AlgorithmSpec("proxmo", uses_memory=False, loss="grpo", advantage="proxmo",
-                                 official=proxmo.OFFICIAL))  # arXiv 2602.19225
-register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy",
-                                 expert_members=1, official=luffy.OFFICIAL))  # Yan et al. 2025
-register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,
-                                 expert_members=1, novelty=True))  # EMPO² with an expert member: no published method
-register_algorithm(AlgorithmSpec("elpo", uses_memory=False, loss="elpo", advantage="elpo",
-                                 rollout="elpo", official=elpo.OFFICIAL))  # Liang et al. 2026
 register_algorithm(AlgorithmSpec("frozen", uses_memory=False, loss="grpo",
                                  updates_weights=False))  # the policy it starts from, played and evaluated, never updated

@@ -54,6 +54,14 @@ class ElpoOptions:
     beta: float = elpo.BETA
 
 
+def drive(ctx, specs, sampling, cfg, progress, seed=None):
+    """ELPO's rollout driver (its ``AlgorithmSpec.rollout``): :func:`run_elpo` with Algorithm 1's knobs from the
+    ``algo`` section."""
+    a = cfg.algo
+    return run_elpo(ctx, specs, sampling, progress=progress,
+                    options=ElpoOptions(a.elpo_b_max, a.elpo_x_min, a.elpo_x_max, a.elpo_beta), seed=seed)
+
+
 def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampling: Sampling | None = None,
              progress=None, actions: ActionSource | None = None, options: ElpoOptions | None = None,
              on_step: Callable[[Episode], None] | None = None,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from empo2.algo.empo2 import intrinsic_return
+from empo2.algo.returns import intrinsic_return
 
 
 @dataclass

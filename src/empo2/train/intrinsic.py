@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from empo2.algo.empo2 import novelty_reward
+from empo2.algo.returns import novelty_reward
 from empo2.episodes.episode import Episode
 from empo2.parallel.distributed import Dist, gather_in_order
 

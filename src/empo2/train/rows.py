@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from empo2.algo.elpo import critical_steps
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -25,18 +25,22 @@ class UpdateRow:
     """Per-token importance weights on the advantage (truncated engine/trainer ratios); ``None``: all 1."""
     off_policy: bool = False
     """An expert's action (the gold path, not sampled from π_old): the loss shapes it instead of taking a ratio."""
-    critical: bool = False
-    """The step is a searched failure's critical step or after it (ELPO widens its lower clip bound there)."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """What the algorithm's rows carry besides these fields (``AlgorithmSpec.row_extras``: ELPO's ``critical``),
+    handed to its loss by keyword."""
 
 
-def update_rows(episodes, step_advantages: list[list[float]]) -> list[UpdateRow]:
-    """One row per generated step of ``episodes``; ``step_advantages[i][t]`` is step t of episode i."""
+def update_rows(episodes, step_advantages: list[list[float]],
+                row_extras: Callable[[Any], dict[str, Sequence]] | None = None) -> list[UpdateRow]:
+    """One row per generated step of ``episodes``; ``step_advantages[i][t]`` is step t of episode i; ``row_extras``:
+    the algorithm's ``episode -> {name: one value per step}``."""
     rows = []
     for ep, advs in zip(episodes, step_advantages):
-        critical = critical_steps(len(ep.steps), ep.critical_step)  # ELPO's Eq. 11 scope
-        for step, a, crit in zip(ep.steps, advs, critical):
+        extras = row_extras(ep) if row_extras is not None else {}
+        for t, (step, a) in enumerate(zip(ep.steps, advs)):
             if step.response_ids:
                 rows.append(UpdateRow(step.train_prompt_ids, step.response_ids, list(step.logp_old), float(a),
                                       ep.mode, rollout_prompt=step.prompt_ids, off_policy=ep.expert,
-                                      critical=bool(crit)))
+                                      extras={name: values[t].item() if hasattr(values[t], "item") else values[t]
+                                              for name, values in extras.items()}))
     return rows

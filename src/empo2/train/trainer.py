@@ -42,7 +42,7 @@ from empo2.algo.advantages import (
     compute_advantages,
     step_rewards,
 )
-from empo2.algo.empo2 import intrinsic_weight
+from empo2.algo.returns import intrinsic_weight
 from empo2.envs.factory import env_label
 from empo2.episodes.drivers import rollout_driver
 from empo2.episodes.episode import Episode
@@ -244,7 +244,7 @@ class Trainer(TrainerParts):
     def _update(self, episodes: list[Episode], advantages, progress) -> dict[str, float]:
         """The algorithm's policy-gradient steps on every generated action of the episodes that ran; returns the
         loss metrics (none where the algorithm trains no weights)."""
-        rows = update_rows(ran_episodes(episodes), advantages)
+        rows = update_rows(ran_episodes(episodes), advantages, self.algorithm.row_extras)
         return self.update(rows, progress) if self.algorithm.updates_weights else {}
 
     def _sync(self, it: int, episodes: list[Episode], stats: dict[str, float], pending: PendingReflection | None,

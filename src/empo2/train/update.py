@@ -12,8 +12,8 @@ from contextlib import nullcontext
 
 import torch
 
-from empo2.algo.empo2 import behaviour_logp_for_ratio, uses_tip_free_old_logp
 from empo2.algo.losses import micro_batch_share
+from empo2.algo.modes import behaviour_logp_for_ratio, uses_tip_free_old_logp
 from empo2.config import Config
 from empo2.parallel import distributed as dp
 from empo2.parallel import sharding
@@ -142,8 +142,9 @@ class PolicyUpdate:
                 logp_ref, _ = response_logprobs(self.model, prompts, responses, self.tokenizer.pad_token_id,
                                                 temperature=self.temperature, options=self.train_options)
         extra = {"off_policy": [r.off_policy for r in batch]} if any(r.off_policy for r in batch) else {}
-        if any(r.critical for r in batch):
-            extra["critical"] = torch.tensor([r.critical for r in batch])
+        for name in sorted({name for r in batch for name in r.extras}):  # the algorithm's own row fields
+            if any(r.extras.get(name) for r in batch):
+                extra[name] = torch.tensor([r.extras[name] for r in batch])
         loss, metrics = self.loss_fn(logp_new, logp_old, adv, mask, self.loss_algo, logp_ref=logp_ref,
                                      modes=[r.mode for r in batch], **extra)
         share = micro_batch_share(cfg.algo, mask.sum().item(), len(batch), mini_tokens, mini_rows)
