@@ -1,8 +1,11 @@
-"""Shared fixtures: the real bundled model and embedder, loaded once per test session."""
+"""Shared fixtures: the real bundled model and embedder, loaded once per test session; folders the hostile-input tests
+(tests/test_faults_input.py, tests/test_faults_folders.py) hand to a run."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,3 +52,27 @@ def tiny_model(tmp_path_factory, smollm):
     LlamaForCausalLM(cfg).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture()
+def fake_model(tmp_path) -> Path:
+    """A folder with a ``config.json`` and nothing else: a run that got past a check would fail at once loading it."""
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    return folder
+
+
+@pytest.fixture()
+def read_only(tmp_path):
+    """``(source, view)``: ``view`` is a read-only bind mount of ``source`` (root can write a chmod-ed folder)."""
+    source, view = tmp_path / "source", tmp_path / "view"
+    source.mkdir(), view.mkdir()
+    if subprocess.run(["mount", "--bind", str(source), str(view)], capture_output=True).returncode:
+        pytest.skip("a bind mount needs root")
+    try:
+        if subprocess.run(["mount", "-o", "remount,ro,bind", str(view)], capture_output=True).returncode:
+            pytest.skip("a read-only remount is not permitted here")
+        yield source, view
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=False)

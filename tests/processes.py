@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import psutil
 
 
@@ -16,3 +18,13 @@ def kill_tree(pid: int) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(tree, timeout=60)
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for an ``empo2`` child: the one the command re-executes itself into (jemalloc preloaded, where
+    the machine has it), so that the child starts there at once instead of importing torch, re-executing and importing
+    it again. The re-execution itself is tests/test_allocator.py's and the start-up signal tests' to check."""
+    from empo2.allocator import jemalloc_library, preload_env
+
+    env = dict(os.environ)
+    return {**(preload_env(env, jemalloc_library()) or env), **extra}

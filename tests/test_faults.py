@@ -34,6 +34,7 @@ from empo2.cli import main
 from empo2.config import Config
 from empo2.memory.store import MemoryStoreError, TipMemory
 from empo2.rundir.runlock import LOCK_NAME, RunLock
+from processes import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
@@ -45,7 +46,7 @@ FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "
 def empo2(*args, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run ``python -m empo2.cli ARGS`` to the end (arguments may be bytes, as a shell passes them)."""
     return subprocess.run([sys.executable, "-m", "empo2.cli", *args], capture_output=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+                          env=cli_env(**(env or {})))
 
 
 def start_train(run: Path, model: str, *overrides: str) -> subprocess.Popen:
@@ -53,8 +54,8 @@ def start_train(run: Path, model: str, *overrides: str) -> subprocess.Popen:
             f"train.output_dir={run}", f"policy.model={model}", *FAST, *overrides]
     # SIGINT back to its default in the child: a runner that starts tests in the background leaves it ignored, and
     # Python then never turns Ctrl-C into KeyboardInterrupt
-    return subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    return subprocess.Popen(args, cwd=REPO, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for(what: str, ready, proc: subprocess.Popen, timeout: float = 400) -> None:

@@ -33,6 +33,7 @@ from empo2.memory.sqlite_file import check_file
 from empo2.rundir import checkpoint as ckpt
 from empo2.rundir.resume import RESUME_SAFE, changed_keys, check_checkpoint_settings, memory_digest
 from empo2.rundir.runlock import LOCK_NAME
+from processes import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 HOLD = Path(__file__).with_name("phase_hold.py")
@@ -47,13 +48,14 @@ FAST = [*SMALL, "algo.p_memory=1.0"]
 class Run:
     """``python -m empo2.cli -v ARGS`` in its own session; stdout and stderr are read line by line as they come, and
     every process below it (environment workers, JVMs) is remembered so that the test can check none outlives it.
-    ``hold``: a phase the process stays in until a signal comes (tests/phase_hold.py)."""
+    ``hold``: a phase the process stays in until a signal comes (tests/phase_hold.py). ``env``: the child's
+    environment, by default :func:`processes.cli_env` (it starts on jemalloc without re-executing itself)."""
 
-    def __init__(self, *args: str, verbose: bool = True, hold: str | None = None):
+    def __init__(self, *args: str, verbose: bool = True, hold: str | None = None, env: dict | None = None):
         flags = ["-v"] if verbose else []
-        cli, env = ["-m", "empo2.cli"], None
+        cli, env = ["-m", "empo2.cli"], dict(cli_env() if env is None else env)
         if hold is not None:
-            cli, env = [str(HOLD)], {**os.environ, "EMPO2_TEST_HOLD_PHASE": hold}
+            cli, env = [str(HOLD)], {**env, "EMPO2_TEST_HOLD_PHASE": hold}
         # SIGINT and SIGHUP back to their defaults in the child: a runner started in the background or under nohup
         # leaves them ignored
         self.proc = subprocess.Popen([sys.executable, *cli, *flags, *args], cwd=REPO, env=env,
@@ -170,9 +172,10 @@ def _unprefixed(line: str) -> str:
     return line.strip().removeprefix("[warning]").strip()
 
 
-def train(run: Path, model: str, *overrides: str, verbose: bool = True, hold: str | None = None) -> Run:
+def train(run: Path, model: str, *overrides: str, verbose: bool = True, hold: str | None = None,
+          env: dict | None = None) -> Run:
     return Run("train", "--config", CONFIG, f"train.output_dir={run}", f"policy.model={model}", *FAST, *overrides,
-               verbose=verbose, hold=hold)
+               verbose=verbose, hold=hold, env=env)
 
 
 def resume(run: Path, *overrides: str, hold: str | None = None) -> Run:
@@ -355,7 +358,8 @@ def test_ctrl_c_to_compares_group_reaches_its_run_once(tmp_path, tiny_model):
 def test_signal_while_starting_gives_one_line(tmp_path, tiny_model, signum, delay):
     """Ctrl-C while the interpreter imports torch (the first ~2 s): one line, 130, no traceback or crash."""
     run = tmp_path / "run"
-    proc = train(run, tiny_model, "train.iterations=1", verbose=False)  # as a user types it
+    # as a user types it: the command re-executes itself on jemalloc inside this window, and a signal may come then
+    proc = train(run, tiny_model, "train.iterations=1", verbose=False, env=dict(os.environ))
     time.sleep(delay)
     proc.signal(signum)
     rc = proc.finish(timeout=120)
@@ -438,7 +442,7 @@ def test_memory_readers_beside_a_live_run_see_whole_snapshots(tmp_path, tiny_mod
             for args in (["stats", "--json"], ["search", "--json", "find the animal"],
                          ["report", str(tmp_path / "r.html")]):
                 res = subprocess.run([sys.executable, "-m", "empo2.cli", "memory", args[0], "--db", str(run),
-                                      *args[1:]], capture_output=True, cwd=REPO, timeout=300)
+                                      *args[1:]], capture_output=True, cwd=REPO, env=cli_env(), timeout=300)
                 answers.append((args[0], res.returncode, res.stdout, res.stderr))
         rc = proc.finish()
     finally:
