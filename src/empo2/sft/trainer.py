@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from empo2 import signals
 from empo2.config import Config, ConfigError
 from empo2.envs.factory import env_label, make_env_kwargs, resolve_tasks
 from empo2.envs.local_pool import LocalEnvPool
@@ -129,6 +130,7 @@ class SFTTrainer:
         ``warm_start.json`` record (with ``sha256``)."""
         cfg = self.cfg
         t0 = time.perf_counter()
+        signals.set_phase("the demonstrations of the warm start")
         self.collect(progress)
         self.metrics = MetricsLog(self.run_dir, trackers(cfg.train), cfg.to_dict())
         collected = time.perf_counter() - t0
@@ -139,6 +141,7 @@ class SFTTrainer:
                   f"({len(self.demos.skipped)} skipped: gold path not within the step cap) in {collected:.0f} s; "
                   f"validation loss before training {_text(start['validation_loss'])}")
         for epoch in range(1, cfg.sft.epochs + 1):
+            signals.set_phase(f"epoch {epoch} of the warm start")  # what a stop message names
             record = self.epoch(epoch, progress)
             self.metrics.log(record)
             self._say(epoch_line(record))
