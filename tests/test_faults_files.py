@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from empo2.rundir import checkpoint as ckpt
+from faults_input_helpers import empo2, one_line, tree
 from test_faults import corrupt
 from test_faults_cluster import CONFIG, FAST, REPO, _unprefixed, iterations, resume, train
-from test_faults_input import empo2, one_line, read_only, tree  # noqa: F401  (read_only is a fixture)
 
 MANIFEST = "manifest.json"  # empo2.rundir.manifest.MANIFEST, spelled out so the file runs on older code
 BIG_TIP = ("look around the room carefully and then " * 260_000)[:10_000_000]
