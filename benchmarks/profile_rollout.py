@@ -284,7 +284,11 @@ def main() -> None:
             res["model"] = bench_model(trainer, args)
         if "rollout" in args.parts:
             res["rollout"] = bench_rollout(trainer, args)
-            res["env"] = replay_env(trainer, args, res["rollout"]["actions"])
+            if trainer.cfg.env.name == "scienceworld":
+                res["env"] = replay_env(trainer, args, res["rollout"]["actions"])
+            else:
+                print(f"[env] simulator calls are timed for ScienceWorld only; {trainer.cfg.env.name}'s time is the "
+                      "rollout's env column", flush=True)
             if "model" in args.parts:
                 res["limits"] = limits(res["model"], res["rollout"])
                 print(f"[limits] {json.dumps(res['limits'])}")
