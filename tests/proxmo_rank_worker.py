@@ -11,7 +11,8 @@ import sys
 
 import numpy as np
 
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
+from empo2.algo.advantages import AdvantageInput, compute_advantages
+from empo2.config import algo_config
 from empo2.parallel import distributed as dp
 
 TEXTS = ["You are in the kitchen. A fridge is here.", "You are in the hallway. A door leads north.",
@@ -28,7 +29,7 @@ def main(out: str) -> None:
                          [TEXTS[int(k)] for k in rng.integers(len(TEXTS), size=length)], bool(rng.random() < 0.4)))
     mine = [e for e in episodes if dist.owns(e[1])]  # rank r: groups r, r + W, …
     inp = AdvantageInput(np.array([e[2].sum() for e in mine]), np.array([e[1] for e in mine]), [e[2] for e in mine],
-                         [e[3] for e in mine], AdvantageOptions(), np.array([e[4] for e in mine]), dist.all_gather)
+                         [e[3] for e in mine], algo_config(), np.array([e[4] for e in mine]), dist.all_gather)
     adv, _ = compute_advantages("proxmo", inp)
     path = f"{out}.{dist.rank}" if dist.enabled else out
     with open(path, "w") as f:

@@ -124,6 +124,8 @@ def test_arm_settings_list_reward_loss_and_the_official_runs_they_differ_from():
     assert luffy["differs_from_official"] == ["entropy bonus 0.001 there, none here (empo2's losses have no entropy "
                                               "term)"]
     assert "gold-path member" in luffy["reward"] and "no novelty bonus" in luffy["reward"]
+    clipped = arm_settings(Config.load(None, ["algo.name=luffy", "algo.luffy.clip=true", "algo.luffy.gamma=0.2"]).algo)
+    assert {"luffy.clip True (official False)", "luffy.gamma 0.2 (official 0.1)"} <= set(clipped["differs_from_official"])
     elpo = settings("elpo")
     assert elpo["differs_from_official"] == [] and "+ 0.115 on the critical suffix" in elpo["loss"]["clip"]
     assert elpo["loss"]["dual_clip"] == "off" and "whole path" in elpo["reward"]

@@ -13,18 +13,17 @@ from hypothesis import strategies as st
 from empo2.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     AdvantageInput,
-    AdvantageOptions,
     compute_advantages,
     register_advantage,
 )
 from empo2.algo.empo2 import combine_returns, intrinsic_weight
-from empo2.config import AlgoConfig
+from empo2.config import AlgoConfig, algo_config
 
 
 def grpo(returns, groups, scale_rewards=True, eps=1e-6, lengths=None):
     """GRPO through the step-level contract; checks that every step carries its episode's value, returns [N]."""
-    options = AdvantageOptions(scale_rewards=scale_rewards, eps=eps)
-    steps, metrics = compute_advantages("grpo", AdvantageInput.from_returns(returns, groups, lengths, options))
+    algo = algo_config(scale_rewards=scale_rewards, adv_eps=eps)
+    steps, metrics = compute_advantages("grpo", AdvantageInput.from_returns(returns, groups, algo, lengths))
     for a in steps:
         assert a.dtype == np.float64 and np.all(a == a[0])
     return np.array([a[0] for a in steps]), metrics
@@ -113,14 +112,15 @@ def test_extreme_but_distinct_returns_stay_finite(returns):
 
 
 def test_registry_and_errors():
+    algo = algo_config()
     assert {"grpo", "gigpo"} <= set(ADVANTAGE_ESTIMATORS)
     with pytest.raises(ValueError, match="unknown advantage estimator"):
-        compute_advantages("not-an-estimator", AdvantageInput.from_returns([1.0], [0]))
+        compute_advantages("not-an-estimator", AdvantageInput.from_returns([1.0], [0], algo))
     with pytest.raises(ValueError):
-        compute_advantages("grpo", AdvantageInput.from_returns([1.0, 2.0], [0]))
+        compute_advantages("grpo", AdvantageInput.from_returns([1.0, 2.0], [0], algo))
     with pytest.raises(ValueError):
-        compute_advantages("grpo", AdvantageInput.from_returns([1.0, float("nan")], [0, 0]))
-    bad_keys = AdvantageInput.from_returns([1.0, 2.0], [0, 0], [2, 1])
+        compute_advantages("grpo", AdvantageInput.from_returns([1.0, float("nan")], [0, 0], algo))
+    bad_keys = AdvantageInput.from_returns([1.0, 2.0], [0, 0], algo, [2, 1])
     bad_keys.state_keys[0] = ["only one"]
     with pytest.raises(ValueError, match="one state key per step"):
         compute_advantages("grpo", bad_keys)
@@ -132,7 +132,7 @@ def test_registry_and_errors():
         return [np.zeros(len(r)) for r in inp.step_rewards], {"groups": 0.0, "zero_adv_groups": 0.0}
 
     try:
-        adv, _ = compute_advantages("test_zero", AdvantageInput.from_returns([1.0, 2.0], [0, 0], [3, 0]))
+        adv, _ = compute_advantages("test_zero", AdvantageInput.from_returns([1.0, 2.0], [0, 0], algo, [3, 0]))
         assert [a.tolist() for a in adv] == [[0.0, 0.0, 0.0], []]
     finally:
         del ADVANTAGE_ESTIMATORS["test_zero"]

@@ -286,11 +286,11 @@ def test_gigpo_variants_are_labelled_by_their_normalisation(tmp_path, capsys):
 
     algos = ["gigpo", "gigpo-std", "empo2+gigpo", "empo2+gigpo-std", "grpo"]
     config = tmp_path / "std.yaml"  # a config file that asks for the std variant
-    Config.load("configs/webshop_cpu.yaml", ["algo.gigpo_normalization=mean_std_norm"]).save(config)
+    Config.load("configs/webshop_cpu.yaml", ["algo.gigpo.normalization=mean_std_norm"]).save(config)
     for cfg_path in ("configs/webshop_cpu.yaml", config):
         plans = plan_runs(str(cfg_path), algos, [0], tmp_path / "out", [])
         assert [p.folder.name for p in plans] == [f"{a}-seed0" for a in algos]
-        assert [p.cfg.algo.gigpo_normalization for p in plans] == [
+        assert [p.cfg.algo.gigpo.normalization for p in plans] == [
             "mean_norm", "mean_std_norm", "mean_norm", "mean_std_norm", "mean_norm"]
         assert [method_label(p.cfg) for p in plans] == algos
         assert [method_label(p.cfg.to_dict()) for p in plans] == algos  # as report reads a run's config.yaml
@@ -298,7 +298,7 @@ def test_gigpo_variants_are_labelled_by_their_normalisation(tmp_path, capsys):
     base = ["compare", *WEBSHOP, "--out", str(tmp_path / "cmp")]
     for extra, message in [(["--algos", "grpo-std"], "'grpo' uses the 'grpo' advantage"),
                            (["--algos", "empo2-std"], "empo2+gigpo-std"),
-                           (["--algos", "gigpo", "algo.gigpo_normalization=mean_std_norm"], "set by compare")]:
+                           (["--algos", "gigpo", "algo.gigpo.normalization=mean_std_norm"], "set by compare")]:
         assert main(base + extra) == 2, extra
         err = capsys.readouterr().err.strip()
         assert message in err and len(err.splitlines()) == 1, (extra, err)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from empo2.cli import main
-from empo2.config import Config, ConfigError
+from empo2.config import Config, ConfigError, flat_settings
 from empo2.config_renames import RENAMED, ConfigRenameWarning
 
 BEFORE = json.loads((Path(__file__).parent / "data" / "presets_before_inheritance.json").read_text())
@@ -23,12 +23,13 @@ OLD_TEXT = {"low_prob_threshold:": "delta:", "ppo_epochs:": "num_iterations:"}
 
 
 def flat(sections: dict) -> dict:
+    """``{section.name: value}``, as versions before the nested method options flattened a config."""
     return {f"{s}.{k}": v for s, values in sections.items() for k, v in values.items()}
 
 
 def forward(sections: dict) -> dict:
-    """A resolved config from before the renames, under the current names."""
-    return {RENAMED.get(k, k): v for k, v in flat(sections).items()}
+    """A resolved config from before the renames, under the current names (a method's options spelled out)."""
+    return flat_settings(sections)
 
 
 def load(*args) -> tuple[Config, list[str]]:
@@ -50,7 +51,7 @@ def test_every_shipped_preset_loads(path):
 @pytest.mark.parametrize("name", sorted(BEFORE))
 def test_each_shipped_preset_resolves_to_the_config_it_had_as_a_full_copy(name):
     cfg, renamed = load(f"configs/{name}")
-    assert flat(cfg.to_dict()) == forward(BEFORE[name])
+    assert forward(cfg.to_dict()) == forward(BEFORE[name])
     assert renamed == []  # the shipped presets use the current names
 
 
@@ -59,8 +60,8 @@ def test_each_variant_names_its_base_and_repeats_none_of_its_values():
                           ("scienceworld_evidence_cpu", "scienceworld_learn_cpu"), ("webshop_signal_cpu", "webshop_cpu")):
         data = yaml.safe_load(Path(f"configs/{variant}.yaml").read_text())
         assert data.pop("base") == f"{base}.yaml"
-        mine, its = (flat(Config.load(f"configs/{name}.yaml").to_dict()) for name in (variant, base))
-        assert [key for key in flat(data) if mine[key] == its[key]] == [], variant
+        mine, its = (forward(Config.load(f"configs/{name}.yaml").to_dict()) for name in (variant, base))
+        assert [key for key in forward(data) if mine[key] == its[key]] == [], variant
 
 
 def test_a_base_is_found_beside_its_preset_and_merges_key_by_key(tmp_path, monkeypatch):
@@ -118,7 +119,7 @@ def test_a_preset_from_before_the_renames_loads_with_one_warning_per_old_name(tm
         text = text.replace(f"  {new}", f"  {old}")
     (tmp_path / "old.yaml").write_text(text)
     cfg, renamed = load(tmp_path / "old.yaml", ["delta=0.01"])  # the old name again, bare, in an override
-    assert flat(cfg.to_dict()) == forward(BEFORE["scienceworld_paper.yaml"])
+    assert forward(cfg.to_dict()) == forward(BEFORE["scienceworld_paper.yaml"])
     assert sorted(renamed) == [
         f"algo.delta is now called algo.low_prob_threshold: {tmp_path / 'old.yaml'} uses the old name, read as "
         "algo.low_prob_threshold (rename it there)",
@@ -130,7 +131,7 @@ def test_a_saved_run_config_with_the_old_names_loads_to_the_same_values(tmp_path
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(BEFORE["scienceworld_evidence_cpu.yaml"], sort_keys=False))
     cfg, renamed = load(tmp_path / "config.yaml", ["train.num_iterations=3"])
     want = forward(BEFORE["scienceworld_evidence_cpu.yaml"]) | {"train.ppo_epochs": 3}
-    assert flat(cfg.to_dict()) == want and len(renamed) == 2
+    assert forward(cfg.to_dict()) == want and len(renamed) == len(RENAMED)  # it holds every old name
     assert load(tmp_path / "config.yaml")[1] == []  # read again (a resume reads it twice): warned once per process
     cfg.save(tmp_path / "again.yaml")  # saved again: the current names only
     again, renamed = load(tmp_path / "again.yaml")
@@ -170,6 +171,48 @@ def test_the_cli_prints_one_warning_line_per_old_name(tmp_path, capsys):
     assert [line.split(" is now called ")[0] for line in err[:-1]] == ["warning: algo.delta",
                                                                       "warning: train.num_iterations"]
     assert err[-1].startswith("error: policy.top_p=0.9")
+
+
+# ------------------------------------------------------------------------------------- a method's own settings
+def test_a_method_setting_under_its_old_flat_name_lands_in_the_method_options_with_one_warning(tmp_path):
+    """``algo.proxmo_alpha`` (a file) and ``proxmo_alpha`` (a bare override) set ``algo.proxmo.alpha``, one warning
+    each; ``algo.gamma``, once shared by GiGPO and ProxMO, sets both methods' discount with one warning."""
+    (tmp_path / "old.yaml").write_text("algo: {name: proxmo, proxmo_alpha: 2.0, gamma: 0.9}\n")
+    cfg, renamed = load(tmp_path / "old.yaml")
+    assert cfg.algo.proxmo.alpha == 2.0 and cfg.algo.proxmo.gamma == cfg.algo.gigpo.gamma == 0.9
+    assert sorted(renamed) == [
+        f"algo.gamma is now called algo.gigpo.gamma and algo.proxmo.gamma: {tmp_path / 'old.yaml'} uses the old "
+        "name, read as algo.gigpo.gamma and algo.proxmo.gamma (rename it there)",
+        f"algo.proxmo_alpha is now called algo.proxmo.alpha: {tmp_path / 'old.yaml'} uses the old name, read as "
+        "algo.proxmo.alpha (rename it there)"]
+    cfg, renamed = load(None, ["proxmo_alpha=3", "algo.proxmo.tau=0.5"])
+    assert (cfg.algo.proxmo.alpha, cfg.algo.proxmo.tau) == (3.0, 0.5) and len(renamed) == 1
+    cfg.save(tmp_path / "saved.yaml")  # written nested, read back the same without a warning
+    assert yaml.safe_load((tmp_path / "saved.yaml").read_text())["algo"]["proxmo"]["alpha"] == 3.0
+    again, renamed = load(tmp_path / "saved.yaml")
+    assert again.to_dict() == cfg.to_dict() and renamed == []
+
+
+@pytest.mark.parametrize("text, overrides, message", [
+    ("", ["algo.gigpo.normalisation=mean_std_norm"], "unknown config key 'algo.gigpo.normalisation'; algo.gigpo "
+     "holds: normalization, gamma, step_advantage_weight, step_similarity"),
+    ("algo: {luffy: {gama: 0.2}}\n", [], "unknown config key 'algo.luffy.gama'; algo.luffy holds: gamma, shaping, "
+     "clip, std"),
+    ("", ["algo.gigpo=mean_std_norm"], "algo.gigpo holds settings, not one value: set algo.gigpo.<name>, one of "
+     "normalization, gamma, step_advantage_weight, step_similarity"),
+    ("", ["algo.proxmo.alpha=200"], "algo.proxmo.alpha must be in [0, 100], got 200.0"),
+    ("algo: {gamma: 0.9, gigpo: {gamma: 0.8}}\n", [], "gives both algo.gamma and its new name algo.gigpo.gamma, "
+     "with different values (0.9 and 0.8)"),
+])
+def test_a_wrong_method_setting_exits_2_with_one_line(tmp_path, capsys, text, overrides, message):
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path / "c.yaml", overrides)
+    assert message in str(info.value)
+    assert main(["train", "--config", str(tmp_path / "c.yaml"), *overrides,
+                 f"train.output_dir={tmp_path / 'run'}"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: ")]
+    assert len(err) == 1 and message in err[0] and not (tmp_path / "run").exists()
 
 
 def test_a_run_saved_before_the_renames_resumes_and_its_checkpoint_is_still_compared(tmp_path):

@@ -12,6 +12,7 @@ import torch
 
 from empo2.algo import elpo
 from empo2.algo.advantages import AdvantageInput, compute_advantages
+from empo2.config_sections import algo_config
 
 W, L = 1.0, -1.1  # the worked example's rewards: right answer, wrong answer
 
@@ -238,15 +239,12 @@ def test_binary_search_counts_suffixes_and_stops_at_the_budget():
 
 
 def test_registered_elpo_loss_widens_only_the_critical_rows():
-    import dataclasses
-
     from empo2.algo.losses import get_policy_loss
     from empo2.algo.registry import get_algorithm
-    from empo2.config_sections import AlgoConfig
     from empo2.episodes.episode import Episode, Step
     from empo2.train.rows import update_rows
 
-    algo = dataclasses.replace(AlgoConfig(), epsilon_high=0.315, dual_clip=0.0)
+    algo = algo_config(epsilon_high=0.315, dual_clip=0.0)
     # Rows from episodes: a searched failure with t_crit = 2 of 3 steps, and a branch of it (never widened).
     def ep(n, t_crit=None):
         e = Episode("t", 0, 0, "on", critical_step=t_crit)
@@ -276,7 +274,7 @@ def test_registered_elpo_loss_widens_only_the_critical_rows():
 
 def test_groups_without_signal_are_counted_as_grpo_counts_them():
     # group 0: every trajectory failed alike (A_hier 0 everywhere); group 1: one success among failures
-    inp = AdvantageInput.from_returns([0.0, 0.0, 0.0, 0.0, 1.0], [0, 0, 0, 1, 1], [3, 2, 4, 2, 3])
+    inp = AdvantageInput.from_returns([0.0, 0.0, 0.0, 0.0, 1.0], [0, 0, 0, 1, 1], algo_config(), [3, 2, 4, 2, 3])
     adv, metrics = compute_advantages("elpo", inp)
     assert all(not a.any() for a in adv[:3]) and all(a.any() for a in adv[3:])
     assert metrics["zero_adv_groups"] == 1.0
@@ -298,13 +296,13 @@ def test_a_branch_is_scored_with_its_prefix():
     after steps 2 and 3 replay the prefix and end where it ended (the rewards after the replay are score changes from
     the replayed score). Every leaf of that path has R = 67, so each gets the same A_hier, which a float64 reference
     computes from the leaves' full returns."""
-    from empo2.algo.advantages import AdvantageOptions, step_rewards
+    from empo2.algo.advantages import step_rewards
 
     source = [0.0, 17.0, 50.0, 0.0, 0.0]
     episodes = [_episode(0, 0, source), _episode(0, 1, [0.0, 8.0, 0.0]), _episode(0, 2, [0.0, 0.0, 0.0, 0.0]),
                 _episode(0, 3, [50.0, 0.0, 0.0], parent=(0, 2)), _episode(0, 4, [0.0, 0.0], parent=(0, 3))]
     rewards = step_rewards(episodes, 0.0)
-    inp = AdvantageInput.from_rewards(episodes, rewards, AdvantageOptions())  # as the trainer builds it
+    inp = AdvantageInput.from_rewards(episodes, rewards, algo_config())  # as the trainer builds it
     adv, _ = compute_advantages("elpo", inp)
     leaves = [float(adv[i][-1]) for i in (0, 3, 4)]
     full = [67.0, 8.0, 0.0, 67.0, 67.0]  # the leaves' R; below m the siblings all have r = 67, so A_b = 0 there

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from empo2.algo import elpo
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages, step_rewards
-from empo2.config_sections import MemoryConfig, PolicyConfig
+from empo2.algo.advantages import AdvantageInput, compute_advantages, step_rewards
+from empo2.algo.elpo import ElpoOptions
+from empo2.config_sections import MemoryConfig, PolicyConfig, algo_config
 from empo2.envs.pool import EnvPool
-from empo2.episodes.elpo_rollout import ElpoOptions, run_elpo
+from empo2.episodes.elpo_rollout import run_elpo
 from empo2.episodes.rollout import RolloutContext
 from empo2.policy.generate import Generation
 
@@ -78,7 +79,7 @@ def test_driver_localises_the_critical_step_within_the_budget(pool):
     # The tree feeds the estimator: each episode's own steps get their node's A_hier (Eq. 10), each leaf scored
     # with its whole path's rewards (WebShop pays at the purchase, so a prefix carries 0 here).
     rewards = step_rewards(episodes, 0.0)
-    inp = AdvantageInput.from_rewards(episodes, rewards, AdvantageOptions())
+    inp = AdvantageInput.from_rewards(episodes, rewards, algo_config())
     adv, _ = compute_advantages("elpo", inp)
     assert [len(a) for a in adv] == [len(ep.steps) for ep in episodes]
     by_member = {ep.member: i for i, ep in enumerate(group0)}
@@ -117,7 +118,7 @@ def test_a_branch_whose_replay_ends_its_episode_is_left_out(pool):
     specs = [("webshop", GOAL, 0, "on")] * BUDGET[0]
     episodes, stats = run_elpo(ctx, specs, actions=scripted, options=ElpoOptions(b_max=2))
     adv, _ = compute_advantages("elpo", AdvantageInput.from_rewards(episodes, step_rewards(episodes, 0.0),
-                                                                    AdvantageOptions()))
+                                                                    algo_config()))
     assert [len(a) for a in adv] == [len(ep.steps) for ep in episodes]
     # the first anchor (m = 4) never gets a suffix played: the search probes it again until the budget is spent
     assert [ep.parent for ep in episodes] == [None, None] and all(ep.steps for ep in episodes)

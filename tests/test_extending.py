@@ -1,7 +1,8 @@
 """Extending empo2 from outside ``src/``: a toy environment and a toy algorithm registered in this file train one
 iteration through the real CLI (real pool worker processes, the tiny random model, a real run folder), and the toy
-loss's own knob reaches it through the ``algo`` section without an edit of the update. The toy method brings its own
-rollout driver and its own row field, named in its one registration line, as ELPO does in ``empo2.algo.elpo``.
+method's own setting (``algo.toy.pg_scale``) reaches its loss through the ``algo`` section without an edit of the config
+or the update. The toy method brings its own options, rollout driver and row field, named in its one registration line,
+as ELPO does in ``empo2.algo.elpo``.
 
 The environment is a two-door room: the door that hides the prize depends on the variation's parity. It is small on
 purpose; what is tested is that registration alone is enough (no edit of the package)."""
@@ -11,15 +12,16 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 from safetensors.torch import load_file
 
 from empo2.algo.losses import POLICY_LOSSES, register_policy_loss
 from empo2.algo.registry import ALGORITHMS, AlgorithmSpec, register_algorithm
+from empo2.bounds import bounded
 from empo2.cli import main
-from empo2.config import Config
-from empo2.config_sections import AlgoConfig
+from empo2.config import Config, ConfigError
 from empo2.envs import EnvSpec, StepResult, register_env
 from empo2.envs.registry import ENVIRONMENTS
 from empo2.episodes.rollout import run_episodes
@@ -71,11 +73,14 @@ class TwoDoors:
         pass
 
 
-@dataclass
-class ToyAlgoConfig(AlgoConfig):
-    """The ``algo`` section with the toy loss's own knob (a new loss's knob is one more documented field)."""
+@dataclass(frozen=True)
+class ToyOptions:
+    """The toy method's own settings, ``algo.toy.*``: registered with its algorithm, held by every ``algo`` section
+    made after that (a new method's knob is one more documented field here)."""
 
-    pg_scale: float = 1.0
+    key: ClassVar[str] = "toy"
+
+    pg_scale: float = bounded(1.0, 0, 1e6)
     """Factor on the toy loss."""
 
 
@@ -84,10 +89,10 @@ SEEN = {"driven": [], "first_step": []}
 
 
 def plain_policy_gradient(logp_new, logp_old, advantages, response_mask, algo, *, first_step=None, **_):
-    """REINFORCE with a token mean, times the toy's own knob: −s·Σ A·log π / Σ mask (no ratio, no clip). A section
-    without the knob (the CLI's ``AlgoConfig``) means s = 1. ``first_step`` [B]: the toy's own row field."""
+    """REINFORCE with a token mean, times the toy's own knob: −s·Σ A·log π / Σ mask (no ratio, no clip), s =
+    ``algo.toy.pg_scale``. ``first_step`` [B]: the toy's own row field."""
     mask = response_mask.float()  # [B, T]
-    scale = getattr(algo, "pg_scale", 1.0)
+    scale = algo.toy.pg_scale
     loss = -scale * (advantages[:, None] * logp_new * mask).sum() / mask.sum().clamp(min=1)
     if first_step is not None:
         SEEN["first_step"].append(first_step.tolist())
@@ -113,7 +118,7 @@ def registered():
                          tasks=lambda cfg: ["doors"]))
     register_policy_loss("toy_pg")(plain_policy_gradient)
     register_algorithm(AlgorithmSpec("toy_reinforce", uses_memory=False, loss="toy_pg", advantage="grpo",
-                                     rollout=toy_rollout, row_extras=toy_row_extras))
+                                     rollout=toy_rollout, row_extras=toy_row_extras, options=ToyOptions))
     SEEN["driven"].clear(), SEEN["first_step"].clear()
     yield
     ENVIRONMENTS.pop("two-doors"), POLICY_LOSSES.pop("toy_pg"), ALGORITHMS.pop("toy_reinforce")
@@ -156,8 +161,9 @@ def test_unknown_names_list_the_registered_ones(tmp_path, capsys, registered):
 
 
 def test_a_new_loss_reads_its_own_knob_through_the_algo_section(registered):
-    """The toy loss's ``algo.pg_scale`` is set like any key (``algo.pg_scale=0.5``) and the unchanged update hands
-    the loss the section: half the knob, half the loss and (plain SGD) half the step, on a real tiny Llama."""
+    """The toy method's ``algo.toy.pg_scale`` is set like any key (``algo.toy.pg_scale=0.5``, bounds checked) and
+    the unchanged update hands the loss the section: half the knob, half the loss and (plain SGD) half the step, on a
+    real tiny Llama."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -172,9 +178,9 @@ def test_a_new_loss_reads_its_own_knob_through_the_algo_section(registered):
             UpdateRow([5, 6, 11], [12, 13, 14], [-3.0] * 3, -1.0, "on")]
     losses, steps = {}, {}
     for scale in ("1", "0.5"):
-        cfg = Config(algo=ToyAlgoConfig())
+        cfg = Config()
         cfg.set("algo.name", "toy_reinforce")
-        cfg.set("algo.pg_scale", scale)
+        cfg.set("algo.toy.pg_scale", scale)
         cfg.set("train.max_grad_norm", "1e9")  # no clipping: the step is proportional to the gradient
         cfg.validate()
         torch.manual_seed(0)
@@ -189,3 +195,5 @@ def test_a_new_loss_reads_its_own_knob_through_the_algo_section(registered):
         steps[scale] = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     assert losses["1"] != 0 and losses["0.5"] == pytest.approx(losses["1"] / 2, rel=1e-6)
     torch.testing.assert_close(steps["0.5"], steps["1"] / 2)
+    with pytest.raises(ConfigError, match=r"^algo.toy.pg_scale must be in \[0, 1000000\], got -1.0$"):
+        Config.load(None, ["algo.name=toy_reinforce", "algo.toy.pg_scale=-1"])

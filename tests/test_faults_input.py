@@ -136,25 +136,25 @@ def test_eval_batch_beyond_the_machine_exits_2(tmp_path, fake_model):
 
 
 def test_every_numeric_field_states_its_bounds_and_load_checks_them():
-    """Each int and float field carries its bounds beside it (``bounded(...)`` in config_sections.py); a value past
-    either end (or on an open end) is refused at load with one line naming the field, and the default is inside."""
-    import dataclasses
+    """Each int and float field carries its bounds beside it (``bounded(...)`` in config_sections.py, and in each
+    method's options: ``algo.proxmo.alpha``); a value past either end (or on an open end) is refused at load with
+    one line naming the field, and the default is inside."""
+    from empo2.config_bounds import settings
 
-    cfg, checked = Config(), 0
-    for section in cfg.SECTIONS:
-        for f in dataclasses.fields(getattr(cfg, section)):
-            if not str(f.type).startswith(("int", "float")):
-                continue
-            key, bounds = f"{section}.{f.name}", f.metadata.get("bounds")
-            assert bounds is not None, f"{key} states no bounds"
-            default = getattr(getattr(cfg, section), f.name)
-            assert default is None or bounds.holds(default), key
-            below = bounds.low - 1 if bounds.off != bounds.low - 1 else (bounds.low + bounds.off) / 2
-            outside = [below, bounds.high + 1] + [bounds.low] * bounds.open_low + [bounds.high] * bounds.open_high
-            for value in outside:
-                with pytest.raises(ConfigError, match=f"^{key} must be "):
-                    Config.load(None, [f"{key}={value}"])
-            checked += 1
+    checked = 0
+    for key, obj, f in settings(Config()):
+        if not str(f.type).startswith(("int", "float")):
+            continue
+        bounds = f.metadata.get("bounds")
+        assert bounds is not None, f"{key} states no bounds"
+        default = getattr(obj, f.name)
+        assert default is None or bounds.holds(default), key
+        below = bounds.low - 1 if bounds.off != bounds.low - 1 else (bounds.low + bounds.off) / 2
+        outside = [below, bounds.high + 1] + [bounds.low] * bounds.open_low + [bounds.high] * bounds.open_high
+        for value in outside:
+            with pytest.raises(ConfigError, match=f"^{key} must be "):
+                Config.load(None, [f"{key}={value}"])
+        checked += 1
     assert checked > 60
 
 

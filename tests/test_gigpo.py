@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
-from empo2.algo.gigpo import build_step_group, discounted_step_returns
-from empo2.config import Config, ConfigError
+from empo2.algo.advantages import AdvantageInput, compute_advantages
+from empo2.algo.gigpo import GigpoOptions, build_step_group, discounted_step_returns
+from empo2.config import Config, ConfigError, algo_config
 
 MODES = ("mean_norm", "mean_std_norm")
 
@@ -62,8 +62,13 @@ def _random_batch(rng, n_groups=3, group_size=4, n_states=3):
     return returns, np.array(groups), rewards, keys
 
 
+def gigpo_algo(eps=1e-6, scale_rewards=True, **gigpo):
+    """An ``algo`` section with GiGPO's options ``algo.gigpo`` (``gamma=0.9`` …) and the shared ``adv_eps``."""
+    return algo_config(adv_eps=eps, scale_rewards=scale_rewards, gigpo=GigpoOptions(**gigpo))
+
+
 def _run(returns, groups, rewards, keys, **options):
-    return compute_advantages("gigpo", AdvantageInput(returns, groups, rewards, keys, AdvantageOptions(**options)))
+    return compute_advantages("gigpo", AdvantageInput(returns, groups, rewards, keys, gigpo_algo(**options)))
 
 
 def _assert_matches(adv, ref):
@@ -80,7 +85,7 @@ def test_gigpo_matches_reference(seed, mode):
     returns, groups, rewards, keys = _random_batch(rng)
     assert any(len(set(k)) < len(k) for k in keys)  # a state repeated within one episode
     gamma, omega = [0.95, 0.5, 1.0, 0.0][seed % 4], [1.0, 0.3, 2.5][seed % 3]
-    adv, m = _run(returns, groups, rewards, keys, gamma=gamma, step_advantage_weight=omega, gigpo_normalization=mode)
+    adv, m = _run(returns, groups, rewards, keys, gamma=gamma, step_advantage_weight=omega, normalization=mode)
     _assert_matches(adv, reference_gigpo(returns.tolist(), groups.tolist(), [r.tolist() for r in rewards], keys,
                                          gamma, omega, mode))
     # the episode group of one gets A^E = 0; a state its one episode repeats still forms an anchor group
@@ -95,7 +100,7 @@ def test_discounted_returns_and_worked_examples():
               [["s", "x"], ["s", "y"]])
     adv, _ = _run(*inputs, eps=0.0)
     np.testing.assert_allclose(np.concatenate(adv), [0.975, 0.5, -0.975, -0.5], rtol=1e-15)
-    adv, _ = _run(*inputs, eps=0.0, gigpo_normalization="mean_std_norm")
+    adv, _ = _run(*inputs, eps=0.0, normalization="mean_std_norm")
     r = 1 / math.sqrt(2)
     np.testing.assert_allclose(np.concatenate(adv), [2 * r, r, -2 * r, -r], rtol=1e-15)
 
@@ -103,10 +108,10 @@ def test_discounted_returns_and_worked_examples():
 @pytest.mark.parametrize("mode", MODES)
 def test_groups_of_one_and_equal_groups_give_zero_not_nan(mode):
     """One episode in its group, anchors of one step, identical trajectories: exactly 0, never NaN (n − 1 = 0)."""
-    adv, m = _run(np.array([2.0]), np.array([0]), [np.array([1.0, 1.0])], [["a", "b"]], gigpo_normalization=mode)
+    adv, m = _run(np.array([2.0]), np.array([0]), [np.array([1.0, 1.0])], [["a", "b"]], normalization=mode)
     assert adv[0].tolist() == [0.0, 0.0] and m["zero_adv_groups"] == 1
     rewards, keys = [np.array([0.0, 0.5, 1.0])] * 4, [["a", "b", "c"]] * 4
-    adv, m = _run(np.array([1.5] * 4), np.zeros(4, dtype=int), rewards, keys, gigpo_normalization=mode)
+    adv, m = _run(np.array([1.5] * 4), np.zeros(4, dtype=int), rewards, keys, normalization=mode)
     assert all(a.tolist() == [0.0, 0.0, 0.0] for a in adv) and m["zero_adv_groups"] == 1
 
 
@@ -115,9 +120,9 @@ def test_anchor_groups_of_one_leave_the_episode_advantage(mode, scale):
     """With every anchor group of one step, GiGPO is GRPO with the matching normalisation (both ddof 1)."""
     returns, groups, rewards, keys = _random_batch(np.random.default_rng(7))
     unique = [[f"ep{i} step{t}" for t in range(len(k))] for i, k in enumerate(keys)]
-    gigpo, m = _run(returns, groups, rewards, unique, gigpo_normalization=mode)
+    gigpo, m = _run(returns, groups, rewards, unique, normalization=mode)
     grpo, _ = compute_advantages("grpo", AdvantageInput(returns, groups, rewards, unique,
-                                                        AdvantageOptions(scale_rewards=scale)))
+                                                        gigpo_algo(scale_rewards=scale)))
     for a, b in zip(gigpo, grpo):
         assert a.tolist() == b.tolist()
     assert m["step_groups"] == m["step_singleton_groups"] == sum(map(len, keys))
@@ -127,11 +132,11 @@ def test_anchor_groups_of_one_leave_the_episode_advantage(mode, scale):
 @given(st.integers(0, 10_000), st.randoms(use_true_random=False), st.sampled_from(MODES))
 def test_permuting_episodes_permutes_the_output(seed, rnd, mode):
     returns, groups, rewards, keys = _random_batch(np.random.default_rng(seed))
-    adv, _ = _run(returns, groups, rewards, keys, gigpo_normalization=mode)
+    adv, _ = _run(returns, groups, rewards, keys, normalization=mode)
     order = list(range(len(returns)))
     rnd.shuffle(order)
     perm, _ = _run(returns[order], groups[order], [rewards[i] for i in order], [keys[i] for i in order],
-                   gigpo_normalization=mode)
+                   normalization=mode)
     for k, i in enumerate(order):
         np.testing.assert_allclose(perm[k], adv[i], rtol=1e-12, atol=1e-12)
 
@@ -177,15 +182,14 @@ def test_near_identical_observations_are_distinct_anchors_unless_similarity_is_a
     exact_keys = [["start", first], ["start", second], ["start", first]]
     merged_keys = [["start", "same"]] * 3
     for similarity, keys in ((None, exact_keys), (0.95, merged_keys)):
-        options = AdvantageOptions(gamma=0.9, step_advantage_weight=0.7, step_similarity=similarity,
-                                   gigpo_normalization=mode)
-        inp = AdvantageInput.from_episodes(eps, returns, 0.0, options)
+        algo = gigpo_algo(gamma=0.9, step_advantage_weight=0.7, step_similarity=similarity, normalization=mode)
+        inp = AdvantageInput.from_episodes(eps, returns, 0.0, algo)
         adv, m = compute_advantages("gigpo", inp)
         _assert_matches(adv, reference_gigpo(returns.tolist(), [0, 0, 0], rewards, keys, 0.9, 0.7, mode))
         assert m["step_groups"] == (3 if similarity is None else 2)
     other = reference_gigpo(returns.tolist(), [0, 0, 0], rewards, merged_keys, 0.9, 0.7, mode)
     assert not np.allclose(np.concatenate(compute_advantages("gigpo", AdvantageInput.from_episodes(
-        eps, returns, 0.0, AdvantageOptions(gamma=0.9, step_advantage_weight=0.7, gigpo_normalization=mode)))[0]),
+        eps, returns, 0.0, gigpo_algo(gamma=0.9, step_advantage_weight=0.7, normalization=mode)))[0]),
         np.concatenate(other))  # the two groupings give different advantages, so the test tells them apart
 
 
@@ -204,7 +208,7 @@ def test_input_from_episodes_step_rewards_add_up_to_the_return(aggregation):
     w = 0.4
     intrinsic = [ep.intrinsic_return(aggregation) for ep in eps]
     returns = combine_returns([ep.extrinsic_return for ep in eps], intrinsic, w)
-    inp = AdvantageInput.from_episodes(eps, returns, w, AdvantageOptions(), aggregation)
+    inp = AdvantageInput.from_episodes(eps, returns, w, algo_config(), aggregation)
     for r, R in zip(inp.step_rewards, returns):
         assert r.sum() == pytest.approx(R, rel=1e-12)
     assert inp.state_keys == [["hall", "a  room\n"], ["hall"]]
@@ -216,30 +220,28 @@ def test_input_from_episodes_step_rewards_add_up_to_the_return(aggregation):
 def test_default_is_the_reference_mean_norm(overrides):
     """``algo.name=gigpo`` (and GiGPO under EMPO²) subtracts the group mean only, as the reference's default does."""
     cfg = Config.load(None, overrides)
-    assert cfg.algorithm.estimator(cfg.algo) == "gigpo" and cfg.algo.gigpo_normalization == "mean_norm"
+    assert cfg.algorithm.estimator(cfg.algo) == "gigpo" and cfg.algo.gigpo.normalization == "mean_norm"
     returns, groups, rewards, keys = _random_batch(np.random.default_rng(11))
-    adv, _ = compute_advantages("gigpo", AdvantageInput(returns, groups, rewards, keys,
-                                                        AdvantageOptions.from_config(cfg.algo)))
-    a = cfg.algo
+    adv, _ = compute_advantages("gigpo", AdvantageInput(returns, groups, rewards, keys, cfg.algo))
+    g = cfg.algo.gigpo
     _assert_matches(adv, reference_gigpo(returns.tolist(), groups.tolist(), [r.tolist() for r in rewards], keys,
-                                         a.gamma, a.step_advantage_weight, "mean_norm", a.adv_eps))
-    std = Config.load(None, [*overrides, "algo.gigpo_normalization=mean_std_norm"])
-    adv, _ = compute_advantages("gigpo", AdvantageInput(returns, groups, rewards, keys,
-                                                        AdvantageOptions.from_config(std.algo)))
+                                         g.gamma, g.step_advantage_weight, "mean_norm", cfg.algo.adv_eps))
+    std = Config.load(None, [*overrides, "algo.gigpo.normalization=mean_std_norm"])
+    adv, _ = compute_advantages("gigpo", AdvantageInput(returns, groups, rewards, keys, std.algo))
     _assert_matches(adv, reference_gigpo(returns.tolist(), groups.tolist(), [r.tolist() for r in rewards], keys,
-                                         a.gamma, a.step_advantage_weight, "mean_std_norm", a.adv_eps))
+                                         g.gamma, g.step_advantage_weight, "mean_std_norm", cfg.algo.adv_eps))
 
 
 def test_unknown_normalization_is_one_line_and_exit_2(tmp_path, capsys):
     from empo2.cli import main
 
-    with pytest.raises(ConfigError, match="algo.gigpo_normalization must be mean_norm|mean_std_norm"):
-        Config.load(None, ["algo.gigpo_normalization=std"])
+    with pytest.raises(ConfigError, match="algo.gigpo.normalization must be one of mean_norm, mean_std_norm"):
+        Config.load(None, ["algo.gigpo.normalization=std"])
     out = tmp_path / "run"
     assert main(["train", "--config", "configs/webshop_cpu.yaml", "--output-dir", str(out),
-                 "algo.name=gigpo", "algo.gigpo_normalization=std"]) == 2
+                 "algo.name=gigpo", "algo.gigpo.normalization=std"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "algo.gigpo_normalization" in err and len(err.splitlines()) == 1 and not out.exists()
+    assert "algo.gigpo.normalization" in err and len(err.splitlines()) == 1 and not out.exists()
 
 
 # ---------------------------------------------------------------------------------------- the real rollout

@@ -23,7 +23,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parent.parent / "src"
 PACKAGE = "empo2"
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("version", "errors", "home", "file_modes", "stdio", "progress", "allocator", "signals"),  # foundations
+    ("version", "errors", "bounds", "home", "file_modes", "stdio", "progress", "allocator", "signals"),  # foundations
     ("policy", "envs", "memory", "algo"),  # components that know nothing of each other
     ("agent",),  # prompts and reflection over an environment's actions and memory's entries
     ("config",),
@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Rooms by floor, lowest first. A room is a top-level module or subpackage of ``empo2`` (``empo2`` itself is its
 ``__init__``), or a group named in :data:`ROOM_OF`."""
 ROOM_OF = {"config_bounds": "config", "config_presets": "config", "config_renames": "config",
-           "config_sections": "config", "cli_parser": "cli", "cli_policy": "cli"}
+           "config_sections": "config", "config_values": "config", "cli_parser": "cli", "cli_policy": "cli"}
 """Top-level files that are part of another name's room: the config's pieces and the CLI's parser."""
 
 

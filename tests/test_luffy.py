@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
+from empo2.algo.advantages import AdvantageInput, compute_advantages
 from empo2.algo.losses import get_policy_loss
-from empo2.config_sections import AlgoConfig
+from empo2.algo.luffy import LuffyOptions
+from empo2.config_sections import algo_config
 from empo2.envs.scienceworld import replayable_gold
 from empo2.episodes.expert import ExpertPlayer, expert_generation
 
@@ -21,8 +22,9 @@ AUTO_ANSWER = "0"  # how ScienceWorld's gold paths answer an ambiguity prompt
 GAMMA = 0.1
 
 
-def luffy(logp_new, logp_old, adv, mask, off_policy, name="luffy", **knobs):
-    algo = AlgoConfig(**{"luffy_gamma": GAMMA, **knobs})
+def luffy(logp_new, logp_old, adv, mask, off_policy, name="luffy", shaping=True, clip=False, **knobs):
+    """The loss ``name`` with LUFFY's γ = :data:`GAMMA`, its ``shaping`` and ``clip`` and the shared ``knobs``."""
+    algo = algo_config(luffy=LuffyOptions(gamma=GAMMA, shaping=shaping, clip=clip), **knobs)
     return get_policy_loss(name)(logp_new, logp_old, adv, mask, algo, modes=["on"] * logp_new.shape[0],
                                  off_policy=off_policy)
 
@@ -49,8 +51,8 @@ def test_mixed_policy_advantage_puts_the_expert_in_the_group(std):
     # two groups of 4: three sampled members, then the expert (last); the expert's success moves the mean
     returns = [0.0, 0.0, 30.0, 100.0, 0.0, 0.0, 0.0, 100.0]
     groups = [0, 0, 0, 0, 1, 1, 1, 1]
-    inp = AdvantageInput.from_returns(returns, groups, lengths=[2, 1, 3, 5, 1, 1, 2, 4],
-                                      options=AdvantageOptions(luffy_std=std))
+    inp = AdvantageInput.from_returns(returns, groups, algo_config(luffy=LuffyOptions(std=std)),
+                                      lengths=[2, 1, 3, 5, 1, 1, 2, 4])
     adv, metrics = compute_advantages("luffy", inp)
     want = reference_advantage(returns, groups, std)
     for a, w in zip(adv, want):
@@ -59,8 +61,7 @@ def test_mixed_policy_advantage_puts_the_expert_in_the_group(std):
         assert adv[4][0] == pytest.approx(-25.0)
     assert metrics["zero_adv_groups"] == 0.0
     # an all-success group (expert included) carries no signal
-    adv, metrics = compute_advantages("luffy", AdvantageInput.from_returns([100.0] * 4, [0] * 4,
-                                                                           options=AdvantageOptions()))
+    adv, metrics = compute_advantages("luffy", AdvantageInput.from_returns([100.0] * 4, [0] * 4, algo_config()))
     assert [float(a[0]) for a in adv] == [0.0] * 4 and metrics["zero_adv_groups"] == 1.0
 
 
@@ -79,7 +80,7 @@ def test_expert_token_gradient_matches_the_closed_form(shaped, a_hat):
         logp = torch.log_softmax(z, dim=0)[a].reshape(1, 1)
         old = torch.full((1, 1), float("nan"), dtype=torch.float64)  # an expert row never reads π_old
         loss, metrics = luffy(logp, old, torch.tensor([a_hat], dtype=torch.float64), torch.ones(1, 1),
-                              [True], luffy_shaping=shaped, loss_type="token_mean")
+                              [True], shaping=shaped, loss_type="token_mean")
         loss.backward()
         p = np.exp(z_np - z_np.max())
         p /= p.sum()
@@ -119,7 +120,7 @@ def test_on_policy_rows_lose_their_clip_and_the_switch_restores_it(a_hat):
 
     new.grad = None
     luffy(new, old, torch.tensor([a_hat], dtype=torch.float64), torch.ones(1, 2), [False], loss_type="token_mean",
-          luffy_clip=True)[0].backward()
+          clip=True)[0].backward()
     clipped = np.where((ratio > 1.3) & (a_hat > 0) | (ratio < 0.8) & (a_hat < 0), 0.0, -a_hat * ratio / 2)
     np.testing.assert_allclose(new.grad.numpy()[0], clipped, rtol=1e-12)  # GRPO's clip (dual clip 10 not reached)
 
@@ -299,7 +300,7 @@ def test_train_algo_names_what_compare_algos_names(tmp_path, capsys):
                       "--output-dir", str(tmp_path / "a")])
     cfg, _ = train_config(args)
     a = cfg.algo
-    assert (a.name, a.arm, a.loss_type, a.intrinsic_weight, a.luffy_shaping, a.luffy_clip) == \
+    assert (a.name, a.arm, a.loss_type, a.intrinsic_weight, a.luffy.shaping, a.luffy.clip) == \
         ("luffy", "luffy", "dr_grpo", 0.0, True, False)
     assert arm_overrides("luffy")[0] == "algo.name=luffy"
     cfg, _ = train_config(parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo",

@@ -20,9 +20,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
-from empo2.algo.proxmo import episode_psc_advantage, idf_weights, step_psa_advantage, term_counts, tfidf_vectors
-from empo2.config import Config, ConfigError
+from empo2.algo.advantages import AdvantageInput, compute_advantages
+from empo2.algo.proxmo import (
+    ProxmoOptions,
+    episode_psc_advantage,
+    idf_weights,
+    step_psa_advantage,
+    term_counts,
+    tfidf_vectors,
+)
+from empo2.config import Config, ConfigError, algo_config
 
 ROOMS = ["You are in the kitchen. A fridge is here.", "You are in the hallway. A door leads north.",
          "A garden with an open gate.", "You are in the kitchen. A fridge is here, and an oven.",
@@ -108,8 +115,13 @@ def _batch(rng, n_groups=3, size=4, texts=ROOMS):
     return returns, np.array(groups), rewards, keys, np.array(success)
 
 
+def proxmo_algo(**proxmo):
+    """An ``algo`` section with ProxMO's options ``algo.proxmo`` (``tau=0.1`` …)."""
+    return algo_config(proxmo=ProxmoOptions(**proxmo))
+
+
 def _run(returns, groups, rewards, keys, success, gather=None, **options):
-    inp = AdvantageInput(returns, groups, rewards, keys, AdvantageOptions(**options), success)
+    inp = AdvantageInput(returns, groups, rewards, keys, proxmo_algo(**options), success)
     if gather is not None:
         inp.gather = gather
     return compute_advantages("proxmo", inp)
@@ -131,7 +143,7 @@ def test_psc_weights_at_success_rates(k):
     groups = [0] * 8
     rewards = [np.array([r]) for r in returns]
     keys = [["same state"]] * 8
-    adv, metrics = _run(np.array(returns), np.array(groups), rewards, keys, np.array(success), proxmo_psa=False)
+    adv, metrics = _run(np.array(returns), np.array(groups), rewards, keys, np.array(success), psa=False)
     _close(adv, [[a] for a in ref_episode(returns, groups, success)], tol=1e-12)
     p = k / 8
     if 0 < k < 8:  # worked values at the range's ends and middle
@@ -145,7 +157,7 @@ def test_psc_weights_at_success_rates(k):
 
 def test_psc_off_is_mean_centring_and_equal_groups_give_zero():
     returns, groups, rewards, keys, success = _batch(np.random.default_rng(1))
-    adv, _ = _run(returns, groups, rewards, keys, success, proxmo_psc=False, proxmo_psa=False)
+    adv, _ = _run(returns, groups, rewards, keys, success, psc=False, psa=False)
     ref = ref_episode(returns.tolist(), groups.tolist(), success.tolist(), psc=False)
     _close(adv, [[a] * len(r) for a, r in zip(ref, rewards)])
     same = [np.array([0.0, 0.0, 5.0]), np.array([5.0]), np.array([0.0, 5.0])]  # also every G_t = 5 (γ = 1)
@@ -182,7 +194,7 @@ def test_tfidf_and_psa_by_hand():
         e = [math.exp(cos[i][j] / tau) for j in range(3)]
         step.append(G[i] - sum(ej * gj for ej, gj in zip(e, G)) / sum(e))
     inp = AdvantageInput(np.array(G), np.zeros(3, int), [np.array([g]) for g in G], [[t] for t in texts],
-                         AdvantageOptions(proxmo_tau=tau), np.array([True, False, False]))
+                         proxmo_algo(tau=tau), np.array([True, False, False]))
     got, _ = step_psa_advantage(inp)
     np.testing.assert_allclose(np.concatenate(got), step, rtol=1e-13)
     _close(got, ref_step([0] * 3, [[g] for g in G], [[t] for t in texts]), tol=1e-13)
@@ -196,10 +208,10 @@ def test_proxmo_matches_reference(seed):
     ep = ref_episode(returns.tolist(), groups.tolist(), success.tolist())
     st = ref_step(groups.tolist(), [r.tolist() for r in rewards], keys)
     _close(adv, [[ep[i] + 0.7 * s for s in st[i]] for i in range(len(ep))])
-    a_ep, _ = episode_psc_advantage(AdvantageInput(returns, groups, rewards, keys, AdvantageOptions(), success))
-    a_st, _ = step_psa_advantage(AdvantageInput(returns, groups, rewards, keys, AdvantageOptions(), success))
+    a_ep, _ = episode_psc_advantage(AdvantageInput(returns, groups, rewards, keys, algo_config(), success))
+    a_st, _ = step_psa_advantage(AdvantageInput(returns, groups, rewards, keys, algo_config(), success))
     _close(adv, [a_ep[i] + 0.7 * a_st[i] for i in range(len(a_ep))], tol=1e-14)  # A = A^E + ω·A^S
-    only_ep, _ = _run(returns, groups, rewards, keys, success, proxmo_psa=False)
+    only_ep, _ = _run(returns, groups, rewards, keys, success, psa=False)
     _close(only_ep, [[e] * len(r) for e, r in zip(ep, rewards)])
 
 
@@ -211,7 +223,7 @@ def test_max_features_keeps_the_most_frequent_terms():
     assert terms == ["alpha", "beta", "delta"]
     groups, rewards = [0, 0, 0, 0], [[1.0], [0.0], [0.5], [0.25]]
     adv, _ = _run(np.array([1.0, 0.0, 0.5, 0.25]), np.array(groups), [np.array(r) for r in rewards],
-                  [[t] for t in texts], np.zeros(4, bool), proxmo_psc=False, proxmo_max_features=2)
+                  [[t] for t in texts], np.zeros(4, bool), psc=False, max_features=2)
     ep = ref_episode([1.0, 0.0, 0.5, 0.25], groups, [False] * 4, psc=False)
     st = ref_step(groups, rewards, [[t] for t in texts], max_features=2)
     _close(adv, [[e + s[0]] for e, s in zip(ep, st)], tol=1e-13)
@@ -235,9 +247,9 @@ def test_tau_to_zero_is_gigpo_mean_norm_on_exact_duplicates():
     ``mean_norm`` (self included) at both levels (PSC off)."""
     for seed in range(3):
         returns, groups, rewards, keys, success = _batch(np.random.default_rng(10 + seed), texts=ROOMS[:3])
-        adv, _ = _run(returns, groups, rewards, keys, success, proxmo_psc=False, proxmo_tau=1e-4)
+        adv, _ = _run(returns, groups, rewards, keys, success, psc=False, tau=1e-4)
         gigpo, _ = compute_advantages("gigpo", AdvantageInput(returns, groups, rewards, keys,
-                                                              AdvantageOptions(gigpo_normalization="mean_norm")))
+                                                              algo_config()))  # GiGPO's default: mean_norm
         _close(adv, gigpo, tol=1e-9)
 
 
@@ -246,11 +258,11 @@ def test_order_of_a_group_does_not_matter(seed):
     """Permuting the episodes (within and across groups) permutes the advantages, nothing else."""
     rng = np.random.default_rng(seed)
     returns, groups, rewards, keys, success = _batch(rng, n_groups=2, size=6)
-    adv, _ = _run(returns, groups, rewards, keys, success, proxmo_max_features=8)
+    adv, _ = _run(returns, groups, rewards, keys, success, max_features=8)
     for _ in range(4):
         perm = rng.permutation(len(returns))
         adv_p, _ = _run(returns[perm], groups[perm], [rewards[i] for i in perm], [keys[i] for i in perm],
-                        success[perm], proxmo_max_features=8)
+                        success[perm], max_features=8)
         _close(adv_p, [adv[i] for i in perm], tol=1e-12)
 
 
@@ -259,7 +271,7 @@ def test_groups_do_not_see_each_other_and_self_is_included():
     another group with the very same text does not enter the baseline."""
     keys = [["kitchen fridge"], ["garden gate"], ["kitchen fridge"]]
     inp = AdvantageInput(np.array([1.0, 0.0, 7.0]), np.array([0, 0, 1]), [np.array([1.0]), np.array([0.0]),
-                         np.array([7.0])], keys, AdvantageOptions(), np.array([True, False, False]))
+                         np.array([7.0])], keys, algo_config(), np.array([True, False, False]))
     a_st, _ = step_psa_advantage(inp)
     e = math.exp(-1 / 0.1)  # cosine 0 against cosine 1, over τ
     np.testing.assert_allclose(np.concatenate(a_st), [1.0 - 1.0 / (1 + e), 0.0 - 1.0 * e / (1 + e), 0.0],
@@ -305,19 +317,19 @@ def test_two_gloo_ranks_match_one_rank(tmp_path):
 # ---------------------------------------------------------------------------------------------- config and arms
 def test_config_defaults_bounds_and_one_line_errors(tmp_path, capsys):
     a = Config.load(None, ["algo.name=proxmo"]).algo
-    o = AdvantageOptions.from_config(a)
-    assert (o.proxmo_psc, o.proxmo_psa, o.proxmo_alpha, o.proxmo_range, o.proxmo_tau, o.proxmo_max_features,
-            o.gamma, o.step_advantage_weight) == (True, True, 4.0, 0.05, 0.1, 1024, 0.95, 1.0)
-    for bad in ("algo.proxmo_tau=0", "algo.proxmo_range=1", "algo.proxmo_alpha=-1", "algo.proxmo_max_features=-1"):
+    o = a.proxmo
+    assert (o.psc, o.psa, o.alpha, o.range, o.tau, o.max_features, o.gamma, o.step_advantage_weight) == \
+        (True, True, 4.0, 0.05, 0.1, 1024, 0.95, 1.0)
+    for bad in ("algo.proxmo.tau=0", "algo.proxmo.range=1", "algo.proxmo.alpha=-1", "algo.proxmo.max_features=-1"):
         with pytest.raises(ConfigError, match=bad.split("=")[0]):
             Config.load(None, ["algo.name=proxmo", bad])
     from empo2.cli import main
 
     out = tmp_path / "run"
     assert main(["train", "--config", "configs/webshop_cpu.yaml", "--output-dir", str(out), "algo.name=proxmo",
-                 "algo.proxmo_tau=0"]) == 2
+                 "algo.proxmo.tau=0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "algo.proxmo_tau" in err and len(err.splitlines()) == 1 and not out.exists()
+    assert "algo.proxmo.tau" in err and len(err.splitlines()) == 1 and not out.exists()
 
 
 def test_arms_run_their_settings_and_report_labels_them(tmp_path):
@@ -326,13 +338,14 @@ def test_arms_run_their_settings_and_report_labels_them(tmp_path):
 
     names = ["proxmo", "proxmo-no-psc", "proxmo-no-psa", "empo2+proxmo", "gigpo"]
     off = tmp_path / "off.yaml"  # a config file's switches do not reach a plain name's run
-    Config.load("configs/webshop_cpu.yaml", ["algo.proxmo_psc=false", "algo.proxmo_psa=false"]).save(off)
+    Config.load("configs/webshop_cpu.yaml", ["algo.proxmo.psc=false", "algo.proxmo.psa=false"]).save(off)
     plans = plan_runs(str(off), names, [1], tmp_path, [])
-    got = [(p.cfg.algo.name, p.cfg.algorithm.estimator(p.cfg.algo), p.cfg.algo.proxmo_psc, p.cfg.algo.proxmo_psa)
+    got = [(p.cfg.algo.name, p.cfg.algorithm.estimator(p.cfg.algo), p.cfg.algo.proxmo.psc, p.cfg.algo.proxmo.psa)
            for p in plans]
     assert got == [("proxmo", "proxmo", True, True), ("proxmo", "proxmo", False, True),
                    ("proxmo", "proxmo", True, False), ("empo2", "proxmo", True, True), ("gigpo", "gigpo", True, True)]
     assert [method_label(p.cfg.to_dict()) for p in plans] == names
-    assert method_label(Config.load(None, ["algo.name=proxmo", "algo.proxmo_psa=false"])) == "proxmo-no-psa"
-    with pytest.raises(ConfigError, match="set by compare"):
-        plan_runs(str(off), ["proxmo"], [1], tmp_path, ["algo.proxmo_psc=false"])
+    assert method_label(Config.load(None, ["algo.name=proxmo", "algo.proxmo.psa=false"])) == "proxmo-no-psa"
+    for switch in ("algo.proxmo.psc=false", "algo.proxmo_psc=false"):  # its old name is the same setting
+        with pytest.raises(ConfigError, match="set by compare"):
+            plan_runs(str(off), ["proxmo"], [1], tmp_path, [switch])

@@ -129,7 +129,9 @@ def test_the_step_after_a_focus_has_its_own_anchor_and_is_not_pushed_down():
     pulls it below 0 whatever the state says; the state decides only whether the earlier steps read as the same
     state. As τ → 0 PSA is GiGPO's exact-match baseline: there the move is no longer pushed down (with the old
     state: −31.3)."""
-    from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages, step_rewards
+    from empo2.algo.advantages import AdvantageInput, compute_advantages, step_rewards
+    from empo2.algo.proxmo import ProxmoOptions
+    from empo2.config import algo_config
 
     task, group = "find-non-living-thing", 4
     pool = EnvPool("scienceworld", make_env_kwargs(EnvConfig(name="scienceworld", max_steps=12)), size=1)
@@ -153,9 +155,9 @@ def test_the_step_after_a_focus_has_its_own_anchor_and_is_not_pushed_down():
     before = {s.state_text for s in steps[: focus + 1]}
     assert steps[move].state_text not in before  # its own anchor
 
-    inp = AdvantageInput.from_rewards(episodes, step_rewards(episodes, 0.0), AdvantageOptions())
+    inp = AdvantageInput.from_rewards(episodes, step_rewards(episodes, 0.0), algo_config())
     gigpo, _ = compute_advantages("gigpo", inp)
     assert all(a[move] == 0.0 for a in gigpo)
-    exact = AdvantageInput.from_rewards(episodes, step_rewards(episodes, 0.0), AdvantageOptions(proxmo_tau=1e-3))
+    exact = AdvantageInput.from_rewards(episodes, step_rewards(episodes, 0.0), algo_config(proxmo=ProxmoOptions(tau=1e-3)))
     proxmo, _ = compute_advantages("proxmo", exact)
     assert all(a[move] > -0.01 for a in proxmo), [float(a[move]) for a in proxmo]

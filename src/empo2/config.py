@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from empo2.config_bounds import MAX_CONFIG_BYTES, ConfigError, check_bounds, check_choices, check_size, shown
+from empo2.config_bounds import ConfigError, check_bounds, check_choices, is_options, settings, shown
 from empo2.config_presets import preset_layers
-from empo2.config_renames import RENAMED, old_name, warn_renamed
+from empo2.config_renames import forward_flat, new_names, old_name, warn_renamed
 from empo2.config_sections import (  # noqa: F401
     AlgoConfig,
     EnvConfig,
@@ -43,7 +43,9 @@ from empo2.config_sections import (  # noqa: F401
     PolicyConfig,
     SftConfig,
     TrainConfig,
+    algo_config,
 )
+from empo2.config_values import coerce, read_yaml
 
 
 @dataclass
@@ -51,7 +53,7 @@ class Config:
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
-    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    algo: AlgoConfig = field(default_factory=algo_config)
     train: TrainConfig = field(default_factory=TrainConfig)
     sft: SftConfig = field(default_factory=SftConfig)
 
@@ -73,7 +75,7 @@ class Config:
         """The defaults, then the preset at ``path`` (its ``base:`` chain first), then ``key=value`` overrides."""
         cfg, used = cls(), {}
         try:
-            for source, data in preset_layers(Path(path), _read_yaml) if path is not None else ():
+            for source, data in preset_layers(Path(path), read_yaml) if path is not None else ():
                 cfg._set_all(_section_pairs(data), used, str(source))
             cfg.validate()
             cfg._set_all([_override(item) for item in overrides], used, "an override")
@@ -84,22 +86,37 @@ class Config:
 
     # ------------------------------------------------------------------ access
     def valid_keys(self) -> list[str]:
-        return [f"{s}.{f.name}" for s in self.SECTIONS for f in fields(getattr(self, s))]
+        return [key for key, _, _ in settings(self)]
 
-    def resolve_key(self, key: str) -> tuple[str, str]:
-        if "." in key:
-            section, name = key.split(".", 1)
-            if section in self.SECTIONS and name in {f.name for f in fields(getattr(self, section))}:
-                return section, name
-        else:
-            owners = [s for s in self.SECTIONS if key in {f.name for f in fields(getattr(self, s))}]
+    def resolve_key(self, key: str) -> tuple[str, ...]:
+        """The path of the setting ``key`` names: ``(section, name)``, or ``(section, method, name)`` for a method's
+        own setting (``algo.gigpo.gamma``). A bare ``key`` names a section's own field that one section has."""
+        parts = tuple(key.split("."))
+        if len(parts) == 1:
+            owners = [s for s in self.SECTIONS if key in _fields_of(getattr(self, s))]
             if len(owners) > 1 and "sft" in owners:  # the warm start's knobs are reached dotted (sft.learning_rate)
                 owners.remove("sft")
-            if len(owners) == 1:
-                return owners[0], key
             if len(owners) > 1:
                 raise ConfigError(f"key {key!r} is ambiguous; write one of: {', '.join(f'{o}.{key}' for o in owners)}")
+            parts = (owners[0], key) if owners else parts
+        if len(parts) in (2, 3) and parts[0] in self.SECTIONS and parts[1] in _fields_of(getattr(self, parts[0])):
+            options = getattr(getattr(self, parts[0]), parts[1])
+            if not is_options(options) and len(parts) == 2:
+                return parts
+            if is_options(options):
+                if len(parts) == 3 and parts[2] in _fields_of(options):
+                    return parts
+                group, names = ".".join(parts[:2]), ", ".join(_fields_of(options))
+                if len(parts) == 2:
+                    raise ConfigError(f"{group} holds settings, not one value: set {group}.<name>, one of {names}")
+                raise ConfigError(f"unknown config key {shown(key)}; {group} holds: {names}")
         raise ConfigError(f"unknown config key {shown(key)}; valid keys: {', '.join(self.valid_keys())}")
+
+    def current_keys(self, key: str) -> tuple[str, ...]:
+        """The dotted keys of the settings ``key`` sets: its own, or an old name's current ones (``algo.gamma``:
+        ``algo.gigpo.gamma`` and ``algo.proxmo.gamma``)."""
+        old = None if self._knows(key) else old_name(key)
+        return tuple(".".join(self.resolve_key(k)) for k in (new_names(old) if old else (key,)))
 
     def set(self, key: str, value: Any) -> None:
         used: dict[str, str] = {}
@@ -110,26 +127,57 @@ class Config:
 
     def _set_all(self, pairs: list[tuple[str, Any]], used: dict[str, str], where: str) -> None:
         """Set each ``(key, value)`` of one source (a file, the overrides), typed by its field. A key's old name
-        (:data:`~empo2.config_renames.RENAMED`) sets the new one and is noted in ``used``; a source that gives both
-        names different values is refused."""
-        written: dict[str, tuple[str | None, Any]] = {}  # section.name -> (old name it was given by, value)
-        for key, value in pairs:
+        (:data:`~empo2.config_renames.RENAMED`) sets the new one (or ones) and is noted in ``used``; a source that
+        gives both names different values is refused."""
+        written: dict[str, tuple[str | None, Any]] = {}  # dotted key -> (old name it was given by, value)
+        for key, value in self._spelled_out(pairs):
             old = None if self._knows(key) else old_name(key)
             if old is not None:
                 used.setdefault(old, where)
-            section, name = self.resolve_key(RENAMED[old] if old else key)
-            obj, dotted = getattr(self, section), f"{section}.{name}"
-            setattr(obj, name, _coerce(dotted, value, obj, name))
-            earlier, now = written.get(dotted), getattr(obj, name)
-            if earlier is not None and (earlier[0] is None) != (old is None) and earlier[1] != now:
-                raise ConfigError(f"{where} gives both {old or earlier[0]} and its new name {dotted}, with different "
-                                  f"values ({shown(earlier[1])} and {shown(now)}); keep only {dotted}")
-            written[dotted] = (old, now)
+            for target in new_names(old) if old else (key,):
+                path = self.resolve_key(target)
+                dotted, now = ".".join(path), self._assign(path, value)
+                earlier = written.get(dotted)
+                if earlier is not None and (earlier[0] is None) != (old is None) and earlier[1] != now:
+                    raise ConfigError(f"{where} gives both {old or earlier[0]} and its new name {dotted}, with "
+                                      f"different values ({shown(earlier[1])} and {shown(now)}); keep only {dotted}")
+                written[dotted] = (old, now)
+
+    def _spelled_out(self, pairs: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The pairs, a method's options given as one mapping (``algo: {gigpo: {gamma: 0.9}}`` in a file) spelled
+        out one setting each (``algo.gigpo.gamma``); an empty one (``gigpo:``) sets nothing."""
+        for key, value in pairs:
+            if key in self._option_keys() and (value is None or isinstance(value, dict)):
+                yield from ((f"{key}.{name}", v) for name, v in (value or {}).items())
+            else:
+                yield key, value
+
+    def _assign(self, path: tuple[str, ...], value: Any) -> Any:
+        """Set the setting at ``path`` (:meth:`resolve_key`) to ``value`` typed by its field; returns what was set. A
+        method's options are frozen: the section gets a copy with the one setting changed."""
+        section = getattr(self, path[0])
+        if len(path) == 2:
+            setattr(section, path[1], coerce(".".join(path), value, section, path[1]))
+            return getattr(section, path[1])
+        options = getattr(section, path[1])
+        typed = coerce(".".join(path), value, options, path[2])
+        setattr(section, path[1], dataclasses.replace(options, **{path[2]: typed}))
+        return typed
 
     def _knows(self, key: str) -> bool:
-        """``key`` names a current field, dotted or bare (so an old name is never taken for a current one)."""
-        keys = self.valid_keys()
-        return key in keys or any(k.endswith(f".{key}") for k in keys)
+        """``key`` names a current setting, dotted or bare (so an old name is never taken for a current one)."""
+        if "." not in key:
+            return any(key in _fields_of(getattr(self, s)) for s in self.SECTIONS)
+        try:
+            self.resolve_key(key)
+        except ConfigError:
+            return False
+        return True
+
+    def _option_keys(self) -> set[str]:
+        """``{"algo.gigpo", …}``: the fields of the sections that hold a method's options."""
+        return {f"{s}.{name}" for s in self.SECTIONS for name in _fields_of(getattr(self, s))
+                if is_options(getattr(getattr(self, s), name))}
 
     def to_dict(self) -> dict[str, Any]:
         return {s: dataclasses.asdict(getattr(self, s)) for s in self.SECTIONS}
@@ -156,7 +204,7 @@ class Config:
         for ok, message in rules:
             if not ok:
                 raise ConfigError(message)
-        self._check_registry_names()
+        self._check_registry_fields_of()
 
     def check_training(self) -> None:
         """Sampling settings a run that trains can use. Behaviour and update log-probs are log-softmax(logits /
@@ -171,7 +219,7 @@ class Config:
                               "log-probs are of logits / temperature without a top-p or top-k filter; use top_p=1 "
                               "and top_k=0")
 
-    def _check_registry_names(self) -> None:
+    def _check_registry_fields_of(self) -> None:
         """Every registry-backed name (algorithm, estimator, loss, backend, environment, tasks, eviction policy,
         ablation arm) is checked here, at load, so a typo exits before any run folder exists. The registries live in
         the component packages below the config and are imported only now, when they are needed."""
@@ -241,159 +289,21 @@ def _override(item: str) -> tuple[str, str]:
     return key.strip(), raw
 
 
-def _read_yaml(p: Path) -> dict[str, Any]:
-    """One config file's mapping (its plain scalars kept as text), or one line saying why it is not one."""
-    if not p.is_file():
-        raise ConfigError(f"config file not found: {p}")
-    if p.stat().st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{p} is {p.stat().st_size:,} bytes; a config file is at most {MAX_CONFIG_BYTES:,}")
-    try:
-        data = yaml.load(p.read_text(), Loader=_ConfigLoader) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"malformed YAML in {p}: {_yaml_problem(exc)}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{p} must hold a mapping of sections, got {type(data).__name__}")
-    return data
+def flat_settings(sections: dict[str, Any]) -> dict[str, Any]:
+    """``{dotted key: value}`` of a config as a mapping of sections (:meth:`Config.to_dict`, a saved
+    ``config.yaml``, a checkpoint's stored config): a method's options spelled out (``algo.gigpo.gamma``), old names
+    under the current ones (:func:`~empo2.config_renames.forward_flat`), keys this version does not know as they are."""
+    grouped, out = Config()._option_keys(), {}
+    for section, values in sections.items():
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if key in grouped and isinstance(value, dict):
+                out.update((f"{key}.{k}", v) for k, v in value.items())
+            else:
+                out[key] = value
+    return forward_flat(out)
 
 
-def _yaml_problem(exc: Exception) -> str:
-    """A YAML parser error as one line: what went wrong, and where (the parser's own text spans several lines)."""
-    mark = getattr(exc, "problem_mark", None)
-    where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-    return " ".join(str(getattr(exc, "problem", None) or exc).split()) + where
-
-
-class _ConfigLoader(yaml.SafeLoader):
-    """YAML for configs: a plain scalar stays text (typed later by its field; only ``null``/``~``/empty mean unset),
-    and aliases are refused, so a few bytes cannot expand into gigabytes."""
-
-    yaml_implicit_resolvers: dict = {}
-    max_depth = 64
-    """Deeper nesting is refused: composing it recurses once per level, and Python's stack ends near 1,000."""
-    _depth = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.MarkedYAMLError(problem=f"YAML aliases (*{event.anchor[:40]}) are not accepted in a config",
-                                       problem_mark=event.start_mark)
-        if self._depth >= self.max_depth:
-            raise yaml.MarkedYAMLError(problem=f"lists or mappings nested deeper than {self.max_depth} levels are "
-                                       "not accepted in a config", problem_mark=self.peek_event().start_mark)
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-
-
-_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:null", re.compile(r"^(?:~|null|Null|NULL|)$"),
-                                    ["~", "n", "N", ""])
-_TRUE, _FALSE = ("true", "yes", "on"), ("false", "no", "off")
-_INT = re.compile(r"^[+-]?[0-9]+$")
-
-
-def _coerce(key: str, value: Any, obj: Any, name: str) -> Any:
-    """Type a value by the field's declared annotation; text (an override, a plain YAML scalar) is parsed for it."""
-    hint = str({f.name: f.type for f in fields(obj)}[name])
-    check_size(key, value)
-    if isinstance(value, str) and "None" in hint and value.strip() in ("", "null", "~"):
-        value = None
-    if value is None:
-        if "None" in hint:
-            return None
-        raise ConfigError(f"{key} may not be empty")
-    for prefix, parse in _PARSERS:
-        if hint.startswith(prefix):
-            return parse(key, value)
-    return value
-
-
-def _names(key: str, value: Any) -> list[str]:
-    """A list of names from a list, or from override text ``[a, b]`` / ``a,b``."""
-    if isinstance(value, str):
-        text = value.strip()
-        text = text[1:-1] if text.startswith("[") and text.endswith("]") else text
-        value = [v.strip().strip("'\"") for v in text.split(",") if v.strip()]
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise ConfigError(f"{key} must be a list of names, got {shown(value)}")
-    return value
-
-
-def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
-        return value.strip().lower() in _TRUE
-    if isinstance(value, bool):
-        return value
-    raise ConfigError(f"{key} must be true or false, got {shown(value)}")
-
-
-def _int(key: str, value: Any) -> int:
-    if isinstance(value, str) and _INT.match(value.strip()):
-        return int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{key} must be an integer, got {shown(value)}")
-    return value
-
-
-def _float(key: str, value: Any) -> float:
-    if isinstance(value, str):
-        try:
-            value = float(value.strip())
-        except ValueError:
-            raise ConfigError(f"{key} must be a number, got {shown(value)}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{key} must be a number, got {shown(value)}")
-    return float(value)
-
-
-def _text(key: str, value: Any) -> str:
-    if isinstance(value, (dict, list)):
-        raise ConfigError(f"{key} must be a string, got {shown(value)}")
-    return str(value)
-
-
-def _mapping_of_ints(key: str, value: Any) -> dict[str, int]:
-    """``{task: N}`` from a mapping, or from override text such as ``{chemistry-mix: 90}``."""
-    if isinstance(value, str):
-        try:
-            value = yaml.load(value, Loader=_ConfigLoader)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{key} must be a mapping like {{task: 30}}: {_yaml_problem(exc)}") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key} must be a mapping like {{task: 30}}, got {shown(value)}")
-    out = {}
-    for k, v in value.items():
-        if isinstance(v, str) and _INT.match(v.strip()):
-            v = int(v)
-        if not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int):
-            raise ConfigError(f"{key} must map task names to integers, got {shown(k)}: {shown(v)}")
-        out[k] = v
-    return out
-
-
-def _table_of_ints(key: str, value: Any) -> dict[str, dict[str, int]]:
-    """``{name: {name: N}}`` from a mapping of mappings, or from override text such as ``{coin: {numLocations: 5}}``."""
-    like = f"{key} must be a mapping like {{coin: {{numLocations: 5}}}}"
-    if isinstance(value, str):
-        try:
-            value = yaml.load(value, Loader=_ConfigLoader)
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{like}: {_yaml_problem(exc)}") from None
-    if not isinstance(value, dict) or not all(isinstance(v, dict) or v is None for v in value.values()):
-        raise ConfigError(f"{like}, got {shown(value)}")
-    out: dict[str, dict[str, int]] = {}
-    for outer, inner in value.items():
-        out[str(outer)] = {}
-        for name, number in (inner or {}).items():
-            if isinstance(number, str) and _INT.match(number.strip()):
-                number = int(number)
-            if not isinstance(name, str) or isinstance(number, bool) or not isinstance(number, int):
-                raise ConfigError(f"{key}.{outer} must map names to integers, got {shown(name)}: {shown(number)}")
-            out[str(outer)][name] = number
-    return out
-
-
-_PARSERS = (("list", _names), ("dict[str, dict", _table_of_ints), ("dict", _mapping_of_ints), ("bool", _bool), ("int", _int), ("float", _float),
-            ("str", _text), ("Literal", _text))
-"""How a field's value is read, by the start of its annotation."""
+def _fields_of(obj: Any) -> list[str]:
+    """The field names of a section or of a method's options."""
+    return [f.name for f in fields(obj)]

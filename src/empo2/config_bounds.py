@@ -1,5 +1,5 @@
-"""How bounds of numeric config fields are declared and checked (each field states its own, next to it, in
-:mod:`empo2.config_sections`), the values of every enumerated field, the size of every string, and the machine's cap
+"""How bounds of numeric config fields are checked (each field states its own, next to it, with
+:func:`empo2.bounds.bounded`, in :mod:`empo2.config_sections` and in each method's options), the values of every enumerated field, the size of every string, and the machine's cap
 on environment workers.
 
 Checked at load (:meth:`empo2.config.Config.validate`), so a nonsense value (``env.max_steps=-1``,
@@ -15,10 +15,12 @@ import math
 import os
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterator
+from dataclasses import Field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from empo2.bounds import Bounds, bounded, shown  # noqa: F401 - bounded and shown: the config's names for them
 from empo2.errors import UserError
 
 
@@ -39,55 +41,30 @@ WORKER_MEMORY = 512 << 20
 """Available memory reserved per environment worker by default (a ScienceWorld JVM holds about this much)."""
 
 
-@dataclass(frozen=True)
-class Bounds:
-    """The numbers a field may hold: ``low``..``high``, each end inclusive unless marked open, and optionally one
-    value outside that range that switches the feature off (``off``). ``why`` says what the bound protects."""
-
-    low: float
-    high: float
-    open_low: bool = False
-    open_high: bool = False
-    off: float | None = None
-    why: str = ""
-
-    def holds(self, value: float) -> bool:
-        if self.off is not None and value == self.off:
-            return True
-        above = self.low < value if self.open_low else self.low <= value
-        below = value < self.high if self.open_high else value <= self.high
-        return above and below
-
-    def refusal(self, key: str, value: Any) -> str:
-        """One line saying what ``key`` must be and what it got."""
-        if self.low == self.high:
-            wanted = _number(self.low)
-        else:
-            wanted = (f"in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
-                      f"{')' if self.open_high else ']'}")
-        off = f" (or {_number(self.off)} to disable)" if self.off is not None else ""
-        return f"{key} must be {wanted}{off}, got {shown(value)}" + (f": {self.why}" if self.why else "")
-
-
-def bounded(default: Any, low: float, high: float, *, open_low: bool = False, open_high: bool = False,
-            off: float | None = None, why: str = ""):
-    """A config field with its default and its :class:`Bounds`, read by :func:`check_bounds`."""
-    return field(default=default, metadata={"bounds": Bounds(low, high, open_low, open_high, off, why)})
-
-
 def bounds_of(obj) -> dict[str, Bounds]:
     """``{field: Bounds}`` of a config section (class or instance)."""
     return {f.name: f.metadata["bounds"] for f in fields(obj) if "bounds" in f.metadata}
 
 
-def _number(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e18 else f"{x:g}"
+def is_options(value: Any) -> bool:
+    """Whether a section's field holds a method's options (a dataclass instance, ``algo.gigpo``), not one value."""
+    return is_dataclass(value) and not isinstance(value, type)
 
 
-def shown(value: Any, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, so an error about a huge value stays one short line."""
-    text = repr(value)
-    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+def settings(cfg) -> Iterator[tuple[str, Any, Field]]:
+    """Every setting of a config as (dotted key, the object that holds it, its field), a method's options walked
+    into: ``algo.beta`` is held by the ``algo`` section, ``algo.gigpo.gamma`` by its ``gigpo`` options."""
+    for section in cfg.SECTIONS:
+        yield from _settings_of(section, getattr(cfg, section))
+
+
+def _settings_of(prefix: str, obj: Any) -> Iterator[tuple[str, Any, Field]]:
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if is_options(value):
+            yield from _settings_of(f"{prefix}.{f.name}", value)
+        else:
+            yield f"{prefix}.{f.name}", obj, f
 
 
 def check_size(key: str, value: Any) -> None:
@@ -118,28 +95,25 @@ def choices(section_type: type) -> dict[str, tuple[Any, ...]]:
 
 def check_choices(cfg) -> None:
     """Every ``Literal[...]`` field holds one of its values."""
-    for section in cfg.SECTIONS:
-        obj = getattr(cfg, section)
-        for name, allowed in choices(type(obj)).items():
-            value = getattr(obj, name)
-            if not any(value == v and type(value) is type(v) for v in allowed):
-                raise _error(f"{section}.{name} must be one of {', '.join(map(str, allowed))}, got {shown(value)}")
+    for key, obj, f in settings(cfg):
+        allowed = choices(type(obj)).get(f.name)
+        value = getattr(obj, f.name)
+        if allowed is not None and not any(value == v and type(value) is type(v) for v in allowed):
+            raise _error(f"{key} must be one of {', '.join(map(str, allowed))}, got {shown(value)}")
 
 
 def check_bounds(cfg) -> None:
-    """Every int and float field within the bounds declared next to it in :mod:`empo2.config_sections` (``None``
-    passes where the field allows it)."""
-    for section in cfg.SECTIONS:
-        obj = getattr(cfg, section)
-        for f in fields(obj):
-            key, value = f"{section}.{f.name}", getattr(obj, f.name)
-            if isinstance(value, bool) or value is None:
-                continue
-            if isinstance(value, float) and not math.isfinite(value):
-                raise _error(f"{key} must be a finite number, got {value}")
-            bounds = f.metadata.get("bounds")
-            if bounds is not None and not bounds.holds(value):
-                raise _error(bounds.refusal(key, value))
+    """Every int and float field within the bounds declared next to it (``bounded``, in :mod:`empo2.config_sections`
+    and in the methods' options; ``None`` passes where the field allows it)."""
+    for key, obj, f in settings(cfg):
+        value = getattr(obj, f.name)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _error(f"{key} must be a finite number, got {value}")
+        bounds = f.metadata.get("bounds")
+        if bounds is not None and not bounds.holds(value):
+            raise _error(bounds.refusal(key, value))
     steps = bounds_of(cfg.env)["max_steps"]
     for task, cap in (cfg.env.step_caps or {}).items():
         if not steps.holds(cap):

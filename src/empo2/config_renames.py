@@ -4,21 +4,40 @@ A YAML file, a saved run's ``config.yaml`` or an override may still use an old n
 one :class:`ConfigRenameWarning` per old name and load, and refused (exit 2) when the old and the new name are both
 given with different values. A run saved with old names resumes: its checkpoints' stored settings are read through
 :data:`RENAMED` too. A saved ``config.yaml`` is always written with the current names.
+
+A method's settings were once flat fields of the ``algo`` section (``algo.proxmo_alpha``); each method now declares
+its own, nested under its name (``algo.proxmo.alpha``). GiGPO's and ProxMO's shared discount and step weight became
+one setting of each, so their old names set both.
 """
 
 from __future__ import annotations
 
 import warnings
 
-RENAMED: dict[str, str] = {
+RENAMED: dict[str, str | tuple[str, ...]] = {
     "train.num_iterations": "train.ppo_epochs",
     "algo.delta": "algo.low_prob_threshold",
+    "algo.gamma": ("algo.gigpo.gamma", "algo.proxmo.gamma"),
+    "algo.step_advantage_weight": ("algo.gigpo.step_advantage_weight", "algo.proxmo.step_advantage_weight"),
+    "algo.step_similarity": "algo.gigpo.step_similarity",
+    "algo.gigpo_normalization": "algo.gigpo.normalization",
+    **{f"algo.proxmo_{name}": f"algo.proxmo.{name}" for name in ("psc", "psa", "alpha", "range", "tau",
+                                                                  "max_features")},
+    **{f"algo.luffy_{name}": f"algo.luffy.{name}" for name in ("gamma", "shaping", "clip", "std")},
+    "algo.elpo_lambda": "algo.elpo.lambda_tree",
+    **{f"algo.elpo_{name}": f"algo.elpo.{name}" for name in ("eps_elc", "b_max", "x_min", "x_max", "beta")},
 }
-"""Old dotted name → current dotted name."""
+"""Old dotted name → current dotted name (or names, for an old setting that two methods now hold each)."""
 
 
 class ConfigRenameWarning(UserWarning):
     """A config used a key's old name; it was read as the new one (the CLI prints it as one ``warning:`` line)."""
+
+
+def new_names(old: str) -> tuple[str, ...]:
+    """The current dotted names the old name ``old`` sets."""
+    new = RENAMED[old]
+    return (new,) if isinstance(new, str) else new
 
 
 def old_name(key: str) -> str | None:
@@ -32,7 +51,10 @@ def old_name(key: str) -> str | None:
 
 def forward_flat(settings: dict) -> dict:
     """``{section.name: value}`` with old names replaced by the current ones (a checkpoint's stored settings)."""
-    return {RENAMED.get(key, key): value for key, value in settings.items()}
+    out = {}
+    for key, value in settings.items():
+        out.update(dict.fromkeys(new_names(key), value) if key in RENAMED else {key: value})
+    return out
 
 
 _WARNED: set[tuple[str, str]] = set()
@@ -46,6 +68,7 @@ def warn_renamed(used: dict[str, str]) -> None:
         if (old, where) in _WARNED:
             continue
         _WARNED.add((old, where))
-        warnings.warn(f"{old} is now called {RENAMED[old]}: {where} uses the old name, read as {RENAMED[old]} "
-                      "(rename it there)", ConfigRenameWarning, stacklevel=3)
+        new = " and ".join(new_names(old))
+        warnings.warn(f"{old} is now called {new}: {where} uses the old name, read as {new} (rename it there)",
+                      ConfigRenameWarning, stacklevel=3)
     used.clear()

@@ -1,13 +1,16 @@
 """The sections of a run configuration (``env``, ``policy``, ``memory``, ``algo``, ``train``, ``sft``): every field
 with its default, its bounds if it is a number (``bounded(default, low, high)``: inclusive unless an end is marked
-open), and a comment saying what it does. Loading, overrides and checks live in :mod:`empo2.config`."""
+open), and a comment saying what it does. A method's own settings are declared the same way in its file in
+:mod:`empo2.algo` and nested in the ``algo`` section (:func:`algo_config`). Loading, overrides and checks live in
+:mod:`empo2.config`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import functools
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Literal
 
-from empo2.config_bounds import bounded
+from empo2.bounds import bounded
 
 _BIG = 10 ** 9
 _SEED = 2 ** 32 - 1  # numpy's seeds are 32-bit
@@ -209,12 +212,14 @@ class MemoryConfig:
 
 @dataclass
 class AlgoConfig:
-    """The RL objective: advantages, the clipped loss, modes, and the intrinsic reward."""
+    """The RL objective the methods share: advantages, the clipped loss, modes, and the intrinsic reward. A method's
+    own settings are declared in its file and held here as one field each (``algo.gigpo``, ``algo.proxmo``,
+    ``algo.luffy``, ``algo.elpo``), in the section :func:`algo_config` makes."""
 
     name: str = "empo2"
     """Algorithm registry name (``empo2.algo.registry``): ``empo2`` (three modes + memory), ``grpo`` (on-policy
     only, no memory), ``gigpo`` or ``proxmo`` (GRPO's loop with the ``gigpo`` / ``proxmo`` estimator), ``luffy``
-    (one member of each group plays the gold path; LUFFY's advantage and loss, ``algo.luffy_*``) or ``empo2_luffy``
+    (one member of each group plays the gold path; LUFFY's advantage and loss, ``algo.luffy.*``) or ``empo2_luffy``
     (EMPO² with such an expert member), ``elpo``, or ``frozen`` (plays and is evaluated, never updated: the policy it
     starts from, e.g. a warm start). The algorithm decides memory use, mode probabilities, loss, (by default)
     estimator and expert members."""
@@ -225,35 +230,9 @@ class AlgoConfig:
     """Rollouts per task (the GRPO group G)."""
     advantage: str = "grpo"
     """Advantage-estimator registry name (``empo2.algo.advantages``), for algorithms that do not fix their own."""
-    gamma: float = bounded(0.95, 0, 1)
-    """GiGPO and ProxMO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k (both papers: 0.95)."""
-    step_advantage_weight: float = bounded(1.0, 0, 1e6)
-    """GiGPO and ProxMO: ω in A = A_episode + ω·A_step (both papers: 1.0)."""
-    step_similarity: float | None = bounded(None, 0, 1, open_low=True)
-    """GiGPO: ``None`` = anchor states grouped by their exact state text (the reference default); a ratio in
-    (0, 1] puts a state in the first anchor group whose first state is at least this similar (difflib ratio; the
-    reference's option uses 0.95)."""
-    gigpo_normalization: Literal["mean_norm", "mean_std_norm"] = "mean_norm"
-    """GiGPO's normalisation of episode and step returns in their groups, for ``algo.name=gigpo`` and for
-    ``algo.advantage=gigpo`` under EMPO² alike: ``mean_norm`` (default; the reference code's default and the stronger
-    "GiGPO w/o std" of the EMPO² paper's WebShop table) subtracts the group mean; ``mean_std_norm`` also divides by
-    the group's sample std (ddof 1) + ``adv_eps``. Compare and report label the runs ``gigpo`` / ``gigpo-std``."""
-    proxmo_psc: bool = True
-    """ProxMO: weight the episode advantage by the polarized signal controller, from the group's success rate (off:
-    the ``proxmo-no-psc`` arm)."""
-    proxmo_psa: bool = True
-    """ProxMO: add the proximity-weighted step advantage ω·A^S (off: the ``proxmo-no-psa`` arm)."""
-    proxmo_alpha: float = bounded(4.0, 0, 100)
-    """ProxMO PSC: steepness α of σ((1 − p)^α) and σ(−p^α) (the official scripts: 4.0)."""
-    proxmo_range: float = bounded(0.05, 0, 0.99)
-    """ProxMO PSC: the episode weights lie in [1 − range, 1 + range] (the official scripts: 0.05)."""
-    proxmo_tau: float = bounded(0.1, 1e-6, 1e6)
-    """ProxMO PSA: softmax temperature τ over the TF-IDF cosine similarities of a group's steps (paper: 0.1)."""
-    proxmo_max_features: int = bounded(1024, 0, _BIG)
-    """ProxMO PSA: TF-IDF keeps the global batch's this many most frequent terms (official code: 1024; 0 = all)."""
     scale_rewards: bool = True
     """GRPO: divide group-centred returns by the group's sample std (ddof 1) + ``adv_eps`` (GiGPO's switch is
-    ``gigpo_normalization``)."""
+    ``algo.gigpo.normalization``)."""
     adv_eps: float = bounded(1e-6, 1e-12, 1)
     """Added to the group std before dividing."""
     epsilon: float = bounded(0.2, 0, 1, open_high=True)
@@ -323,29 +302,27 @@ class AlgoConfig:
     ``train.iterations`` leaves the weights of the iterations already planned as they were."""
     novelty_threshold: float = bounded(0.9, -1, 1)
     """Cosine above which two states (of one task) count as the same state for the novelty reward."""
-    luffy_gamma: float = bounded(0.1, 1e-6, 1)
-    """LUFFY: γ of the policy-shaping function f(x) = x/(x + γ) on expert tokens (paper: 0.1)."""
-    luffy_shaping: bool = True
-    """LUFFY: shape the expert tokens' probability with f (Eq. 6); ``false``: f(x) = x (the mixed-policy
-    objective, Eq. 5 with π_φ = 1)."""
-    luffy_clip: bool = False
-    """LUFFY: clip the on-policy rows' ratio as GRPO does; ``false`` (paper App. E.1, official script): no clip."""
-    luffy_std: bool = False
-    """LUFFY: divide the mixed group's centred returns by their sample std (Eq. 4 as printed); ``false`` (official
-    script, Dr.GRPO): mean-only."""
-    elpo_lambda: float = bounded(0.5, 0, 1)
-    """ELPO: λ_tree in A_hier = λ·A_branch + (1 − λ)·A_trajectory (Eq. 10; Table 2: 0.5)."""
-    elpo_eps_elc: float = bounded(0.115, 0, 1)
-    """ELPO: ε_elc added to ε_low (``epsilon``) on a searched failure's critical step and its suffix (Eq. 11)."""
-    elpo_b_max: int = bounded(3, 1, 4096)
-    """ELPO: failures buffered before each binary search (Algorithm 1's B_max; Table 2: 3)."""
-    elpo_x_min: float = bounded(1.0, 1, 4096)
-    """ELPO: fewest suffixes per probe, X_min of Eq. 5."""
-    elpo_x_max: float = bounded(3.0, 1, 4096)
-    """ELPO: most suffixes per probe, X_max of Eq. 5."""
-    elpo_beta: float = bounded(5.0, 0, 1e6)
-    """ELPO: entropy-gap scale β of Eq. 5."""
 
+
+
+def algo_config(**values: Any) -> AlgoConfig:
+    """An ``algo`` section: the fields of :class:`AlgoConfig` and one more per options class the algorithm registry
+    names (:func:`empo2.algo.registry.method_options`: ``gigpo`` holding ``GigpoOptions()`` …), so a method's
+    settings are written ``algo.gigpo.normalization`` and read as ``cfg.algo.gigpo.normalization``. The section's
+    class is made from the registry as it stands, so a method registered later has its options in every section
+    made after it. ``values``: fields to set, by name."""
+    from empo2.algo.registry import method_options
+
+    return _with_options(tuple(method_options().items()))(**values)
+
+
+@functools.cache
+def _with_options(options: tuple[tuple[str, type], ...]) -> type[AlgoConfig]:
+    clash = [key for key, _ in options if key in AlgoConfig.__dataclass_fields__]
+    if clash:
+        raise ValueError(f"method options named like a field of the algo section: {', '.join(clash)}")
+    return make_dataclass("AlgoConfig", [(key, cls, field(default_factory=cls)) for key, cls in options],
+                          bases=(AlgoConfig,), namespace={"__module__": __name__})
 
 @dataclass
 class TrainConfig:

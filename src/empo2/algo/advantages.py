@@ -9,14 +9,16 @@ Every estimator gets step-level data in one :class:`AdvantageInput` and gives on
 per step of episode i. The
 trainer gives every generated token of step t of episode i the advantage ``advantages[i][t]``. ``inp.success`` [N]
 says which episodes reached the goal; ``inp.gather`` collects an object from every data-parallel rank, for statistics
-over the whole global batch (ProxMO's TF-IDF term counts).
+over the whole global batch (ProxMO's TF-IDF term counts). ``inp.algo`` is the config's ``algo`` section: each
+estimator reads its knobs there, the shared ones (``scale_rewards``, ``adv_eps``) and its method's own options
+(``algo.gigpo``, ``algo.proxmo`` …, declared in the method's file and registered with its algorithm).
 Register a new estimator with ``@register_advantage("name")`` and call any of them through
 :func:`compute_advantages`, which checks the input.
 
 GRPO broadcasts one group-normalised value per episode to all of its steps::
 
     A_i = (R_i - mean_G R) / (std_G R + eps)        std_G = SAMPLE std of the group (ddof = 1, as torch.std)
-    A_i =  R_i - mean_G R                           when scale_rewards=False
+    A_i =  R_i - mean_G R                           when algo.scale_rewards=False      (eps = algo.adv_eps)
 
 A group of one rollout, or a group whose returns are all equal (up to :data:`EQUAL_RTOL`), gets exactly 0 (no
 learning signal); such groups are counted in ``metrics["zero_adv_groups"]`` because their rollouts cost compute and
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,51 +41,6 @@ from empo2.algo.returns import step_rewards_with_novelty
 
 EQUAL_RTOL = 1e-9
 """Returns of a group that differ by at most this × max(1, |R|) count as equal (advantage exactly 0)."""
-
-
-@dataclass
-class AdvantageOptions:
-    """Knobs shared by the estimators (from ``algo.*`` of the config)."""
-
-    scale_rewards: bool = True
-    """GRPO: divide group-centred returns by the group's sample std (ddof 1) + ``eps``."""
-    eps: float = 1e-6
-    gamma: float = 0.95
-    """GiGPO: discount of the step return R_t = Σ_{k≥t} γ^{k−t} r_k."""
-    step_advantage_weight: float = 1.0
-    """GiGPO: ω in A = A_episode + ω·A_step."""
-    step_similarity: float | None = None
-    """GiGPO: None = anchor states grouped by exact key; a ratio in (0, 1] groups keys at least this similar."""
-    gigpo_normalization: str = "mean_norm"
-    """GiGPO, both levels: ``mean_norm`` (subtract the group mean) or ``mean_std_norm`` (then divide by the
-    sample std + ``eps``); ``scale_rewards`` is GRPO's switch and does not apply."""
-    luffy_std: bool = False
-    """LUFFY (Eq. 4): also divide by the group's sample std (ddof 1) + ``eps``; off = the script's mean-only."""
-    proxmo_psc: bool = True
-    """ProxMO: weight A^E by the polarized signal controller (off: w = 1)."""
-    proxmo_psa: bool = True
-    """ProxMO: add the proximity-based step advantage ω·A^S (off: A = A^E)."""
-    proxmo_alpha: float = 4.0
-    """ProxMO PSC: steepness α of σ(d^α) and σ(−p^α)."""
-    proxmo_range: float = 0.05
-    """ProxMO PSC: the weights lie in [1 − range, 1 + range]."""
-    proxmo_tau: float = 0.1
-    """ProxMO PSA: softmax temperature τ over the cosine similarities."""
-    proxmo_max_features: int = 1024
-    """ProxMO PSA: TF-IDF keeps the batch's this many most frequent terms (0 = all)."""
-    elpo_lambda: float = 0.5
-    """ELPO: λ_tree in A_hier = λ·A_branch + (1 − λ)·A_trajectory (Eq. 10)."""
-
-    @classmethod
-    def from_config(cls, algo) -> AdvantageOptions:
-        """From an ``AlgoConfig`` (``algo.scale_rewards``, ``adv_eps``, ``gamma``, ``step_*``, ``gigpo_*``,
-        ``proxmo_*``)."""
-        return cls(scale_rewards=algo.scale_rewards, eps=algo.adv_eps, gamma=algo.gamma,
-                   step_advantage_weight=algo.step_advantage_weight, step_similarity=algo.step_similarity,
-                   gigpo_normalization=algo.gigpo_normalization, proxmo_psc=algo.proxmo_psc,
-                   proxmo_psa=algo.proxmo_psa, proxmo_alpha=algo.proxmo_alpha, proxmo_range=algo.proxmo_range,
-                   proxmo_tau=algo.proxmo_tau, proxmo_max_features=algo.proxmo_max_features,
-                   luffy_std=algo.luffy_std, elpo_lambda=algo.elpo_lambda)
 
 
 def _one_rank(obj: Any) -> list[Any]:
@@ -104,7 +61,9 @@ class AdvantageInput:
     state_keys: list[list[str]]
     """N lists of T_i strings: the state each step's action answered, as the environment defines it (GiGPO's anchor
     key; anchor groups never span two episode groups, and one episode group is one task and variation)."""
-    options: AdvantageOptions = field(default_factory=AdvantageOptions)
+    algo: Any
+    """The ``algo`` config section (:class:`empo2.config_sections.AlgoConfig`): the shared knobs and every registered
+    method's options (``algo.gigpo`` …), each estimator reading its own."""
     success: np.ndarray | None = None
     """[N] bool: whether each episode reached the goal (ProxMO's success rate); ``None`` where unknown."""
     gather: Callable[[Any], list[Any]] = _one_rank
@@ -114,7 +73,7 @@ class AdvantageInput:
     """Per episode (member, parent): ELPO's tree links, parent = (member it branched from, m) or ``None``."""
 
     @classmethod
-    def from_rewards(cls, episodes, rewards: list[np.ndarray], options: AdvantageOptions,
+    def from_rewards(cls, episodes, rewards: list[np.ndarray], algo: Any,
                      gather: Callable[[Any], list[Any]] | None = None, returns=None) -> AdvantageInput:
         """From rollout episodes (:class:`~empo2.episodes.episode.Episode`: ``group``, ``member``, ``parent``,
         ``steps``, ``success``) and their step rewards (:func:`step_rewards`, computed once per batch): the return is
@@ -125,19 +84,18 @@ class AdvantageInput:
         success = np.array([bool(ep.success) for ep in episodes], dtype=bool)
         tree = [(ep.member, ep.parent) for ep in episodes]
         returns = returns_of(path_rewards(episodes, rewards)) if returns is None else _as_numpy(returns, np.float64)
-        return cls(returns, groups, list(rewards), keys, options, success, gather or _one_rank, tree)
+        return cls(returns, groups, list(rewards), keys, algo, success, gather or _one_rank, tree)
 
     @classmethod
-    def from_episodes(cls, episodes, returns, intrinsic_weight: float, options: AdvantageOptions,
+    def from_episodes(cls, episodes, returns, intrinsic_weight: float, algo: Any,
                       intrinsic_aggregation: str = "mean",
                       gather: Callable[[Any], list[Any]] | None = None) -> AdvantageInput:
         """:meth:`from_rewards` with the step rewards of :func:`step_rewards` and the ``returns`` given."""
         rewards = step_rewards(episodes, intrinsic_weight, intrinsic_aggregation)
-        return cls.from_rewards(episodes, rewards, options, gather, returns)
+        return cls.from_rewards(episodes, rewards, algo, gather, returns)
 
     @classmethod
-    def from_returns(cls, returns, group_ids, lengths: Sequence[int] | None = None,
-                     options: AdvantageOptions | None = None) -> AdvantageInput:
+    def from_returns(cls, returns, group_ids, algo: Any, lengths: Sequence[int] | None = None) -> AdvantageInput:
         """Episode-level data only: step rewards are 0 except the return on the last step; keys are unique."""
         r = _as_numpy(returns, np.float64)
         lengths = [1] * len(r) if lengths is None else list(lengths)
@@ -146,7 +104,7 @@ class AdvantageInput:
             if n:
                 rewards[i][-1] = r[i]
         keys = [[f"episode {i} step {t}" for t in range(n)] for i, n in enumerate(lengths)]
-        return cls(r, _as_numpy(group_ids, np.int64), rewards, keys, options or AdvantageOptions())
+        return cls(r, _as_numpy(group_ids, np.int64), rewards, keys, algo)
 
 
 AdvantageFn = Callable[[AdvantageInput], tuple[list[np.ndarray], dict[str, float]]]
@@ -215,8 +173,8 @@ def group_normalise(values: np.ndarray, group_ids: np.ndarray, *, scale_rewards:
 @register_advantage("grpo")
 def grpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
     """GRPO: the episode's group-normalised return, broadcast to every step of the episode."""
-    adv, metrics = group_normalise(inp.returns, inp.group_ids, scale_rewards=inp.options.scale_rewards,
-                                   eps=inp.options.eps)  # [N]
+    adv, metrics = group_normalise(inp.returns, inp.group_ids, scale_rewards=inp.algo.scale_rewards,
+                                   eps=inp.algo.adv_eps)  # [N]
     return [np.full(len(r), a) for a, r in zip(adv, inp.step_rewards)], metrics
 
 
@@ -249,7 +207,7 @@ def _checked(inp: AdvantageInput) -> AdvantageInput:
     success = None if inp.success is None else np.asarray(inp.success, dtype=bool).reshape(-1)
     if success is not None and success.shape != r.shape:
         raise ValueError(f"returns {r.shape} and success {success.shape} must have the same length")
-    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.options, success, inp.gather,
+    return AdvantageInput(r, g, rewards, [list(k) for k in inp.state_keys], inp.algo, success, inp.gather,
                           inp.tree)
 
 

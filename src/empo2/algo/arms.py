@@ -30,7 +30,8 @@ class Arm:
     what: str
     """One line for ``compare --help`` and error messages."""
     settings: dict[str, Any] = field(default_factory=dict)
-    """``algo`` fields the arm fixes (field name -> value), besides ``advantage=grpo`` (:data:`ESTIMATOR`)."""
+    """``algo`` settings the arm fixes (name under ``algo`` -> value; a method's own written ``proxmo.psc``), besides
+    ``advantage=grpo`` (:data:`ESTIMATOR`)."""
     needs_novelty: bool = False
     """The arm keeps the config's novelty bonus, so a config without one would run it under a false name."""
     needs_warm_start: bool = False
@@ -51,9 +52,17 @@ ESTIMATOR = "grpo"
 NO_NOVELTY = {"intrinsic_weight": 0.0, "intrinsic_schedule": "constant"}
 """The novelty bonus off (the schedule too: under the linear schedule ``algo.intrinsic_weight`` is not read)."""
 
-LUFFY_SETTINGS = {"luffy_shaping": True, "luffy_clip": False, "luffy_std": False, "loss_type": "dr_grpo",
+LUFFY_SETTINGS = {"luffy.shaping": True, "luffy.clip": False, "luffy.std": False, "loss_type": "dr_grpo",
                   **NO_NOVELTY}
 """The settings of LUFFY's official script that the ``luffy`` arms fix (no novelty bonus: LUFFY has none)."""
+
+
+def setting(algo_cfg: Any, name: str) -> Any:
+    """The value of ``algo.<name>``: a shared field (``beta``) or a method's own setting (``luffy.clip``)."""
+    value = algo_cfg
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def novelty_on(algo_cfg: Any) -> bool:
@@ -73,20 +82,20 @@ ARMS: dict[str, Arm] = {arm.name: arm for arm in (
     Arm("grpo-no-novelty", "grpo", "plain GRPO: no tips, no intrinsic reward (algo.intrinsic_weight=0, constant "
         "schedule)", dict(NO_NOVELTY)),
     Arm("proxmo-no-psc", "proxmo", "ProxMO without its polarized signal controller: the episode advantage is "
-        "unweighted (algo.proxmo_psc=false)", {"proxmo_psc": False, "proxmo_psa": True, **NO_NOVELTY}),
+        "unweighted (algo.proxmo.psc=false)", {"proxmo.psc": False, "proxmo.psa": True, **NO_NOVELTY}),
     Arm("proxmo-no-psa", "proxmo", "ProxMO without its proximity-weighted step advantage: A = the weighted episode "
-        "advantage only (algo.proxmo_psa=false)", {"proxmo_psc": True, "proxmo_psa": False, **NO_NOVELTY}),
+        "advantage only (algo.proxmo.psa=false)", {"proxmo.psc": True, "proxmo.psa": False, **NO_NOVELTY}),
     # LUFFY as its official script runs it: Dr.GRPO aggregation, mean-only advantage, no on-policy clip, no mask
     Arm("luffy", "luffy", "LUFFY: one expert (gold-path) member per group, shaped expert tokens f(x)=x/(x+0.1), "
         "unclipped on-policy rows, mean-only advantage, Dr.GRPO aggregation", dict(LUFFY_SETTINGS)),
     Arm("luffy-no-shaping", "luffy", "LUFFY without policy shaping (f(x)=x: the mixed-policy objective)",
-        {**LUFFY_SETTINGS, "luffy_shaping": False}),
+        {**LUFFY_SETTINGS, "luffy.shaping": False}),
     Arm("empo2+luffy", "empo2_luffy", "EMPO² with an expert member: tips, novelty and EMPO²'s loss on the sampled "
         "rows, LUFFY's shaped expert tokens in the same group"),
     Arm("elpo", "elpo", "ELPO with Table 2's settings (tree rollouts by binary error localisation, hierarchical "
         "advantages, ε_low 0.2 + ε_elc 0.115 on the critical suffix, ε_high 0.315; no intrinsic reward)",
-        {"epsilon": 0.2, "epsilon_high": 0.315, "elpo_eps_elc": 0.115, "elpo_lambda": 0.5, "elpo_b_max": 3,
-         "elpo_x_min": 1.0, "elpo_x_max": 3.0, "elpo_beta": 5.0, **NO_NOVELTY}),
+        {"epsilon": 0.2, "epsilon_high": 0.315, "elpo.eps_elc": 0.115, "elpo.lambda_tree": 0.5, "elpo.b_max": 3,
+         "elpo.x_min": 1.0, "elpo.x_max": 3.0, "elpo.beta": 5.0, **NO_NOVELTY}),
     Arm("warm-start", "frozen", "the warm start alone (policy.warm_start): it plays the budget's episodes, takes no "
         "update and is evaluated like the others", NO_NOVELTY, needs_warm_start=True),
     Arm("sft-grpo", "grpo", "SFT, then GRPO (LUFFY's baseline): plain GRPO from the warm start (policy.warm_start), "
@@ -106,8 +115,8 @@ def check_arm(algo_cfg: Any, warm_start: str | None = None) -> str | None:
     if algo_cfg.name != arm.algo:
         return f"algo.arm={arm.name} runs algo.name={arm.algo}, got {algo_cfg.name!r}"
     for key, value in arm.fixed().items():
-        if getattr(algo_cfg, key) != value:
-            return f"algo.arm={arm.name} needs algo.{key}={value}, got {getattr(algo_cfg, key)!r}"
+        if setting(algo_cfg, key) != value:
+            return f"algo.arm={arm.name} needs algo.{key}={value}, got {setting(algo_cfg, key)!r}"
     if arm.needs_novelty and not novelty_on(algo_cfg):
         return (f"algo.arm={arm.name} keeps the config's novelty bonus, but it has none (algo.intrinsic_weight=0); "
                 "set algo.intrinsic_weight > 0 or run plain grpo")
@@ -146,15 +155,17 @@ def advantage_text(algo_cfg: Any) -> str:
     if name == "grpo":
         return "GRPO, " + ("÷ group std" if a.scale_rewards else "mean-only")
     if name == "gigpo":
-        return f"GiGPO {a.gigpo_normalization}, γ {a.gamma:g}, ω {a.step_advantage_weight:g}"
+        g = a.gigpo
+        return f"GiGPO {g.normalization}, γ {g.gamma:g}, ω {g.step_advantage_weight:g}"
     if name == "proxmo":
-        psc = f"PSC α {a.proxmo_alpha:g} ±{a.proxmo_range:g}" if a.proxmo_psc else "no PSC"
-        psa = f"PSA τ {a.proxmo_tau:g}" if a.proxmo_psa else "no PSA"
-        return f"ProxMO, {psc}, {psa}, γ {a.gamma:g}, ω {a.step_advantage_weight:g}"
+        p = a.proxmo
+        psc = f"PSC α {p.alpha:g} ±{p.range:g}" if p.psc else "no PSC"
+        psa = f"PSA τ {p.tau:g}" if p.psa else "no PSA"
+        return f"ProxMO, {psc}, {psa}, γ {p.gamma:g}, ω {p.step_advantage_weight:g}"
     if name == "luffy":
-        return "LUFFY Eq. 4, " + ("÷ group std" if a.luffy_std else "mean-only")
+        return "LUFFY Eq. 4, " + ("÷ group std" if a.luffy.std else "mean-only")
     if name == "elpo":
-        return f"ELPO A_hier, λ {a.elpo_lambda:g}"
+        return f"ELPO A_hier, λ {a.elpo.lambda_tree:g}"
     return name
 
 
@@ -164,8 +175,8 @@ def official_differences(algo_cfg: Any) -> list[str]:
     for key, value in get_algorithm(algo_cfg.name).official[1].items():
         if key == "entropy_coeff":
             out.append(f"entropy bonus {value:g} there, none here (empo2's losses have no entropy term)")
-        elif getattr(algo_cfg, key) != value:
-            out.append(f"{key} {_fmt(getattr(algo_cfg, key))} (official {_fmt(value)})")
+        elif setting(algo_cfg, key) != value:
+            out.append(f"{key} {_fmt(setting(algo_cfg, key))} (official {_fmt(value)})")
     return out
 
 

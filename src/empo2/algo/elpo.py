@@ -34,7 +34,7 @@ Error-localised clipping (§4.3):
 Where the text is silent, the worked tree of App. B (Figure 4) decides: σ is the POPULATION std (ddof 0) at both
 levels; a child whose siblings all have the same r gets A_b = 0; a node with a single child passes its own A_b on to
 that child (Eq. 7 defines A_b only where M > 1; Figure 4 prints the parent's value on every lone child). Table 2's
-defaults are the module constants below.
+defaults are the module constants below; a run's settings are :class:`ElpoOptions`, ``algo.elpo.*`` of the config.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ import torch
 from empo2.algo.advantages import AdvantageInput, register_advantage
 from empo2.algo.losses import clipped_surrogate_settings, policy_loss, register_policy_loss
 from empo2.algo.registry import AlgorithmSpec, register_algorithm
+from empo2.bounds import bounded
 
 # Table 2 (App. C). Its budget N_total (16) is the group size here, ``algo.num_generations``.
 B_MAX = 3
@@ -62,8 +64,29 @@ EPS_HIGH = 0.315
 EPS_ELC = 0.115
 
 OFFICIAL = ("the paper's Table 2 (no code was released)",
-            {"epsilon": EPS_LOW, "epsilon_high": EPS_HIGH, "elpo_eps_elc": EPS_ELC, "elpo_lambda": LAMBDA_TREE,
+            {"epsilon": EPS_LOW, "epsilon_high": EPS_HIGH, "elpo.eps_elc": EPS_ELC, "elpo.lambda_tree": LAMBDA_TREE,
              "beta": 0.0})
+
+
+@dataclass(frozen=True)
+class ElpoOptions:
+    """ELPO's settings, ``algo.elpo.*``: the advantage's λ, the clip's ε_elc and Algorithm 1's rollout knobs (Table 2
+    by default)."""
+
+    key: ClassVar[str] = "elpo"
+
+    lambda_tree: float = bounded(LAMBDA_TREE, 0, 1)
+    """λ_tree in A_hier = λ·A_branch + (1 − λ)·A_trajectory (Eq. 10; Table 2: 0.5)."""
+    eps_elc: float = bounded(EPS_ELC, 0, 1)
+    """ε_elc added to ε_low (``algo.epsilon``) on a searched failure's critical step and its suffix (Eq. 11)."""
+    b_max: int = bounded(B_MAX, 1, 4096)
+    """Failures buffered before each binary search (Algorithm 1's B_max; Table 2: 3)."""
+    x_min: float = bounded(X_MIN, 1, 4096)
+    """Fewest suffixes per probe, X_min of Eq. 5."""
+    x_max: float = bounded(X_MAX, 1, 4096)
+    """Most suffixes per probe, X_max of Eq. 5."""
+    beta: float = bounded(BETA, 0, 1e6)
+    """Entropy-gap scale β of Eq. 5."""
 
 EQUAL_RTOL = 1e-9
 """Values of one normalisation group that differ by at most this × max(1, |v|) count as equal: advantage exactly 0."""
@@ -257,7 +280,7 @@ def elc_surrogate(ratio: torch.Tensor, adv: torch.Tensor, clip_low: torch.Tensor
 def elpo_loss_settings(algo) -> dict[str, str]:
     """What the ``elpo`` loss applies: Eq. 11–12's clip, no dual clip, no low-probability mask."""
     return {**clipped_surrogate_settings(dataclasses.replace(algo, dual_clip=0.0), mask=False),
-            "clip": f"{algo.epsilon:g} / {algo.epsilon_high:g}, ε_low + {algo.elpo_eps_elc:g} on the critical suffix"}
+            "clip": f"{algo.epsilon:g} / {algo.epsilon_high:g}, ε_low + {algo.elpo.eps_elc:g} on the critical suffix"}
 
 
 @register_policy_loss("elpo", settings=elpo_loss_settings)
@@ -266,11 +289,11 @@ def elpo_loss(logp_new, logp_old, advantages, response_mask, algo, *, critical: 
     """Eq. 12 as the ``elpo`` loss: GRPO's clipped surrogate, without the low-probability mask or the dual clip,
     whose lower bound is 1 − ε^t_low of Eq. 11 per row: ε_low + ε_elc on rows in a searched failure's critical
     suffix (``critical`` [B] bool, :func:`critical_steps`) and ε_low elsewhere; ε_low = ``algo.epsilon``,
-    ε_elc = ``algo.elpo_eps_elc``, ε_high = ``algo.epsilon_high``. Metric ``critical_rows``: the rows with the wider
+    ε_elc = ``algo.elpo.eps_elc``, ε_high = ``algo.epsilon_high``. Metric ``critical_rows``: the rows with the wider
     bound."""
     clip_low = None
     if critical is not None:
-        clip_low = elc_clip_low(critical.to(logp_new.device, torch.float64), algo.epsilon, algo.elpo_eps_elc)  # [B]
+        clip_low = elc_clip_low(critical.to(logp_new.device, torch.float64), algo.epsilon, algo.elpo.eps_elc)  # [B]
     loss, metrics = policy_loss(logp_new, logp_old, advantages, response_mask,
                                 dataclasses.replace(algo, low_prob_threshold=0.0, dual_clip=0.0), clip_low=clip_low,
                                 **kwargs)
@@ -388,7 +411,6 @@ def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, fl
     included (``inp.returns`` is not read, so a return that left the prefix out cannot reach the tree). A branch whose
     source is missing from the batch (a crashed worker) counts as a tree of its own. Raw rewards feed Eq. 6–8 (App.
     B's rewards are −1.1 / 1.0)."""
-    o = inp.options
     tree = inp.tree or [(i, None) for i in range(len(inp.returns))]
     out: list[np.ndarray] = [np.zeros(len(r)) for r in inp.step_rewards]
     silent = 0  # groups whose every node gets A_hier = 0: no learning signal, as GRPO's zero_adv_groups
@@ -403,7 +425,7 @@ def elpo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, fl
         paths = tree_paths(parents, [len(inp.step_rewards[i]) for i in rows])
         node_reward = np.concatenate([np.asarray(inp.step_rewards[i], dtype=np.float64) for i in rows])  # [S]
         leaf_returns = [math.fsum(node_reward[path]) for path in paths]  # R of each completed trajectory
-        hier = tree_advantages(paths, leaf_returns, o.elpo_lambda, o.eps).hier
+        hier = tree_advantages(paths, leaf_returns, inp.algo.elpo.lambda_tree, inp.algo.adv_eps).hier
         for i, path in zip(rows, paths):
             own = len(inp.step_rewards[i])
             out[i] = hier[path[len(path) - own:]] if own else np.zeros(0)
@@ -422,4 +444,4 @@ def row_extras(episode) -> dict[str, np.ndarray]:
 register_algorithm(AlgorithmSpec(
     "elpo", uses_memory=False, loss="elpo", advantage="elpo", rollout="empo2.episodes.elpo_rollout:drive",
     row_extras=row_extras, reward_note="a tree leaf's R is its whole path's (the replayed prefix included)",
-    official=OFFICIAL))  # Liang et al. 2026
+    official=OFFICIAL, options=ElpoOptions))  # Liang et al. 2026

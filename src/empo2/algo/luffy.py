@@ -4,15 +4,15 @@ equations. One member of each group plays the environment's gold path instead of
 
 Eq. 4, the mixed-policy advantage, with the expert INSIDE the group before normalisation::
 
-    Â_i = (R_i − mean(G_on ∪ G_off)) / std(G_on ∪ G_off)       (``algo.luffy_std=true``)
+    Â_i = (R_i − mean(G_on ∪ G_off)) / std(G_on ∪ G_off)       (``algo.luffy.std=true``)
     Â_i =  R_i − mean(G_on ∪ G_off)                            (default: the official script, Dr.GRPO)
 
 Eq. 6, policy shaping, per valid response token t of row i (to be minimised)::
 
-    expert row (π_φ = 1):  loss_t = −Â_i · f(π_θ(a_t)),   f(x) = x / (x + γ)   (Eq. 20; γ = ``algo.luffy_gamma``)
-                                                         f(x) = x            (``algo.luffy_shaping=false``: Eq. 5)
+    expert row (π_φ = 1):  loss_t = −Â_i · f(π_θ(a_t)),   f(x) = x / (x + γ)   (Eq. 20; γ = ``algo.luffy.gamma``)
+                                                         f(x) = x            (``algo.luffy.shaping=false``: Eq. 5)
     on-policy row:         loss_t = −Â_i · ρ_t,          ρ_t = π_θ(a_t) / π_old(a_t)   (no clip, App. E.1)
-                           loss_t = −min(ρ_t·Â_i, clip(ρ_t, 1−ε_low, 1+ε_high)·Â_i)  (``algo.luffy_clip=true``)
+                           loss_t = −min(ρ_t·Â_i, clip(ρ_t, 1−ε_low, 1+ε_high)·Â_i)  (``algo.luffy.clip=true``)
 
 An expert row has no ratio to π_old, no clip, no low-probability mask and no truncated importance weight: its
 ``logp_old`` is never read (the rollout stores log 1 = 0 there, π_φ = 1). The gradient of an expert token (Eq. 7)
@@ -21,14 +21,15 @@ is −Â·f′(π_θ)·π_θ·∇log π_θ with f′(x) = γ/(x + γ)², which r
 Aggregation (``algo.loss_type``): ``dr_grpo`` is the script's Σ_{i,t} loss_t / (rows × ``algo.dr_grpo_length``)
 (a constant per row, no length normalisation); ``token_mean`` is Eq. 5/6's 1/Z with Z = all response tokens.
 The ``empo2_luffy`` loss keeps EMPO²'s own loss (clip, low-probability mask, off-policy ratio) on the sampled rows
-and shapes the expert rows as above.
+and shapes the expert rows as above. Both read LUFFY's settings, :class:`LuffyOptions` (``algo.luffy.*``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -43,20 +44,39 @@ from empo2.algo.losses import (
     register_policy_loss,
 )
 from empo2.algo.registry import AlgorithmSpec, register_algorithm
+from empo2.bounds import bounded
 
 OFFICIAL = ("LUFFY's exp_scripts/train.sh (the paper: entropy 0.01)",
-            {"beta": 0.0, "loss_type": "dr_grpo", "luffy_clip": False, "luffy_std": False, "luffy_shaping": True,
-             "luffy_gamma": 0.1, "entropy_coeff": 0.001})
+            {"beta": 0.0, "loss_type": "dr_grpo", "luffy.clip": False, "luffy.std": False, "luffy.shaping": True,
+             "luffy.gamma": 0.1, "entropy_coeff": 0.001})
 """The settings of the official script: no KL, Dr.GRPO aggregation, no on-policy clip, mean-only advantage, shaping
 with γ = 0.1, and an entropy bonus of 0.001 (the paper says 0.01), which empo2's losses do not have."""
+
+
+@dataclass(frozen=True)
+class LuffyOptions:
+    """LUFFY's settings, ``algo.luffy.*`` (the ``luffy`` and ``empo2_luffy`` algorithms)."""
+
+    key: ClassVar[str] = "luffy"
+
+    gamma: float = bounded(0.1, 1e-6, 1)
+    """γ of the policy-shaping function f(x) = x/(x + γ) on expert tokens (paper: 0.1)."""
+    shaping: bool = True
+    """Shape the expert tokens' probability with f (Eq. 6); ``false``: f(x) = x (the mixed-policy objective, Eq. 5
+    with π_φ = 1)."""
+    clip: bool = False
+    """Clip the on-policy rows' ratio as GRPO does; ``false`` (paper App. E.1, official script): no clip."""
+    std: bool = False
+    """Divide the mixed group's centred returns by their sample std (Eq. 4 as printed); ``false`` (official script,
+    Dr.GRPO): mean-only."""
 
 
 @register_advantage("luffy")
 def mixed_policy_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
     """Eq. 4: the expert's return is one of the group's, so it moves the group's mean (and std) like any member.
-    Mean-only unless ``algo.luffy_std`` (GRPO's ``scale_rewards`` does not apply)."""
-    adv, metrics = group_normalise(inp.returns, inp.group_ids, scale_rewards=inp.options.luffy_std,
-                                   eps=inp.options.eps)  # [N]
+    Mean-only unless ``algo.luffy.std`` (GRPO's ``scale_rewards`` does not apply)."""
+    adv, metrics = group_normalise(inp.returns, inp.group_ids, scale_rewards=inp.algo.luffy.std,
+                                   eps=inp.algo.adv_eps)  # [N]
     return [np.full(len(r), a) for a, r in zip(adv, inp.step_rewards)], metrics
 
 
@@ -74,7 +94,7 @@ def expert_token_loss(logp_new: torch.Tensor, advantages: torch.Tensor, valid: t
                       algo: Any) -> torch.Tensor:
     """Eq. 6, expert rows: −Â·f(π_θ) per valid token. logp_new [B, T], advantages [B, T], valid [B, T] → [B, T]."""
     prob = torch.exp(torch.where(valid, logp_new, 0.0))  # [B, T] π_θ(a_t), exp(0) on padding
-    return torch.where(valid, -advantages * shaping(prob, algo.luffy_gamma, algo.luffy_shaping), 0.0)
+    return torch.where(valid, -advantages * shaping(prob, algo.luffy.gamma, algo.luffy.shaping), 0.0)
 
 
 def _loss(logp_new, logp_old, advantages, response_mask, algo, on_policy_algo, *, logp_ref=None, modes=None,
@@ -141,14 +161,14 @@ def _shares(valid: torch.Tensor, parts: list[torch.Tensor], aggregation: str) ->
 
 
 def _expert_rows(algo: Any) -> str:
-    return f"−Â·f(π_θ), f(x) = x/(x + {algo.luffy_gamma:g})" if algo.luffy_shaping else "−Â·π_θ (no shaping)"
+    return f"−Â·f(π_θ), f(x) = x/(x + {algo.luffy.gamma:g})" if algo.luffy.shaping else "−Â·π_θ (no shaping)"
 
 
 def luffy_loss_settings(algo: Any) -> dict[str, str]:
     """What the ``luffy`` loss applies: shaped expert rows; on-policy rows without the mask, unclipped unless
-    ``algo.luffy_clip``."""
-    on = clipped_surrogate_settings(algo if algo.luffy_clip else _unclipped(algo), mask=False)
-    if not algo.luffy_clip:
+    ``algo.luffy.clip``."""
+    on = clipped_surrogate_settings(algo if algo.luffy.clip else _unclipped(algo), mask=False)
+    if not algo.luffy.clip:
         on.update(clip="none on on-policy rows (App. E.1)", dual_clip="off")
     return {**on, "expert_rows": _expert_rows(algo)}
 
@@ -161,10 +181,10 @@ def empo2_luffy_loss_settings(algo: Any) -> dict[str, str]:
 @register_policy_loss("luffy", settings=luffy_loss_settings)
 def luffy_loss(logp_new, logp_old, advantages, response_mask, algo, **kwargs) -> tuple[torch.Tensor, dict[str, float]]:
     """LUFFY (Eq. 6): shaped expert rows; on-policy rows without the low-probability mask and, unless
-    ``algo.luffy_clip``, without the clip."""
+    ``algo.luffy.clip``, without the clip."""
     on_policy = dataclasses.replace(algo, low_prob_threshold=0.0)
     return _loss(logp_new, logp_old, advantages, response_mask, algo,
-                 on_policy if algo.luffy_clip else _unclipped(on_policy), **kwargs)
+                 on_policy if algo.luffy.clip else _unclipped(on_policy), **kwargs)
 
 
 @register_policy_loss("empo2_luffy", settings=empo2_luffy_loss_settings)
@@ -175,6 +195,6 @@ def empo2_luffy_loss(logp_new, logp_old, advantages, response_mask, algo,
 
 
 register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy",
-                                 expert_members=1, official=OFFICIAL))  # Yan et al. 2025
+                                 expert_members=1, official=OFFICIAL, options=LuffyOptions))  # Yan et al. 2025
 register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,
-                                 expert_members=1, novelty=True))  # EMPO² with an expert member: no published method
+                                 expert_members=1, novelty=True, options=LuffyOptions))  # EMPO² with an expert member: no published method

@@ -19,7 +19,7 @@ matches rather than an equation number:
    b_i = Σ_j w_ij G_j and A^S_i = G_i − b_i.
 6. :func:`proxmo_advantages` — A = A^E + ω·A^S.
 
-p is the fraction of the group's episodes that reached the goal (``Episode.success``), as the paper defines it; the
+Its settings are :class:`ProxmoOptions`, ``algo.proxmo.*`` of the config. p is the fraction of the group's episodes that reached the goal (``Episode.success``), as the paper defines it; the
 official code instead clamps a step-weighted mean of its 10/0 rewards into [0, 1] (docs/fidelity.md, *ProxMO*).
 """
 
@@ -29,17 +29,46 @@ import math
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
 from empo2.algo.advantages import EQUAL_RTOL, AdvantageInput, group_normalise, register_advantage
 from empo2.algo.gigpo import discounted_step_returns
 from empo2.algo.registry import AlgorithmSpec, register_algorithm
+from empo2.bounds import bounded
 
 OFFICIAL = ("ProxMO-RL's scripts (KL loss 0.01, low_var_kl) and ppo_trainer.yaml",
             {"beta": 0.01, "epsilon": 0.2, "epsilon_high": 0.2, "dual_clip": 3.0, "entropy_coeff": 0.001})
 """The loss settings of the official runs (``examples/proxmo_trainer/run_*.sh``: ``kl_loss_coef=0.01``;
 ``ppo_trainer.yaml``: ``clip_ratio_low/high`` 0.2, ``clip_ratio_c`` 3.0, ``entropy_coeff`` 0.001)."""
+
+
+@dataclass(frozen=True)
+class ProxmoOptions:
+    """ProxMO's settings, ``algo.proxmo.*``: read wherever its estimator runs (``algo.name=proxmo``, or
+    ``algo.advantage=proxmo`` under EMPO²)."""
+
+    key: ClassVar[str] = "proxmo"
+
+    psc: bool = True
+    """Weight the episode advantage by the polarized signal controller, from the group's success rate (off: the
+    ``proxmo-no-psc`` arm)."""
+    psa: bool = True
+    """Add the proximity-weighted step advantage ω·A^S (off: the ``proxmo-no-psa`` arm)."""
+    alpha: float = bounded(4.0, 0, 100)
+    """PSC: steepness α of σ((1 − p)^α) and σ(−p^α) (the official scripts: 4.0)."""
+    range: float = bounded(0.05, 0, 0.99)
+    """PSC: the episode weights lie in [1 − range, 1 + range] (the official scripts: 0.05)."""
+    tau: float = bounded(0.1, 1e-6, 1e6)
+    """PSA: softmax temperature τ over the TF-IDF cosine similarities of a group's steps (paper: 0.1)."""
+    max_features: int = bounded(1024, 0, 10 ** 9)
+    """PSA: TF-IDF keeps the global batch's this many most frequent terms (official code: 1024; 0 = all)."""
+    gamma: float = bounded(0.95, 0, 1)
+    """Discount of the step return G_t = r_t + γ·G_{t+1} (the paper: 0.95, as GiGPO's)."""
+    step_advantage_weight: float = bounded(1.0, 0, 1e6)
+    """ω in A = A^E + ω·A^S (the paper: 1.0, as GiGPO's)."""
+
 
 TOKEN = re.compile(r"(?u)\b\w\w+\b")
 """scikit-learn's default ``token_pattern``: words of two or more word characters."""
@@ -62,13 +91,13 @@ def _sigmoid(x: float) -> float:
 
 
 def episode_psc_advantage(inp: AdvantageInput) -> tuple[np.ndarray, dict[str, float]]:
-    """A^E_i = w_i · (R_i − mean_group R) [N] float64 (w = 1 with ``proxmo_psc`` off), and the episode metrics.
+    """A^E_i = w_i · (R_i − mean_group R) [N] float64 (w = 1 with ``algo.proxmo.psc`` off), and the episode metrics.
 
     The centring is GiGPO's ``mean_norm`` (:func:`group_normalise`): a group of one, or of equal returns, gets 0.
     """
-    o = inp.options
-    centred, metrics = group_normalise(inp.returns, inp.group_ids, scale_rewards=False, eps=o.eps)  # [N]
-    if not o.proxmo_psc:
+    o = inp.algo.proxmo
+    centred, metrics = group_normalise(inp.returns, inp.group_ids, scale_rewards=False, eps=inp.algo.adv_eps)  # [N]
+    if not o.psc:
         return centred, metrics
     if inp.success is None:
         raise ValueError("ProxMO's signal controller needs each episode's success (AdvantageInput.success)")
@@ -77,7 +106,7 @@ def episode_psc_advantage(inp: AdvantageInput) -> tuple[np.ndarray, dict[str, fl
     for g in np.unique(inp.group_ids):
         members = inp.group_ids == g
         p = float(np.mean(inp.success[members]))
-        weights[members] = psc_weights(inp.success[members], p, o.proxmo_alpha, o.proxmo_range)
+        weights[members] = psc_weights(inp.success[members], p, o.alpha, o.range)
         rates.append(p)
     metrics["psc_success_rate_mean"] = float(np.mean(rates)) if rates else 0.0
     metrics["psc_weight_mean"] = float(weights.mean()) if weights.size else 1.0
@@ -173,14 +202,14 @@ def soft_step_baseline(step_returns: np.ndarray, vectors: np.ndarray, step_group
 
 def step_psa_advantage(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
     """A^S per step (N arrays [T_i] float64), with TF-IDF fitted over every rank's steps (``inp.gather``)."""
-    o = inp.options
+    o = inp.algo.proxmo
     lengths = [len(r) for r in inp.step_rewards]
     texts = [key for keys in inp.state_keys for key in keys]  # [M], one document per step
     counts = merge_term_counts(inp.gather(term_counts(texts)))  # every rank calls this, holding steps or not
-    terms, idf = idf_weights(counts, o.proxmo_max_features)
+    terms, idf = idf_weights(counts, o.max_features)
     step_returns = np.concatenate([discounted_step_returns(r, o.gamma) for r in inp.step_rewards] or [np.zeros(0)])
     step_group = np.repeat(inp.group_ids, lengths)  # [M]
-    flat = soft_step_baseline(step_returns, tfidf_vectors(texts, terms, idf), step_group, o.proxmo_tau)
+    flat = soft_step_baseline(step_returns, tfidf_vectors(texts, terms, idf), step_group, o.tau)
     metrics = {"psa_vocabulary": float(len(terms)),
                "step_adv_abs_mean": float(np.abs(flat).mean()) if flat.size else 0.0}
     return np.split(flat, np.cumsum(lengths)[:-1]) if lengths else [], metrics
@@ -188,16 +217,16 @@ def step_psa_advantage(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str,
 
 @register_advantage("proxmo")
 def proxmo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, float]]:
-    """A = A^E + ω·A^S per step (A^S left out with ``proxmo_psa`` off). ``zero_adv_groups`` counts episode groups
+    """A = A^E + ω·A^S per step (A^S left out with ``algo.proxmo.psa`` off). ``zero_adv_groups`` counts episode groups
     whose every step gets 0."""
     a_ep, metrics = episode_psc_advantage(inp)  # [N]
     lengths = [len(r) for r in inp.step_rewards]
-    if inp.options.proxmo_psa:
+    if inp.algo.proxmo.psa:
         a_step, step_metrics = step_psa_advantage(inp)
         metrics.update(step_metrics)
     else:
         a_step = [np.zeros(n) for n in lengths]
-    w = inp.options.step_advantage_weight
+    w = inp.algo.proxmo.step_advantage_weight
     adv = [a_ep[i] + w * a_step[i] for i in range(len(a_ep))]
     silent: dict[int, bool] = {}
     for g, a in zip(inp.group_ids.tolist(), adv):
@@ -208,4 +237,4 @@ def proxmo_advantages(inp: AdvantageInput) -> tuple[list[np.ndarray], dict[str, 
 
 
 register_algorithm(AlgorithmSpec("proxmo", uses_memory=False, loss="grpo", advantage="proxmo",
-                                 official=OFFICIAL))  # arXiv 2602.19225
+                                 official=OFFICIAL, options=ProxmoOptions))  # arXiv 2602.19225

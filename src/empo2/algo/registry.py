@@ -6,7 +6,8 @@ branch on the algorithm's name. Adding an algorithm is one call::
 
     register_algorithm(AlgorithmSpec("my_algo", uses_memory=False, loss="grpo", advantage="grpo"))
 
-(plus, if it needs them, a new loss with ``@register_policy_loss`` and a new estimator with ``@register_advantage``).
+(plus, if it needs them, a new loss with ``@register_policy_loss`` and a new estimator with ``@register_advantage``;
+and, if it has settings of its own, an ``options`` class: :attr:`AlgorithmSpec.options`).
 Each method's file makes that call for its own algorithm (:mod:`empo2.algo.elpo` …), and :mod:`empo2.algo` imports
 the method files, one line each; this module names no method, only the two that have no file of their own: ``grpo``
 (the shared estimator and loss) and ``frozen`` (no update).
@@ -15,7 +16,7 @@ the method files, one line each; this module names no method, only the two that 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, is_dataclass
 from typing import Any
 
 from empo2.algo.modes import MODES
@@ -56,8 +57,15 @@ class AlgorithmSpec:
     """The novelty reward is part of the method (EMPO²'s 1/n, SPEC §4). ``compare`` and ``train --algo`` run any
     other algorithm without it, unless its arm name says ``+novelty``, so two arms differ in their method only."""
     official: tuple[str, dict[str, Any]] = ("", {})
-    """(source, ``algo`` settings of the method's official runs; ``entropy_coeff``: an entropy bonus, which empo2's
-    losses do not have): ``compare`` lists where a run differs from them."""
+    """(source, ``algo`` settings of the method's official runs, a method's own written ``luffy.clip``;
+    ``entropy_coeff``: an entropy bonus, which empo2's losses do not have): ``compare`` lists where a run differs
+    from them."""
+    options: type | None = None
+    """Its own settings: a frozen dataclass whose class attribute ``key`` names its place in the ``algo`` section
+    (``algo.<key>.<field>``), each field with its default, its bounds (:func:`empo2.bounds.bounded`) and its
+    docstring, as the config's own fields have. Every ``algo`` section holds the options of every registered
+    algorithm (:func:`method_options`), so an estimator finds its own wherever it runs (``algo.gigpo`` under
+    ``algo.name=empo2 algo.advantage=gigpo``); two algorithms may share one class (``luffy`` and ``empo2_luffy``)."""
 
     def estimator(self, algo_cfg: Any) -> str:
         return self.advantage or algo_cfg.advantage
@@ -76,8 +84,22 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {}
 def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
     if spec.name in ALGORITHMS:
         raise ValueError(f"algorithm {spec.name!r} is already registered")
+    if spec.options is not None:
+        key = getattr(spec.options, "key", None)
+        if not is_dataclass(spec.options) or not isinstance(key, str) or not key.isidentifier():
+            raise ValueError(f"algorithm {spec.name!r}: its options must be a dataclass with a class attribute "
+                             "`key`, the name of its settings in the algo section")
+        taken = method_options().get(key)
+        if taken is not None and taken is not spec.options:
+            raise ValueError(f"algorithm {spec.name!r}: algo.{key} already holds the options {taken.__name__}")
     ALGORITHMS[spec.name] = spec
     return spec
+
+
+def method_options() -> dict[str, type]:
+    """``{key: options class}`` of every registered algorithm with options of its own (``{"gigpo": GigpoOptions,
+    …}``): the settings the ``algo`` section holds besides its shared fields."""
+    return {spec.options.key: spec.options for spec in ALGORITHMS.values() if spec.options is not None}
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:

@@ -44,26 +44,14 @@ class _Group:
     members: int = 0
 
 
-@dataclass
-class ElpoOptions:
-    """Algorithm 1's knobs (Table 2)."""
-
-    b_max: int = elpo.B_MAX
-    x_min: float = elpo.X_MIN
-    x_max: float = elpo.X_MAX
-    beta: float = elpo.BETA
-
-
 def drive(ctx, specs, sampling, cfg, progress, seed=None):
-    """ELPO's rollout driver (its ``AlgorithmSpec.rollout``): :func:`run_elpo` with Algorithm 1's knobs from the
-    ``algo`` section."""
-    a = cfg.algo
-    return run_elpo(ctx, specs, sampling, progress=progress,
-                    options=ElpoOptions(a.elpo_b_max, a.elpo_x_min, a.elpo_x_max, a.elpo_beta), seed=seed)
+    """ELPO's rollout driver (its ``AlgorithmSpec.rollout``): :func:`run_elpo` with Algorithm 1's knobs from
+    ``algo.elpo``."""
+    return run_elpo(ctx, specs, sampling, progress=progress, options=cfg.algo.elpo, seed=seed)
 
 
 def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampling: Sampling | None = None,
-             progress=None, actions: ActionSource | None = None, options: ElpoOptions | None = None,
+             progress=None, actions: ActionSource | None = None, options: elpo.ElpoOptions | None = None,
              on_step: Callable[[Episode], None] | None = None,
              seed: int | None = None) -> tuple[list[Episode], dict[str, float]]:
     """Algorithm 1 for every group of ``specs`` ([(task, variation, group, mode)], N entries per group = its budget).
@@ -75,7 +63,7 @@ def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampli
     (``replay_ended_branches``) has no step to play: it is left out of the episodes, and its rollout still counts
     against the budget.
     """
-    o = options or ElpoOptions()
+    o = options or elpo.ElpoOptions()
     actions = actions or model_actions(sampling or Sampling.rollout(ctx.policy_cfg), seed)
     groups: dict[int, _Group] = {}
     for task, variation, g, mode in specs:
@@ -96,7 +84,7 @@ def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampli
     return episodes, stats
 
 
-def _plan_wave(groups: dict[int, _Group], episodes: list[Episode], o: ElpoOptions):
+def _plan_wave(groups: dict[int, _Group], episodes: list[Episode], o: elpo.ElpoOptions):
     """This wave's new full trajectories and its branches [(branch, episode it branches from)]."""
     fulls, branches = [], []
     for grp in groups.values():
@@ -150,7 +138,7 @@ def _wave(ctx, fulls: list[Episode], branches: list[tuple[Episode, Episode]], ac
     return [ep for i, ep in enumerate(wave) if i not in ended]
 
 
-def _advance(groups: dict[int, _Group], episodes: list[Episode], start: int, o: ElpoOptions,
+def _advance(groups: dict[int, _Group], episodes: list[Episode], start: int, o: elpo.ElpoOptions,
              stats: dict[str, float]) -> None:
     """After a wave: searches take their probe's outcome (lines 40-46), collectors buffer their failures and start a
     search when the buffer is full or the budget is spent (lines 14-22)."""

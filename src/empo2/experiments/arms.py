@@ -69,9 +69,9 @@ def arm_overrides(algo: str) -> list[str]:
     else:
         name, estimator, std = split_arm(algo)
         chosen = [f"algo.name={name}", "algo.arm="] + ([f"algo.advantage={estimator}"] if estimator else [])
-        chosen += ["algo.proxmo_psc=true", "algo.proxmo_psa=true"]  # ProxMO's parts are switched off by arms only
+        chosen += ["algo.proxmo.psc=true", "algo.proxmo.psa=true"]  # ProxMO's parts are switched off by arms only
         spec = ALGORITHMS.get(name)
         if spec is not None and not spec.novelty and not wants_novelty(algo):
             chosen += [f"algo.{k}={v}" for k, v in NO_NOVELTY.items()]
     # always set, so that a config file's choice cannot run under a label that says the other one
-    return [*chosen, f"algo.gigpo_normalization={'mean_std_norm' if std else 'mean_norm'}"]
+    return [*chosen, f"algo.gigpo.normalization={'mean_std_norm' if std else 'mean_norm'}"]

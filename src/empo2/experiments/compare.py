@@ -3,8 +3,8 @@
 Every run is an ordinary run folder ``OUT/runs/<algo>-seed<k>/`` made by ``empo2 train`` (same code path, with
 ``algo.name``, ``train.seed`` and ``train.eval_at_start=true`` added to the overrides; ``--algos empo2+gigpo`` also
 sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gigpo-std``) picks GiGPO's
-``algo.gigpo_normalization=mean_std_norm`` where the plain name runs ``mean_norm``; ``proxmo`` and ``empo2+proxmo``
-run both of ProxMO's parts (``algo.proxmo_psc`` and ``algo.proxmo_psa`` set true); an algorithm without a novelty
+``algo.gigpo.normalization=mean_std_norm`` where the plain name runs ``mean_norm``; ``proxmo`` and ``empo2+proxmo``
+run both of ProxMO's parts (``algo.proxmo.psc`` and ``algo.proxmo.psa`` set true); an algorithm without a novelty
 bonus of its own (all but EMPO²'s) runs with ``algo.intrinsic_weight=0`` unless its name ends in ``+novelty``
 (``gigpo+novelty``: the config's bonus), so arms differ in their method only; an ablation arm of
 :mod:`empo2.experiments.arms` (``empo2-no-offpolicy`` …) sets its algorithm, its settings and ``algo.arm``, the label
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from empo2.config import Config, ConfigError
+from empo2.config import Config, ConfigError, flat_settings
 from empo2.experiments import records
 from empo2.experiments.arms import (
     ARMS,
@@ -61,7 +61,7 @@ from empo2.rundir import checkpoint as ckpt
 from empo2.rundir import warm_start
 from empo2.signals import set_phase
 
-SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo_normalization", "algo.proxmo_psc", "algo.proxmo_psa",
+SET_BY_COMPARE = ("algo.name", "algo.arm", "algo.gigpo.normalization", "algo.proxmo.psc", "algo.proxmo.psa",
                   "train.seed", "train.output_dir", "train.eval_at_start")
 """``--algos gigpo-std``: GiGPO divided by the group std (``mean_std_norm``); report's ``method_label`` writes it so."""
 COSMETIC = ("train.output_dir", "train.progress")  # may differ between invocations without changing a run
@@ -175,11 +175,11 @@ def plan_runs(config: str, algos: list[str], seeds: list[int], out: Path, overri
         raise ConfigError(f"--out {out} is a file, not a folder")
     for item in overrides:
         key = item.split("=", 1)[0].strip()
-        full = ".".join(Config().resolve_key(key)) if "=" in item else None
-        if full in SET_BY_COMPARE:
+        full = Config().current_keys(key) if "=" in item else ()
+        if set(full) & set(SET_BY_COMPARE):
             raise ConfigError(f"{key} is set by compare (--algos, e.g. gigpo-std; --seeds, --out; eval_at_start "
                               "is always on), not by an override")
-        fixed_by = [a for a in algos if a in ARMS and full in {f"algo.{k}" for k in ARMS[a].fixed()}]
+        fixed_by = [a for a in algos if a in ARMS and set(full) & {f"algo.{k}" for k in ARMS[a].fixed()}]
         if fixed_by:  # the arm's own value would win silently over the one asked for
             raise ConfigError(f"{key} is fixed by the ablation arm {fixed_by[0]} ({ARMS[fixed_by[0]].what}); "
                               "drop the override or that arm")
@@ -237,16 +237,12 @@ def _check_same_settings(plan: RunPlan) -> None:
         old, where = Config.from_dict(plan.recorded["config"]), f"{plan.name} was recorded in {plan.record_path}"
     else:
         return
-    flat, new = _flat(old.to_dict()), _flat(plan.cfg.to_dict())
+    flat, new = flat_settings(old.to_dict()), flat_settings(plan.cfg.to_dict())
     diff = [k for k in sorted(new) if k not in COSMETIC and not k.startswith("sft.") and flat.get(k) != new[k]]
     if diff:
         shown = ", ".join(f"{k}: {flat.get(k)!r} → {new[k]!r}" for k in diff[:3])
         remedy = "that run folder" if saved.is_file() else f"its lines from {records.RECORD_FILE}"
         raise ConfigError(f"{where} with other settings ({shown}); use another --out or delete {remedy}")
-
-
-def _flat(d: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {f"{s}.{k}": v for s, values in d.items() for k, v in values.items()}
 
 
 # ---------------------------------------------------------------------------------------------------- running
@@ -267,7 +263,7 @@ def run_status(plan: RunPlan) -> str:
 def start_eval_key(cfg: Config) -> dict[str, Any]:
     """The settings a start eval depends on: all but the algorithm's (it plays the untrained model before any update),
     except the group size, which sets how many episodes are played in one batch."""
-    return {k: v for k, v in _flat(cfg.to_dict()).items()
+    return {k: v for k, v in flat_settings(cfg.to_dict()).items()
             if k not in COSMETIC and (not k.startswith("algo.") or k == "algo.num_generations")}
 
 

@@ -35,18 +35,19 @@ import numpy as np
 import yaml
 
 from empo2.algo.registry import ALGORITHMS
-from empo2.config import ConfigError
+from empo2.config import ConfigError, flat_settings
 from empo2.config_sections import AlgoConfig
 from empo2.experiments import arms, ood_stats, records, stats
 
 
 def method_label(cfg) -> str:
     """``empo2``, ``grpo``, ``gigpo``, ``empo2+gigpo`` … from a Config (or its ``algo`` mapping); GiGPO with
-    ``algo.gigpo_normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``), ProxMO with a part
+    ``algo.gigpo.normalization=mean_std_norm`` gets ``-std`` (``gigpo-std``, ``empo2+gigpo-std``), ProxMO with a part
     switched off ``-no-psc`` / ``-no-psa`` (``proxmo``, ``empo2+proxmo``, ``proxmo-no-psa``); an algorithm whose
     method has no novelty bonus, run with one, gets ``+novelty`` (``gigpo+novelty``); a run of an ablation arm is
     labelled by its ``algo.arm`` (``empo2-no-offpolicy`` …)."""
-    algo = cfg.get("algo", {}) if isinstance(cfg, dict) else vars(cfg.algo)
+    settings = flat_settings({"algo": cfg.get("algo", {})} if isinstance(cfg, dict) else cfg.to_dict())
+    algo = {key.removeprefix("algo."): value for key, value in settings.items() if key.startswith("algo.")}
     if algo.get("arm"):
         return algo["arm"]
     label = _estimator_label(algo)
@@ -63,9 +64,9 @@ def _estimator_label(algo: dict[str, Any]) -> str:
     fixed = spec is not None and spec.advantage is not None  # e.g. gigpo: its own estimator, whatever the config says
     label = name if fixed or advantage == "grpo" else f"{name}+{advantage}"
     estimator = spec.advantage if fixed else advantage
-    std = algo.get("gigpo_normalization", AlgoConfig.gigpo_normalization) == "mean_std_norm"
+    std = algo.get("gigpo.normalization") == "mean_std_norm"
     if estimator == "proxmo":  # a part switched off outside compare's arms is said in the label
-        label += "".join(f"-no-{part}" for part in ("psc", "psa") if not algo.get(f"proxmo_{part}", True))
+        label += "".join(f"-no-{part}" for part in ("psc", "psa") if not algo.get(f"proxmo.{part}", True))
     return f"{label}-std" if estimator == "gigpo" and std else label
 
 

@@ -21,8 +21,7 @@ import sqlite3
 from pathlib import Path
 from urllib.parse import quote
 
-from empo2.config import Config, ConfigError, SftConfig
-from empo2.config_renames import forward_flat
+from empo2.config import Config, ConfigError, SftConfig, flat_settings
 from empo2.memory.sqlite_file import check_file
 from empo2.parallel import sharding
 from empo2.rundir import checkpoint as ckpt
@@ -44,7 +43,7 @@ RESUME_SAFE = frozenset({
 
 def changed_keys(saved: Config, wanted: Config) -> list[str]:
     """Keys (``section.name``) whose values differ between two configs, outside :data:`RESUME_SAFE`."""
-    old, new = _flat(saved.to_dict()), _flat(wanted.to_dict())
+    old, new = flat_settings(saved.to_dict()), flat_settings(wanted.to_dict())
     return [k for k in sorted(set(old) | set(new)) if k not in RESUME_SAFE and old.get(k) != new.get(k)]
 
 
@@ -53,7 +52,7 @@ def check_same_run(saved: Config, wanted: Config, run_dir: Path) -> None:
     diff = changed_keys(saved, wanted)
     if not diff:
         return
-    old, new = _flat(saved.to_dict()), _flat(wanted.to_dict())
+    old, new = flat_settings(saved.to_dict()), flat_settings(wanted.to_dict())
     shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in diff[:4]) + (" …" if len(diff) > 4 else "")
     raise ConfigError(f"--resume {run_dir} would change what the run is ({shown}); a resume may change only output, "
                       "progress, evaluation and checkpoint cadence, train.iterations and speed or memory settings; "
@@ -62,7 +61,7 @@ def check_same_run(saved: Config, wanted: Config, run_dir: Path) -> None:
 
 def run_settings(cfg: Config) -> dict:
     """The settings that make a run what it is: every key outside :data:`RESUME_SAFE`."""
-    return {k: v for k, v in _flat(cfg.to_dict()).items() if k not in RESUME_SAFE}
+    return {k: v for k, v in flat_settings(cfg.to_dict()).items() if k not in RESUME_SAFE}
 
 
 def settings_digest(cfg: Config) -> str:
@@ -100,15 +99,11 @@ def _stored_settings(config) -> dict:
     mapping of sections."""
     if not isinstance(config, dict) or not all(isinstance(v, dict) for v in config.values()):
         return {}
-    return forward_flat(_flat(config))
+    return flat_settings(config)
 
 
 def _canonical(value) -> str:
     return json.dumps(value, sort_keys=True, default=str)
-
-
-def _flat(d: dict) -> dict:
-    return {f"{s}.{k}": v for s, values in d.items() for k, v in values.items()}
 
 
 # ------------------------------------------------------------------------------------------------------ memory

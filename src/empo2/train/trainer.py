@@ -36,12 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from empo2 import signals
-from empo2.algo.advantages import (
-    AdvantageInput,
-    AdvantageOptions,
-    compute_advantages,
-    step_rewards,
-)
+from empo2.algo.advantages import AdvantageInput, compute_advantages, step_rewards
 from empo2.algo.returns import intrinsic_weight
 from empo2.envs.factory import env_label
 from empo2.episodes.drivers import rollout_driver
@@ -236,8 +231,8 @@ class Trainer(TrainerParts):
                       "worker (restarted); they are left out of this update")
         algo, ran = self.cfg.algo, ran_episodes(episodes)
         rewards = step_rewards(ran, weight, algo.intrinsic_aggregation)
-        inputs = AdvantageInput.from_rewards(ran, rewards, AdvantageOptions.from_config(algo),
-                                             gather=self.dist.all_gather)  # returns: the sums of the step rewards
+        # the returns: the sums of the step rewards
+        inputs = AdvantageInput.from_rewards(ran, rewards, algo, gather=self.dist.all_gather)
         advantages, metrics = compute_advantages(self.algorithm.estimator(algo), inputs)
         return inputs.returns, advantages, metrics
 

@@ -1,0 +1,58 @@
+"""How a setting states the numbers it may hold: :func:`bounded` declares a dataclass field with its default and its
+:class:`Bounds`, beside the field, and :func:`empo2.config_bounds.check_bounds` checks every such field at load.
+
+In the lowest layer because two floors declare settings: the config's sections (:mod:`empo2.config_sections`) and
+each method's own options in :mod:`empo2.algo` (``algo.gigpo`` …), which cannot import the config above them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The numbers a field may hold: ``low``..``high``, each end inclusive unless marked open, and optionally one
+    value outside that range that switches the feature off (``off``). ``why`` says what the bound protects."""
+
+    low: float
+    high: float
+    open_low: bool = False
+    open_high: bool = False
+    off: float | None = None
+    why: str = ""
+
+    def holds(self, value: float) -> bool:
+        if self.off is not None and value == self.off:
+            return True
+        above = self.low < value if self.open_low else self.low <= value
+        below = value < self.high if self.open_high else value <= self.high
+        return above and below
+
+    def refusal(self, key: str, value: Any) -> str:
+        """One line saying what ``key`` must be and what it got."""
+        if self.low == self.high:
+            wanted = _number(self.low)
+        else:
+            wanted = (f"in {'(' if self.open_low else '['}{_number(self.low)}, {_number(self.high)}"
+                      f"{')' if self.open_high else ']'}")
+        off = f" (or {_number(self.off)} to disable)" if self.off is not None else ""
+        return f"{key} must be {wanted}{off}, got {shown(value)}" + (f": {self.why}" if self.why else "")
+
+
+def bounded(default: Any, low: float, high: float, *, open_low: bool = False, open_high: bool = False,
+            off: float | None = None, why: str = ""):
+    """A setting's dataclass field with its default and its :class:`Bounds`, read by
+    :func:`empo2.config_bounds.check_bounds`."""
+    return field(default=default, metadata={"bounds": Bounds(low, high, open_low, open_high, off, why)})
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e18 else f"{x:g}"
+
+
+def shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so an error about a huge value stays one short line."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
