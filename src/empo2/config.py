@@ -9,17 +9,19 @@ EMPO²'s own knobs say what they are (``low_prob_threshold``, the paper's δ; ``
 A YAML file has one mapping per section::
 
     env: {name: scienceworld, tasks: [find-animal]}
-    algo: {name: empo2, beta: 0.0}
+    algo: {name: proxmo, beta: 0.0, proxmo: {alpha: 2.0}}
 
 Overrides on the command line are ``section.key=value`` or, when the key is unique across sections, ``key=value``
-(a key ``sft`` shares with another section means the other's: the warm start's knobs are written dotted).
+(a key ``sft`` shares with another section means the other's: the warm start's knobs are written dotted). A method's
+own settings sit one level down, under its name, and are always written dotted: ``algo.proxmo.alpha=2.0``.
 A value is read by its field's declared type, never as YAML: a string or path is taken literally (``output_dir=/scratch/
 exp #2`` keeps `` #2``, ``dtype=on`` stays ``"on"``); an integer is decimal digits (``0755`` is 755); a bool is
 ``true``/``false`` (also ``yes``/``no``/``on``/``off``, as YAML files spell them); a list is ``[a, b]`` or ``a,b``; an
 optional field is unset by an empty value or ``null``. A YAML file is read the same way: its plain scalars are typed by
 the field, not by YAML's guesses, and aliases (``*name``) are refused. A preset may inherit from another (``base:``,
 :mod:`empo2.config_presets`). The sections' fields, with their bounds, are defined and documented in
-:mod:`empo2.config_sections`.
+:mod:`empo2.config_sections`, a method's own in its file (:class:`empo2.algo.gigpo.GigpoOptions` …); the text of a
+value is read by :mod:`empo2.config_values`.
 """
 
 from __future__ import annotations
