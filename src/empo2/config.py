@@ -93,26 +93,32 @@ class Config:
     def resolve_key(self, key: str) -> tuple[str, ...]:
         """The path of the setting ``key`` names: ``(section, name)``, or ``(section, method, name)`` for a method's
         own setting (``algo.gigpo.gamma``). A bare ``key`` names a section's own field that one section has."""
-        parts = tuple(key.split("."))
-        if len(parts) == 1:
-            owners = [s for s in self.SECTIONS if key in _fields_of(getattr(self, s))]
-            if len(owners) > 1 and "sft" in owners:  # the warm start's knobs are reached dotted (sft.learning_rate)
-                owners.remove("sft")
-            if len(owners) > 1:
-                raise ConfigError(f"key {key!r} is ambiguous; write one of: {', '.join(f'{o}.{key}' for o in owners)}")
-            parts = (owners[0], key) if owners else parts
-        if len(parts) in (2, 3) and parts[0] in self.SECTIONS and parts[1] in _fields_of(getattr(self, parts[0])):
-            options = getattr(getattr(self, parts[0]), parts[1])
-            if not is_options(options) and len(parts) == 2:
+        parts = tuple(key.split(".")) if "." in key else (self._section_of(key), key)
+        if parts[0] not in self.SECTIONS or len(parts) > 3 or parts[1] not in _fields_of(getattr(self, parts[0])):
+            raise self._unknown(key)
+        options = getattr(getattr(self, parts[0]), parts[1])
+        if not is_options(options):
+            if len(parts) == 2:
                 return parts
-            if is_options(options):
-                if len(parts) == 3 and parts[2] in _fields_of(options):
-                    return parts
-                group, names = ".".join(parts[:2]), ", ".join(_fields_of(options))
-                if len(parts) == 2:
-                    raise ConfigError(f"{group} holds settings, not one value: set {group}.<name>, one of {names}")
-                raise ConfigError(f"unknown config key {shown(key)}; {group} holds: {names}")
-        raise ConfigError(f"unknown config key {shown(key)}; valid keys: {', '.join(self.valid_keys())}")
+            raise self._unknown(key)
+        group, names = f"{parts[0]}.{parts[1]}", ", ".join(_fields_of(options))
+        if len(parts) == 2:
+            raise ConfigError(f"{group} holds settings, not one value: set {group}.<name>, one of {names}")
+        if parts[2] not in _fields_of(options):
+            raise ConfigError(f"unknown config key {shown(key)}; {group} holds: {names}")
+        return parts
+
+    def _section_of(self, name: str) -> str:
+        """The one section with a field ``name`` (a bare key), ``""`` when none has it."""
+        owners = [s for s in self.SECTIONS if name in _fields_of(getattr(self, s))]
+        if len(owners) > 1 and "sft" in owners:  # the warm start's knobs are reached dotted (sft.learning_rate)
+            owners.remove("sft")
+        if len(owners) > 1:
+            raise ConfigError(f"key {name!r} is ambiguous; write one of: {', '.join(f'{o}.{name}' for o in owners)}")
+        return owners[0] if owners else ""
+
+    def _unknown(self, key: str) -> ConfigError:
+        return ConfigError(f"unknown config key {shown(key)}; valid keys: {', '.join(self.valid_keys())}")
 
     def current_keys(self, key: str) -> tuple[str, ...]:
         """The dotted keys of the settings ``key`` sets: its own, or an old name's current ones (``algo.gamma``:
@@ -206,7 +212,7 @@ class Config:
         for ok, message in rules:
             if not ok:
                 raise ConfigError(message)
-        self._check_registry_fields_of()
+        self._check_registry_names()
 
     def check_training(self) -> None:
         """Sampling settings a run that trains can use. Behaviour and update log-probs are log-softmax(logits /
@@ -221,7 +227,7 @@ class Config:
                               "log-probs are of logits / temperature without a top-p or top-k filter; use top_p=1 "
                               "and top_k=0")
 
-    def _check_registry_fields_of(self) -> None:
+    def _check_registry_names(self) -> None:
         """Every registry-backed name (algorithm, estimator, loss, backend, environment, tasks, eviction policy,
         ablation arm) is checked here, at load, so a typo exits before any run folder exists. The registries live in
         the component packages below the config and are imported only now, when they are needed."""

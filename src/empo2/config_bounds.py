@@ -1,6 +1,6 @@
 """How bounds of numeric config fields are checked (each field states its own, next to it, with
-:func:`empo2.bounds.bounded`, in :mod:`empo2.config_sections` and in each method's options), the values of every enumerated field, the size of every string, and the machine's cap
-on environment workers.
+:func:`empo2.bounds.bounded`, in :mod:`empo2.config_sections` and in each method's options), the values of every
+enumerated field, the size of every string, and the machine's cap on environment workers.
 
 Checked at load (:meth:`empo2.config.Config.validate`), so a nonsense value (``env.max_steps=-1``,
 ``algo.num_generations=100000``, a 10 MB path) exits with one line before anything starts. The bounds are wide:

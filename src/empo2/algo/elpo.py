@@ -88,6 +88,7 @@ class ElpoOptions:
     beta: float = bounded(BETA, 0, 1e6)
     """Entropy-gap scale β of Eq. 5."""
 
+
 EQUAL_RTOL = 1e-9
 """Values of one normalisation group that differ by at most this × max(1, |v|) count as equal: advantage exactly 0."""
 

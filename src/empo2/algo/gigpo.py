@@ -10,9 +10,10 @@ Two nested groups, in the named stages of the authors' ``gigpo/core_gigpo.py`` (
 4. :func:`step_norm_reward` (Eq. 7) — step relative advantage: R_t^(i) normalised in its anchor-state group.
 5. :func:`gigpo_advantages` (Eq. 8) — A(a_t^(i)) = A^E(τ_i) + ω · A^S(a_t^(i)), ω = ``step_advantage_weight``.
 
-Its settings are :class:`GigpoOptions`, ``algo.gigpo.*`` of the config. F_norm is chosen by ``normalization``: ``mean_norm`` (F_norm = 1: subtract the group mean; the reference's
-default) or ``mean_std_norm`` (F_norm = sample std, ddof 1, + ε). At both levels a group of one, or a group whose
-values are all equal, gets exactly 0 (the rule GRPO uses in :mod:`empo2.algo.advantages`).
+Its settings are :class:`GigpoOptions`, ``algo.gigpo.*`` of the config. F_norm is chosen by ``normalization``:
+``mean_norm`` (F_norm = 1: subtract the group mean; the reference's default) or ``mean_std_norm`` (F_norm = sample std,
+ddof 1, + ε). At both levels a group of one, or a group whose values are all equal, gets exactly 0 (the rule GRPO uses
+in :mod:`empo2.algo.advantages`).
 """
 
 from __future__ import annotations

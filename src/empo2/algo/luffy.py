@@ -196,5 +196,6 @@ def empo2_luffy_loss(logp_new, logp_old, advantages, response_mask, algo,
 
 register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy",
                                  expert_members=1, official=OFFICIAL, options=LuffyOptions))  # Yan et al. 2025
+# EMPO² with an expert member: no published method
 register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,
-                                 expert_members=1, novelty=True, options=LuffyOptions))  # EMPO² with an expert member: no published method
+                                 expert_members=1, novelty=True, options=LuffyOptions))

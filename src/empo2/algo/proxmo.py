@@ -19,8 +19,9 @@ matches rather than an equation number:
    b_i = Σ_j w_ij G_j and A^S_i = G_i − b_i.
 6. :func:`proxmo_advantages` — A = A^E + ω·A^S.
 
-Its settings are :class:`ProxmoOptions`, ``algo.proxmo.*`` of the config. p is the fraction of the group's episodes that reached the goal (``Episode.success``), as the paper defines it; the
-official code instead clamps a step-weighted mean of its 10/0 rewards into [0, 1] (docs/fidelity.md, *ProxMO*).
+p is the fraction of the group's episodes that reached the goal (``Episode.success``), as the paper defines it; the
+official code instead clamps a step-weighted mean of its 10/0 rewards into [0, 1] (docs/fidelity.md, *ProxMO*). Its
+settings are :class:`ProxmoOptions`, ``algo.proxmo.*`` of the config.
 """
 
 from __future__ import annotations
