@@ -133,6 +133,10 @@ def test_a_saved_run_config_with_the_old_names_loads_to_the_same_values(tmp_path
     want = forward(BEFORE["scienceworld_evidence_cpu.yaml"]) | {"train.ppo_epochs": 3}
     assert forward(cfg.to_dict()) == want and len(renamed) == len(RENAMED)  # it holds every old name
     assert load(tmp_path / "config.yaml")[1] == []  # read again (a resume reads it twice): warned once per process
+    with warnings.catch_warnings(record=True) as caught:  # a finished run's record: read as is, nothing to rename
+        warnings.simplefilter("always")
+        recorded = Config.from_dict(BEFORE["scienceworld_evidence_cpu.yaml"], record=True)
+    assert forward(recorded.to_dict()) == forward(BEFORE["scienceworld_evidence_cpu.yaml"]) and caught == []
     cfg.save(tmp_path / "again.yaml")  # saved again: the current names only
     again, renamed = load(tmp_path / "again.yaml")
     assert again.to_dict() == cfg.to_dict() and renamed == []

@@ -63,12 +63,14 @@ class Config:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_dict(cls, data: dict[str, Any] | None) -> Config:
+    def from_dict(cls, data: dict[str, Any] | None, record: bool = False) -> Config:
+        """The defaults, then ``data`` (a mapping of sections). ``record``: ``data`` is a finished run's stored config
+        (``scores.jsonl.gz``), which nobody edits, so its old names are read without a warning to rename them."""
         cfg, used = cls(), {}
         try:
             cfg._set_all(_section_pairs(data or {}), used, "the config")
         finally:
-            warn_renamed(used)
+            warn_renamed({} if record else used)
         cfg.validate()
         return cfg
 

@@ -304,7 +304,6 @@ class AlgoConfig:
     """Cosine above which two states (of one task) count as the same state for the novelty reward."""
 
 
-
 def algo_config(**values: Any) -> AlgoConfig:
     """An ``algo`` section: the fields of :class:`AlgoConfig` and one more per options class the algorithm registry
     names (:func:`empo2.algo.registry.method_options`: ``gigpo`` holding ``GigpoOptions()`` …), so a method's
@@ -323,6 +322,7 @@ def _with_options(options: tuple[tuple[str, type], ...]) -> type[AlgoConfig]:
         raise ValueError(f"method options named like a field of the algo section: {', '.join(clash)}")
     return make_dataclass("AlgoConfig", [(key, cls, field(default_factory=cls)) for key, cls in options],
                           bases=(AlgoConfig,), namespace={"__module__": __name__})
+
 
 @dataclass
 class TrainConfig:

@@ -3,6 +3,7 @@ declared type (:mod:`empo2.config` describes the rules a user sees)."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import fields
 from pathlib import Path
@@ -66,8 +67,10 @@ _INT = re.compile(r"^[+-]?[0-9]+$")
 
 
 def coerce(key: str, value: Any, obj: Any, name: str) -> Any:
-    """Type a value by the field's declared annotation; text (an override, a plain YAML scalar) is parsed for it."""
-    hint = str({f.name: f.type for f in fields(obj)}[name])
+    """Type a value by the field's declared annotation; text (an override, a plain YAML scalar) is parsed for it. The
+    annotation is read as written (``float``, ``int | None``), whether or not its module postpones annotations."""
+    annotation = {f.name: f.type for f in fields(obj)}[name]
+    hint = annotation if isinstance(annotation, str) else inspect.formatannotation(annotation)
     check_size(key, value)
     if isinstance(value, str) and "None" in hint and value.strip() in ("", "null", "~"):
         value = None

@@ -234,7 +234,8 @@ def _check_same_settings(plan: RunPlan) -> None:
     if saved.is_file():
         old, where = Config.load(saved), f"{plan.folder} was started"
     elif plan.recorded is not None:
-        old, where = Config.from_dict(plan.recorded["config"]), f"{plan.name} was recorded in {plan.record_path}"
+        old = Config.from_dict(plan.recorded["config"], record=True)
+        where = f"{plan.name} was recorded in {plan.record_path}"
     else:
         return
     flat, new = flat_settings(old.to_dict()), flat_settings(plan.cfg.to_dict())

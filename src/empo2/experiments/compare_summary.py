@@ -124,7 +124,7 @@ def arms_trained_on(found: list[dict[str, Any]], algos: list[str]) -> dict[str, 
         if record is None:
             continue
         try:
-            out[algo] = arms.arm_settings(Config.from_dict(record["config"]).algo)
+            out[algo] = arms.arm_settings(Config.from_dict(record["config"], record=True).algo)
         except (ConfigError, ValueError):  # a record of a config this version cannot read
             continue
     return out
