@@ -30,8 +30,8 @@ class Arm:
     what: str
     """One line for ``compare --help`` and error messages."""
     settings: dict[str, Any] = field(default_factory=dict)
-    """``algo`` settings the arm fixes (name under ``algo`` -> value; a method's own written ``proxmo.psc``), besides
-    ``advantage=grpo`` (:data:`ESTIMATOR`)."""
+    """``algo`` settings the arm fixes, by their name under ``algo`` (``p_off_policy``, ``proxmo.psc``) -> value,
+    besides ``advantage=grpo`` (:data:`ESTIMATOR`)."""
     needs_novelty: bool = False
     """The arm keeps the config's novelty bonus, so a config without one would run it under a false name."""
     needs_warm_start: bool = False

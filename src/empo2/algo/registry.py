@@ -57,9 +57,9 @@ class AlgorithmSpec:
     """The novelty reward is part of the method (EMPO²'s 1/n, SPEC §4). ``compare`` and ``train --algo`` run any
     other algorithm without it, unless its arm name says ``+novelty``, so two arms differ in their method only."""
     official: tuple[str, dict[str, Any]] = ("", {})
-    """(source, ``algo`` settings of the method's official runs, a method's own written ``luffy.clip``;
-    ``entropy_coeff``: an entropy bonus, which empo2's losses do not have): ``compare`` lists where a run differs
-    from them."""
+    """(source, the ``algo`` settings of the method's official runs by their name under ``algo``: ``beta``,
+    ``luffy.clip``; ``entropy_coeff``: an entropy bonus, which empo2's losses do not have): ``compare`` lists where a
+    run differs from them."""
     options: type | None = None
     """Its own settings: a frozen dataclass whose class attribute ``key`` names its place in the ``algo`` section
     (``algo.<key>.<field>``), each field with its default, its bounds (:func:`empo2.bounds.bounded`) and its
