@@ -13,7 +13,7 @@ import torch
 from empo2.algo.advantages import AdvantageInput, AdvantageOptions, compute_advantages
 from empo2.algo.losses import get_policy_loss
 from empo2.config_sections import AlgoConfig
-from empo2.envs.scienceworld import replayable_gold
+from empo2.envs.actions import replayable_gold
 from empo2.episodes.expert import ExpertPlayer, expert_generation
 
 AUTO_ANSWER = "0"  # how ScienceWorld's gold paths answer an ambiguity prompt

@@ -5,6 +5,9 @@ Environments know nothing of models: they take an action string and return text.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +44,16 @@ def state_of(observation: str, info: dict[str, Any]) -> str:
     if isinstance(state, str) and state.strip():
         return state
     return " ".join(str(observation).split())
+
+
+DEMO_OBS_CHARS = 160
+"""Longest observation line a demonstration shows."""
+
+
+def short_line(text: str, limit: int = DEMO_OBS_CHARS) -> str:
+    """One line, at most ``limit`` characters (an observation in a demonstration)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @runtime_checkable
@@ -88,3 +101,18 @@ def stop_java_simulator(sim) -> None:
     except Exception:
         proc.kill()
         proc.wait(timeout=5)
+
+
+@contextmanager
+def java_tool_options(options: str | None) -> Iterator[None]:
+    """``JAVA_TOOL_OPTIONS`` = ``options`` then the user's own (so theirs win), while a JVM starts."""
+    user = os.environ.get("JAVA_TOOL_OPTIONS")
+    if options:
+        os.environ["JAVA_TOOL_OPTIONS"] = f"{options} {user or ''}".strip()
+    try:
+        yield
+    finally:
+        if user is None:
+            os.environ.pop("JAVA_TOOL_OPTIONS", None)
+        else:
+            os.environ["JAVA_TOOL_OPTIONS"] = user
