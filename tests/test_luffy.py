@@ -291,8 +291,8 @@ def test_compare_summary_counts_expert_steps_apart():
 def test_train_algo_names_what_compare_algos_names(tmp_path, capsys):
     """``train --algo luffy`` runs the ``luffy`` arm (LUFFY as its script runs it), as ``compare --algos luffy`` does;
     an override that contradicts the arm is refused at load; ``--algo NAME+ESTIMATOR`` sets the estimator."""
-    from empo2.cli import main, train_config
-    from empo2.cli_parser import parse_cli
+    from empo2.cli import main, parse_cli
+    from empo2.cli.training import train_config
     from empo2.experiments.arms import arm_overrides
 
     args = parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo", "luffy",

@@ -17,7 +17,7 @@ from peft import PeftModel
 
 from empo2 import Config, Trainer
 from empo2.cli import build_parser, main
-from empo2.cli_policy import policy_context
+from empo2.cli.policy import policy_context
 from empo2.episodes.evaluate import EvalPlan, play_split
 from empo2.experiments import adapt
 from empo2.experiments.report import method_label

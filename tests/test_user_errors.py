@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 
-from empo2 import cli
+from empo2.cli import app as cli
 from empo2.errors import UserError
 
 USER_ERRORS = [

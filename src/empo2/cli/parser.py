@@ -1,4 +1,4 @@
-"""The ``empo2`` command line's parser: every command and flag, and no code that runs them (that is :mod:`empo2.cli`)."""
+"""The ``empo2`` command line's parser: every command and flag, and no code that runs them (that is :mod:`empo2.cli.app`)."""
 
 from __future__ import annotations
 
