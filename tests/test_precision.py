@@ -16,7 +16,7 @@ from empo2.policy import precision
 
 FAST = ["--config", "configs/scienceworld_cpu.yaml", "--algo", "grpo", "env.tasks=[find-animal]", "env.max_steps=2",
         "env.eval_variations=1", "algo.num_generations=2", "policy.few_shot=0", "policy.max_completion_length=8",
-        "train.progress=false", "train.tensorboard=false", "algo.intrinsic_weight=1.0", "algo.low_prob_threshold=0.0",
+        "train.progress=false", "train.report_to=none", "algo.intrinsic_weight=1.0", "algo.low_prob_threshold=0.0",
         "train.iterations=2", "train.learning_rate=1.0e-6", "policy.lora=false", "algo.novelty_threshold=1.0"]
 # every distinct state text counts as new: in two steps a tiny model rarely leaves its room, and at the default
 # 0.9 its states all look alike, which would leave the group no signal

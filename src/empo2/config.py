@@ -35,7 +35,7 @@ import yaml
 
 from empo2.config_bounds import MAX_CONFIG_BYTES, ConfigError, check_bounds, check_choices, check_size, shown
 from empo2.config_presets import preset_layers
-from empo2.config_renames import RENAMED, old_name, warn_renamed
+from empo2.config_renames import FOLDED, RENAMED, fold_tensorboard, old_name, warn_renamed
 from empo2.config_sections import (  # noqa: F401
     AlgoConfig,
     EnvConfig,
@@ -111,12 +111,17 @@ class Config:
     def _set_all(self, pairs: list[tuple[str, Any]], used: dict[str, str], where: str) -> None:
         """Set each ``(key, value)`` of one source (a file, the overrides), typed by its field. A key's old name
         (:data:`~empo2.config_renames.RENAMED`) sets the new one and is noted in ``used``; a source that gives both
-        names different values is refused."""
+        names different values is refused. An old key folded into another's value (:data:`~empo2.config_renames.FOLDED`)
+        applies after the source's other keys, so that it reads the value they set."""
         written: dict[str, tuple[str | None, Any]] = {}  # section.name -> (old name it was given by, value)
+        folded: dict[str, Any] = {}
         for key, value in pairs:
             old = None if self._knows(key) else old_name(key)
             if old is not None:
                 used.setdefault(old, where)
+            if old in FOLDED:
+                folded[old] = value
+                continue
             section, name = self.resolve_key(RENAMED[old] if old else key)
             obj, dotted = getattr(self, section), f"{section}.{name}"
             setattr(obj, name, _coerce(dotted, value, obj, name))
@@ -125,6 +130,9 @@ class Config:
                 raise ConfigError(f"{where} gives both {old or earlier[0]} and its new name {dotted}, with different "
                                   f"values ({shown(earlier[1])} and {shown(now)}); keep only {dotted}")
             written[dotted] = (old, now)
+        if "train.tensorboard" in folded:
+            tensorboard = _bool("train.tensorboard", folded["train.tensorboard"])
+            self.train.report_to = fold_tensorboard(self.train.report_to, tensorboard)
 
     def _knows(self, key: str) -> bool:
         """``key`` names a current field, dotted or bare (so an old name is never taken for a current one)."""
