@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from empo2 import Config, Trainer, machine
 from empo2.envs.factory import make_env_kwargs
-from empo2.envs.registry import get_env_spec
+from empo2.envs.specs import get_env_spec
 from empo2.memory.embedder import get_embedder
 from empo2.memory.store import TipMemory
 

@@ -21,7 +21,7 @@ from empo2.cli import main
 from empo2.config import Config
 from empo2.config_sections import AlgoConfig
 from empo2.envs import EnvSpec, StepResult, register_env
-from empo2.envs.registry import ENVIRONMENTS
+from empo2.envs.specs import ENVIRONMENTS
 from empo2.episodes.rollout import run_episodes
 
 

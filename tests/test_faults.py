@@ -460,7 +460,7 @@ def test_memory_search_odd_text(memory_run):
 
 
 def test_query_text_replaces_undecodable_bytes():
-    from empo2.memory.cli import MemoryCliError, query_text
+    from empo2.memory.commands import MemoryCliError, query_text
 
     raw = b"frog \xff\xfe\x80".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
     assert query_text(raw) == "frog \ufffd\ufffd\ufffd"

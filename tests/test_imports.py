@@ -171,8 +171,20 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted(found)
 
 
+def shared_file_names(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """``{file name: its modules}`` for each file name that modules of more than one room share (a package's
+    ``__init__.py`` and ``__main__.py`` excepted); files of one room may share a name (each environment's
+    ``env.py``)."""
+    by_name: dict[str, dict[str, list[str]]] = {}
+    for module, path in modules.items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, {}).setdefault(room_of(module), []).append(module)
+    return {name: sorted(m for found in rooms.values() for m in found) for name, rooms in by_name.items()
+            if len(rooms) > 1}
+
+
 def describe_edge(module: str, target: str) -> str:
-    """One upward import with the rooms and floors it joins: ``empo2.config -> empo2.experiments.arms (config, floor
+    """One upward import with the rooms and floors it joins: ``empo2.config -> empo2.experiments.arm_runs (config, floor
     3 -> experiments, floor 5)``."""
     here, there = room_of(module), room_of(target)
     return f"{module} -> {target} ({here}, floor {floor_of(here)} -> {there}, floor {floor_of(there)})"
@@ -237,6 +249,17 @@ def test_no_import_runs_up_a_floor():
     found = upward_imports(import_graph())
     assert not found, "imports of a room on the importer's floor or above:\n" + \
         "\n".join(describe_edge(m, t) for m, t in found)
+
+
+def test_no_two_rooms_hold_a_file_of_the_same_name():
+    """A file's name says which module it is: a ``report.py`` in two rooms makes an import, a traceback or a search
+    ambiguous."""
+    sample = {"empo2.memory.report": Path("memory/report.py"), "empo2.experiments.report": Path("experiments/report.py"),
+              "empo2.envs.a.env": Path("envs/a/env.py"), "empo2.envs.b.env": Path("envs/b/env.py"),
+              "empo2.cli": Path("cli/__init__.py"), "empo2.envs": Path("envs/__init__.py")}
+    assert shared_file_names(sample) == {"report.py": ["empo2.experiments.report", "empo2.memory.report"]}
+    found = shared_file_names(module_files())
+    assert not found, f"file names shared by rooms (rename the less central one): {found}"
 
 
 def private_names_used(source: str) -> list[str]:

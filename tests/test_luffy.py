@@ -293,7 +293,7 @@ def test_train_algo_names_what_compare_algos_names(tmp_path, capsys):
     an override that contradicts the arm is refused at load; ``--algo NAME+ESTIMATOR`` sets the estimator."""
     from empo2.cli import main, parse_cli
     from empo2.cli.training import train_config
-    from empo2.experiments.arms import arm_overrides
+    from empo2.experiments.arm_runs import arm_overrides
 
     args = parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo", "luffy",
                       "--output-dir", str(tmp_path / "a")])

@@ -26,7 +26,7 @@ USER_ERRORS = [
     ("empo2.memory.store", "MemoryStoreError"),
     ("empo2.memory.validate", "DimensionMismatchError"),
     ("empo2.memory.embedder", "EmbedderError"),
-    ("empo2.memory.cli", "MemoryCliError"),
+    ("empo2.memory.commands", "MemoryCliError"),
     ("empo2.rundir.runlock", "RunLockError"),
     ("empo2.rundir.storage", "RunWriteError"),
 ]

@@ -188,7 +188,7 @@ class Config:
         from empo2.algo.losses import POLICY_LOSSES
         from empo2.algo.registry import ALGORITHMS
         from empo2.envs.base import EnvError
-        from empo2.envs.registry import get_env_spec
+        from empo2.envs.specs import get_env_spec
         from empo2.memory.store import EVICTION_POLICIES
         from empo2.policy.backend import BACKENDS
 

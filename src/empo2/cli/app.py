@@ -97,7 +97,7 @@ def cmd_play(args) -> int:
 def _command(name: str):
     """The function that runs command ``name``; the parser (:mod:`.parser`) knows no code that runs."""
     if name == "memory":
-        from empo2.memory.cli import run_memory_command
+        from empo2.memory.commands import run_memory_command
 
         return run_memory_command
     if name in ("eval", "adapt"):

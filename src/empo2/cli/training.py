@@ -98,7 +98,7 @@ def train_config(args):
         check_same_run(Config.load(saved), cfg, run_dir)  # another G, model, task list … is another run: exit 2
         check_checkpoint_settings(cfg, run_dir)  # … also when config.yaml itself was edited
         return cfg, run_dir
-    from empo2.experiments.arms import arm_overrides
+    from empo2.experiments.arm_runs import arm_overrides
     from empo2.experiments.compare import check_estimator_used
 
     # the arm's settings first, so that an override contradicting them is refused at load instead of lost

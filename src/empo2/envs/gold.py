@@ -71,7 +71,7 @@ def eval_plan_size(cfg) -> int:
 def reachability(env_cfg, tasks: list[str], split: str, per_task: int, say=print) -> list[GoldPath] | None:
     """Gold paths of the first ``per_task`` variations of ``split`` of every task, or ``None`` where the environment
     registers no gold paths."""
-    from empo2.envs.registry import get_env_spec
+    from empo2.envs.specs import get_env_spec
 
     spec = get_env_spec(env_cfg.name)
     if spec.gold_paths is None:

@@ -22,11 +22,11 @@ from typing import Any
 
 from empo2.envs.actions import clean_action, closest_actions
 from empo2.envs.base import EnvError, StepResult, short_line, stop_java_simulator
-from empo2.envs.registry import EnvSpec, register_env
 from empo2.envs.scienceworld import gold
 from empo2.envs.scienceworld.simulator import CONSTANT_HASH, DEFAULT_JAVA_OPTIONS, start_simulator
 from empo2.envs.scienceworld.tasks import SPLITS, TASK_NAMES, check_task, expand_tasks, parse_focus_targets, step_cap
 from empo2.envs.scienceworld.text import compact_actions, focused_object, readings_of, scienceworld_state
+from empo2.envs.specs import EnvSpec, register_env
 
 UNPARSED = "No known action matches that input."
 AMBIGUOUS = "Ambiguous request"

@@ -29,7 +29,7 @@ from typing import Any
 
 from empo2.envs.actions import clean_action, closest_actions, normalise
 from empo2.envs.base import EnvError, StepResult, java_tool_options, short_line, stop_java_simulator
-from empo2.envs.registry import EnvSpec, register_env
+from empo2.envs.specs import EnvSpec, register_env
 from empo2.envs.textworld_express import gold
 from empo2.envs.textworld_express.games import GAME_NAMES, check_game, check_param_table, params_text, step_cap
 from empo2.envs.textworld_express.state import compact_room, twx_state
