@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from empo2.cli import main
 from empo2.memory.store import TipMemory
-from processes import kill_tree
+from helpers.processes import kill_tree
 
 ARGS = ["--config", "configs/scienceworld_cpu.yaml", "env.tasks=[find-animal]", "env.max_steps=2",
         "env.eval_variations=1", "algo.num_generations=2", "train.tasks_per_batch=2", "policy.few_shot=0",

@@ -34,7 +34,7 @@ from empo2.cli import main
 from empo2.config import Config
 from empo2.memory.store import MemoryStoreError, TipMemory
 from empo2.rundir.runlock import LOCK_NAME, RunLock
-from processes import cli_env
+from helpers.processes import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",

@@ -33,10 +33,10 @@ from empo2.memory.sqlite_file import check_file
 from empo2.rundir import checkpoint as ckpt
 from empo2.rundir.resume import RESUME_SAFE, changed_keys, check_checkpoint_settings, memory_digest
 from empo2.rundir.runlock import LOCK_NAME
-from processes import cli_env
+from helpers.processes import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
-HOLD = Path(__file__).with_name("phase_hold.py")
+HOLD = Path(__file__).parent / "helpers" / "phase_hold.py"
 CONFIG = "configs/scienceworld_cpu.yaml"
 SMALL = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
          "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
@@ -48,7 +48,7 @@ FAST = [*SMALL, "algo.p_memory=1.0"]
 class Run:
     """``python -m empo2.cli -v ARGS`` in its own session; stdout and stderr are read line by line as they come, and
     every process below it (environment workers, JVMs) is remembered so that the test can check none outlives it.
-    ``hold``: a phase the process stays in until a signal comes (tests/phase_hold.py). ``env``: the child's
+    ``hold``: a phase the process stays in until a signal comes (tests/helpers/phase_hold.py). ``env``: the child's
     environment, by default :func:`processes.cli_env` (it starts on jemalloc without re-executing itself)."""
 
     def __init__(self, *args: str, verbose: bool = True, hold: str | None = None, env: dict | None = None):

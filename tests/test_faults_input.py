@@ -25,7 +25,7 @@ from empo2.config import Config, ConfigError
 from empo2.config_bounds import check_machine_limits
 from empo2.memory.schema import create_schema, new_meta
 from empo2.memory.store import MemoryStoreError, TipMemory
-from faults_input_helpers import CPU, FAST, REPO, empo2, memory_file, one_line, sha
+from helpers.faults_input import CPU, FAST, REPO, empo2, memory_file, one_line, sha
 
 
 # --------------------------------------------------------------------------------- 1: a model folder's own code

@@ -285,7 +285,8 @@ def test_tests_reach_the_package_through_public_names_only():
               "signals._state['x']\ncli.main\ncli._train_config\nrecord.__doc__\nobj._hidden\n")
     assert sorted(private_names_used(sample)) == ["cli._train_config", "empo2.machine._commit", "signals._state"]
     tests = Path(__file__).resolve().parent
-    found = {f.name: names for f in sorted(tests.glob("*.py")) if (names := private_names_used(f.read_text()))}
+    found = {str(f.relative_to(tests)): names for f in sorted(tests.rglob("*.py"))
+             if (names := private_names_used(f.read_text()))}
     assert not found, f"tests reaching private names (make them public or test through a public one): {found}"
 
 

@@ -23,7 +23,7 @@ from empo2.experiments import adapt
 from empo2.experiments.report import method_label
 from empo2.policy.loader import load_model
 from empo2.rundir.checkpoint import latest_checkpoint
-from signal_env import ChecksumRoom, checksum_room
+from helpers.signal_env import ChecksumRoom, checksum_room
 
 WEBSHOP = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "policy.max_completion_length=8",
            "policy.reflection_max_tokens=8", "train.progress=false", "train.iterations=1", "train.report_to=none"]

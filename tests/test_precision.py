@@ -2,7 +2,7 @@
 ``policy.autocast: auto`` picks bfloat16 only where the hardware has it, and a run records the choice.
 
 The training run uses the tiny random Llama (``conftest.tiny_model``), full fine-tuning, CPU autocast to bfloat16,
-on ChecksumRoom (tests/signal_env.py), whose groups always carry a signal.
+on ChecksumRoom (tests/helpers/signal_env.py), whose groups always carry a signal.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def test_bf16_compute_at_lr_1e6_changes_fp32_weights(tmp_path, tiny_model, embed
     iterations through the Python API in this process, on ChecksumRoom (every group has a signal, so every
     iteration steps), then the checkpoint the trainer writes after them."""
     from empo2 import Config, Trainer
-    from signal_env import ChecksumRoom, checksum_room
+    from helpers.signal_env import ChecksumRoom, checksum_room
 
     with checksum_room():
         cfg = Config.load(None, ["env.name=checksum-room", "algo.name=grpo", "algo.num_generations=4",

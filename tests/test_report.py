@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import tdist
 from empo2.cli import main
 from empo2.config import Config
 from empo2.experiments import adapt, stats
+from helpers import tdist
 
 PERCENT = re.compile(r"[+-]\d+(\.\d+)?%")  # a signed percentage gain (not the "95%" of a CI)
 UNITS = [("t1", 0), ("t1", 1), ("t1", 2), ("t2", 0), ("t2", 1), ("t2", 2)]

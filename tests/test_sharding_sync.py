@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from empo2.policy.sampling import Sampling
 
-WORKER = str(Path(__file__).with_name("sharding_sync_worker.py"))
+WORKER = str(Path(__file__).parent / "helpers" / "sharding_sync_worker.py")
 IDS = torch.tensor([[1, 5, 9, 42, 7, 3, 11]])
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from empo2.memory.store import TipMemory
-from processes import cli_env
+from helpers.processes import cli_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU = "configs/scienceworld_cpu.yaml"
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
         "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
