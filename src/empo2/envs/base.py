@@ -6,7 +6,8 @@ Environments know nothing of models: they take an action string and return text.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -103,8 +104,21 @@ def stop_java_simulator(sim) -> None:
         proc.wait(timeout=5)
 
 
+def start_java_simulator(start: Callable[[], Any], name: str, java_options: str | None, hint: str) -> Any:
+    """``start()``, a simulator constructor that starts its own JVM, with ``java_options`` in ``JAVA_TOOL_OPTIONS``
+    (after the user's, so theirs win); no ``java`` on PATH, or a JVM that does not start, is one :class:`EnvError`
+    ending in ``hint``."""
+    if shutil.which("java") is None:
+        raise EnvError(f"java not found. {hint}")
+    with _java_tool_options(java_options):
+        try:
+            return start()
+        except Exception as exc:  # py4j raises plain exceptions when the JVM cannot start
+            raise EnvError(f"could not start the {name} JVM: {exc}. {hint}") from None
+
+
 @contextmanager
-def java_tool_options(options: str | None) -> Iterator[None]:
+def _java_tool_options(options: str | None) -> Iterator[None]:
     """``JAVA_TOOL_OPTIONS`` = ``options`` then the user's own (so theirs win), while a JVM starts."""
     user = os.environ.get("JAVA_TOOL_OPTIONS")
     if options:

@@ -3,9 +3,7 @@ under, and the gold path a JVM started for it alone computes."""
 
 from __future__ import annotations
 
-import shutil
-
-from empo2.envs.base import EnvError, java_tool_options, stop_java_simulator
+from empo2.envs.base import EnvError, start_java_simulator, stop_java_simulator
 from empo2.envs.scienceworld.tasks import check_task
 
 JAVA_HINT = "ScienceWorld needs Java >= 11 on PATH; install it with: apt-get install -y openjdk-17-jre-headless"
@@ -24,17 +22,11 @@ ones stay valid; they replay the same either way, and steps take as long."""
 def start_simulator(java_options: str | None):
     """A ``scienceworld.ScienceWorldEnv`` in a new JVM started with ``java_options`` (after any the user set in
     ``JAVA_TOOL_OPTIONS``, so theirs win); the step limit is left to our environment."""
-    if shutil.which("java") is None:
-        raise EnvError(f"java not found. {JAVA_HINT}")
     try:
         from scienceworld import ScienceWorldEnv as Simulator
     except ImportError as exc:
         raise EnvError(f"the scienceworld package is missing ({exc}); pip install scienceworld") from None
-    with java_tool_options(java_options):
-        try:
-            return Simulator("", envStepLimit=10**9)
-        except Exception as exc:  # py4j raises plain exceptions when the JVM cannot start
-            raise EnvError(f"could not start the ScienceWorld JVM: {exc}. {JAVA_HINT}") from None
+    return start_java_simulator(lambda: Simulator("", envStepLimit=10**9), "ScienceWorld", java_options, JAVA_HINT)
 
 
 def fresh_gold_path(task: str, variation: int, simplification: str) -> list[str]:
