@@ -89,7 +89,7 @@ def run_arm(name: str, args) -> dict:
 
     config, task, steps = PRESETS[args.preset]
     overrides = [f"train.seed={args.seed}", f"env.tasks=[{task}]", f"env.max_steps={args.max_steps or steps}",
-                 f"algo.num_generations={args.generations}", "train.progress=false", "train.tensorboard=false",
+                 f"algo.num_generations={args.generations}", "train.progress=false", "train.report_to=none",
                  "train.eval_every=0", "train.iterations=100", "train.sample_trajectories=0", *ARMS[name]]
     t = time.perf_counter()
     trainer = Trainer(Config.load(ROOT / "configs" / config, overrides),

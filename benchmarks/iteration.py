@@ -93,7 +93,7 @@ def make_trainer(tmp: Path, name: str, args, extra: list[str]):
     from empo2.train.trainer import Trainer
 
     overrides = [f"train.seed={args.seed}", "env.tasks=[find-animal]", f"env.max_steps={args.max_steps}",
-                 "train.progress=false", "train.tensorboard=false", "train.eval_every=0", "train.iterations=100",
+                 "train.progress=false", "train.report_to=none", "train.eval_every=0", "train.iterations=100",
                  "train.sample_trajectories=0", f"train.micro_batch_tokens={args.micro_batch_tokens}"] + extra
     return Trainer(Config.load(ROOT / "configs" / "scienceworld_cpu.yaml", overrides), output_dir=tmp / name)
 

@@ -43,7 +43,7 @@ def trainer_for(args, extra: list[str] = ()):
     from empo2.train.trainer import Trainer
 
     overrides = [f"train.seed={args.seed}", f"env.tasks=[{args.task}]", f"algo.num_generations={args.generations}",
-                 "train.progress=false", "train.tensorboard=false", "train.eval_every=0", "train.iterations=100",
+                 "train.progress=false", "train.report_to=none", "train.eval_every=0", "train.iterations=100",
                  "train.eval_at_start=false", "train.sample_trajectories=0", *args.set, *extra]
     return Trainer(Config.load(args.config, overrides), output_dir=Path(tempfile.mkdtemp(prefix="profile_")))
 

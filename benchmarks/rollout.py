@@ -246,7 +246,7 @@ def bench_iterations(args) -> dict:
     probe = Probe()
     common = [
         f"train.seed={args.seed}", "env.tasks=[find-animal]", f"algo.num_generations={args.generations}",
-        f"env.max_steps={args.max_steps}", "policy.few_shot=1", "train.progress=false", "train.tensorboard=false",
+        f"env.max_steps={args.max_steps}", "policy.few_shot=1", "train.progress=false", "train.report_to=none",
         f"policy.temperature={args.temperature}", f"policy.max_prompt_length={args.max_prompt_length}", "train.eval_every=0", f"train.iterations={args.iterations + 1}",
         "train.sample_trajectories=0",
     ]

@@ -39,7 +39,7 @@ import numpy as np
 from empo2.algo.empo2 import novelty_reward
 from empo2.envs.base import state_of
 from empo2.envs.scienceworld import ScienceWorldEnv
-from empo2.envs.scienceworld_text import scienceworld_state
+from empo2.envs.scienceworld.text import scienceworld_state
 from empo2.memory.embedder import get_embedder
 from empo2.memory.novelty import NoveltyReward
 

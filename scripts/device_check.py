@@ -380,7 +380,7 @@ def _train_cli(s: Step, run: Path, extra: list[str], resume: bool = False) -> di
         ["train.tasks_per_batch=4", "algo.num_generations=8", "env.max_steps=5", "env.eval_variations=2"]
     args = ["train", "--config", "configs/webshop_cpu.yaml", f"train.output_dir={run}", "train.progress=false",
             f"policy.model={s.model_folder('tiny' if s.cpu else '135m')}", f"policy.device={s.device.type}",
-            "algo.p_memory=1.0", "train.tensorboard=false", *tiny, *extra]
+            "algo.p_memory=1.0", "train.report_to=none", *tiny, *extra]
     embedder = _embedder(s)
     if embedder:
         args.append(f"memory.embedder={embedder}")

@@ -1,4 +1,4 @@
-"""The paper's ablations as ``compare`` arms (``empo2.experiments.arms``): each arm's runs get its algorithm and
+"""The paper's ablations as ``compare`` arms (``empo2.experiments.arm_runs``): each arm's runs get its algorithm and
 settings, ``report`` and compare's summary label them by the arm, the paired differences against full EMPO² pair
 seeds by ``train.seed``, and a wrong arm or a config that contradicts it is one line, exit 2.
 
@@ -68,8 +68,8 @@ def test_every_arm_but_the_novelty_ones_runs_without_the_bonus(tmp_path):
     """Arms differ in their method only: on a config with a novelty bonus (weight 5, or the linear schedule), every
     compare arm runs without it except EMPO²'s and the ``+novelty`` / ``-novelty`` ones, and each says so."""
     from empo2.algo.registry import ALGORITHMS
-    from empo2.experiments.arms import ARMS as REGISTRY
-    from empo2.experiments.arms import arm_settings
+    from empo2.experiments.arm_runs import ARMS as REGISTRY
+    from empo2.experiments.arm_runs import arm_settings
     from empo2.experiments.compare import plan_runs
     from empo2.experiments.report import method_label
 
@@ -102,10 +102,10 @@ def test_every_arm_but_the_novelty_ones_runs_without_the_bonus(tmp_path):
 
 
 def test_arm_settings_list_reward_loss_and_the_official_runs_they_differ_from():
-    from empo2.experiments.arms import arm_settings, settings_line
+    from empo2.experiments.arm_runs import arm_settings, settings_line
 
     def settings(algo, *overrides):
-        from empo2.experiments.arms import arm_overrides
+        from empo2.experiments.arm_runs import arm_overrides
 
         return arm_settings(Config.load("configs/scienceworld_reach_cpu.yaml", [*arm_overrides(algo), *overrides]).algo)
 
@@ -172,7 +172,7 @@ def test_arm_errors_are_one_line_exit_2(tmp_path, capsys):
 
 
 def test_compare_help_lists_every_arm(capsys, monkeypatch):
-    from empo2.experiments.arms import ARMS as REGISTRY
+    from empo2.experiments.arm_runs import ARMS as REGISTRY
 
     monkeypatch.setenv("COLUMNS", "2000")  # argparse wraps at the terminal width, also inside hyphenated names
     with pytest.raises(SystemExit):
@@ -227,7 +227,7 @@ def test_report_and_summary_pair_each_ablation_with_full_empo2(tmp_path, capsys)
     assert all(f"{arm} (n=3)" in md and f"| {arm} − empo2 | 3 |" in md for arm in ARMS[1:])
     summary_md = (tmp_path / "cmp" / "summary.md").read_text()
     assert "| empo2-no-offpolicy − empo2 | 3 |" in summary_md
-    from empo2.experiments.arms import ARMS as REGISTRY
+    from empo2.experiments.arm_runs import ARMS as REGISTRY
 
     for text in (md, summary_md):  # each table says what its ablations are
         assert all(f"`{arm}`: {REGISTRY[arm].what}" in text for arm in ARMS[1:])

@@ -177,7 +177,7 @@ class _Simulator:
 
 def test_an_answer_is_replayed_by_its_reading_not_its_position():
     from empo2.envs.scienceworld import ScienceWorldEnv
-    from empo2.envs.scienceworld_text import readings_of
+    from empo2.envs.scienceworld.text import readings_of
 
     head = "Ambiguous request: Please enter the number for the action you intended (or blank to cancel):\n"
     first = head + "0:\topen drawer (in cupboard, in kitchen)\n1:\topen drawer (in counter, in kitchen)\n"

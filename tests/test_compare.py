@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-import tdist
 from empo2 import machine
 from empo2.cli import main
 from empo2.config import Config, ConfigError
@@ -30,11 +29,12 @@ from empo2.experiments.compare import (
 )
 from empo2.experiments.compare_summary import aggregate, summary_markdown
 from empo2.rundir import checkpoint as ckpt
+from helpers import tdist
 
 WEBSHOP = ["--allow-unreachable", "--config", "configs/webshop_cpu.yaml"]  # 2-step caps: plumbing, not a measurement
 TINY = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "train.iterations=2",
         "train.eval_every=1", "policy.few_shot=0", "policy.max_completion_length=6", "policy.history_window=1",
-        "policy.reflection_max_tokens=8", "train.progress=false", "train.tensorboard=false",
+        "policy.reflection_max_tokens=8", "train.progress=false", "train.report_to=none",
         "train.sample_trajectories=0"]
 ALGOS = ("grpo", "empo2")
 

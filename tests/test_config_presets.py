@@ -28,8 +28,11 @@ def flat(sections: dict) -> dict:
 
 
 def forward(sections: dict) -> dict:
-    """A resolved config from before the renames, under the current names (a method's options spelled out)."""
-    return flat_settings(sections)
+    """A resolved config from before the renames, under the current names (a method's options spelled out; a
+    ``train.tensorboard: true`` folded into ``train.report_to``, where it changes nothing)."""
+    out = flat_settings(sections)
+    assert out.pop("train.tensorboard", True) is True
+    return out
 
 
 def load(*args) -> tuple[Config, list[str]]:
@@ -131,7 +134,7 @@ def test_a_saved_run_config_with_the_old_names_loads_to_the_same_values(tmp_path
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(BEFORE["scienceworld_evidence_cpu.yaml"], sort_keys=False))
     cfg, renamed = load(tmp_path / "config.yaml", ["train.num_iterations=3"])
     want = forward(BEFORE["scienceworld_evidence_cpu.yaml"]) | {"train.ppo_epochs": 3}
-    assert forward(cfg.to_dict()) == want and len(renamed) == len(RENAMED)  # it holds every old name
+    assert forward(cfg.to_dict()) == want and len(renamed) == len(RENAMED) + 1  # every old name, and tensorboard
     assert load(tmp_path / "config.yaml")[1] == []  # read again (a resume reads it twice): warned once per process
     with warnings.catch_warnings(record=True) as caught:  # a finished run's record: read as is, nothing to rename
         warnings.simplefilter("always")
@@ -164,6 +167,32 @@ def test_old_and_new_names_that_agree_or_sit_in_different_files_load(tmp_path):
     (tmp_path / "child.yaml").write_text("base: base.yaml\nalgo: {low_prob_threshold: 0.0}\n")
     cfg, renamed = load(tmp_path / "child.yaml", ["algo.delta=0.0"])  # the preset states the new name: it wins
     assert cfg.algo.low_prob_threshold == 0.0 and cfg.train.ppo_epochs == 2 and len(renamed) == 2
+
+
+@pytest.mark.parametrize("text, report_to", [
+    ("train: {report_to: [wandb, tensorboard], tensorboard: false}\n", ["wandb"]),
+    ("train: {tensorboard: false, report_to: [tensorboard]}\n", ["none"]),  # a saved run's order: read as a whole
+    ("train: {tensorboard: true, report_to: [wandb]}\n", ["wandb"]),  # true only allowed what report_to named
+    ("train: {tensorboard: true}\n", ["tensorboard"]),
+])
+def test_the_old_tensorboard_switch_is_read_into_report_to_with_one_warning(tmp_path, text, report_to):
+    (tmp_path / "c.yaml").write_text(text)
+    cfg, renamed = load(tmp_path / "c.yaml")
+    assert cfg.train.report_to == report_to
+    assert renamed == [f"train.tensorboard is now part of train.report_to: {tmp_path / 'c.yaml'} uses the old key, "
+                       "read into train.report_to (state it there)"]
+    assert "tensorboard:" not in yaml.safe_dump(cfg.to_dict())  # saved again: report_to only
+
+
+def test_an_old_tensorboard_override_reads_the_report_to_its_files_set(tmp_path):
+    (tmp_path / "c.yaml").write_text("train: {report_to: [mlflow, tensorboard]}\n")
+    assert load(tmp_path / "c.yaml", ["tensorboard=off"])[0].train.report_to == ["mlflow"]
+    assert load(None, ["train.tensorboard=false"])[0].train.report_to == ["none"]
+
+
+def test_an_old_tensorboard_switch_that_is_not_a_bool_is_one_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"^train.tensorboard must be true or false, got 'maybe'$"):
+        load(None, ["train.tensorboard=maybe"])
 
 
 def test_the_cli_prints_one_warning_line_per_old_name(tmp_path, capsys):
@@ -230,7 +259,8 @@ def test_a_run_saved_before_the_renames_resumes_and_its_checkpoint_is_still_comp
     run = tmp_path / "run"
     (run / "checkpoints" / "iter_000000").mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(old, sort_keys=False))
-    settings = {k: v for k, v in flat(old).items() if k not in RESUME_SAFE}  # as the checkpoint's version digested
+    resume_safe = RESUME_SAFE | {"train.tensorboard"}  # that version's (tensorboard was a key of its own)
+    settings = {k: v for k, v in flat(old).items() if k not in resume_safe}  # as the checkpoint's version digested
     state = {"config": old, "settings_digest": hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()}
     (run / "checkpoints" / "iter_000000" / "state.json").write_text(json.dumps(state))
     cfg, _ = load(run / "config.yaml", ["train.iterations=6"])

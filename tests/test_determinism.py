@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from empo2 import Config, Trainer, machine
 from empo2.envs.factory import make_env_kwargs
-from empo2.envs.registry import get_env_spec
+from empo2.envs.specs import get_env_spec
 from empo2.memory.embedder import get_embedder
 from empo2.memory.store import TipMemory
 
@@ -31,7 +31,7 @@ SMALL = ["env.tasks=[find-animal]", "env.train_variations=2", "env.eval_variatio
          "algo.name=empo2", "algo.num_generations=2", "algo.p_memory=1.0", "algo.p_off_policy=0.5",
          "algo.intrinsic_weight=1.0", "algo.novelty_threshold=1.0", "train.iterations=2", "train.tasks_per_batch=1",
          "policy.few_shot=1", "policy.max_completion_length=8", "policy.reflection_max_tokens=12",
-         "train.progress=false", "train.tensorboard=false", "train.report_to=none",
+         "train.progress=false", "train.report_to=none",
          "algo.low_prob_threshold=0",  # a random model gives each token p ≈ 1/vocab, which the default δ masks
          "train.learning_rate=0.01"]  # the first update moves the policy that iteration 1 samples from
 UNTIMED = ("time", "tokens_per_s", "memory_peak_rss_gb")

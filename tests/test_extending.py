@@ -23,7 +23,7 @@ from empo2.bounds import bounded
 from empo2.cli import main
 from empo2.config import Config, ConfigError
 from empo2.envs import EnvSpec, StepResult, register_env
-from empo2.envs.registry import ENVIRONMENTS
+from empo2.envs.specs import ENVIRONMENTS
 from empo2.episodes.rollout import run_episodes
 
 
@@ -130,7 +130,7 @@ def test_toy_algorithm_and_environment_train_without_editing_src(tmp_path, tiny_
     rc = main(["train", f"train.output_dir={run}", "env.name=two-doors", "algo.name=toy_reinforce",
                f"policy.model={tiny_model}", "algo.num_generations=4", "train.tasks_per_batch=2",
                "train.iterations=1", "env.eval_variations=2", "policy.few_shot=0", "policy.max_completion_length=6",
-               "train.progress=false", "train.tensorboard=false", "train.learning_rate=0.01",
+               "train.progress=false", "train.report_to=none", "train.learning_rate=0.01",
                "train.mini_batch_size=3"])
     assert rc == 0
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])

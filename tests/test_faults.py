@@ -34,12 +34,12 @@ from empo2.cli import main
 from empo2.config import Config
 from empo2.memory.store import MemoryStoreError, TipMemory
 from empo2.rundir.runlock import LOCK_NAME, RunLock
-from processes import cli_env
+from helpers.processes import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
         "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
-        "train.progress=false", "train.tensorboard=false", "algo.p_memory=1.0"]
+        "train.progress=false", "train.report_to=none", "algo.p_memory=1.0"]
 
 
 # ------------------------------------------------------------------------------------------------------ helpers
@@ -460,7 +460,7 @@ def test_memory_search_odd_text(memory_run):
 
 
 def test_query_text_replaces_undecodable_bytes():
-    from empo2.memory.cli import MemoryCliError, query_text
+    from empo2.memory.commands import MemoryCliError, query_text
 
     raw = b"frog \xff\xfe\x80".decode("utf-8", "surrogateescape")  # what Python makes of such argv bytes
     assert query_text(raw) == "frog \ufffd\ufffd\ufffd"

@@ -33,14 +33,14 @@ from empo2.memory.sqlite_file import check_file
 from empo2.rundir import checkpoint as ckpt
 from empo2.rundir.resume import RESUME_SAFE, changed_keys, check_checkpoint_settings, memory_digest
 from empo2.rundir.runlock import LOCK_NAME
-from processes import cli_env
+from helpers.processes import cli_env
 
 REPO = Path(__file__).resolve().parents[1]
-HOLD = Path(__file__).with_name("phase_hold.py")
+HOLD = Path(__file__).parent / "helpers" / "phase_hold.py"
 CONFIG = "configs/scienceworld_cpu.yaml"
 SMALL = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
          "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
-         "train.progress=false", "train.tensorboard=false"]
+         "train.progress=false", "train.report_to=none"]
 FAST = [*SMALL, "algo.p_memory=1.0"]
 
 
@@ -48,7 +48,7 @@ FAST = [*SMALL, "algo.p_memory=1.0"]
 class Run:
     """``python -m empo2.cli -v ARGS`` in its own session; stdout and stderr are read line by line as they come, and
     every process below it (environment workers, JVMs) is remembered so that the test can check none outlives it.
-    ``hold``: a phase the process stays in until a signal comes (tests/phase_hold.py). ``env``: the child's
+    ``hold``: a phase the process stays in until a signal comes (tests/helpers/phase_hold.py). ``env``: the child's
     environment, by default :func:`processes.cli_env` (it starts on jemalloc without re-executing itself)."""
 
     def __init__(self, *args: str, verbose: bool = True, hold: str | None = None, env: dict | None = None):
@@ -587,7 +587,7 @@ def test_a_hand_edited_config_and_unused_flags_are_refused_on_resume(tmp_path, t
 def test_which_resume_overrides_are_allowed(tiny_model):
     base = [f"policy.model={tiny_model}", *FAST]
     saved = Config.load(REPO / CONFIG, base)
-    allowed = ["train.iterations=12", "train.progress=true", "train.eval_every=2", "train.tensorboard=true",
+    allowed = ["train.iterations=12", "train.progress=true", "train.eval_every=2", "train.report_to=none",
                "train.save_every=3", "train.output_dir=/elsewhere", "train.preempt_save=true", "policy.device=cpu"]
     assert changed_keys(saved, Config.load(REPO / CONFIG, [*base, *allowed])) == []
     refused = {"policy.model=smollm2-135m": "policy.model", "algo.num_generations=3": "algo.num_generations",

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from empo2.rundir import checkpoint as ckpt
-from faults_input_helpers import empo2, one_line, tree
+from helpers.faults_input import empo2, one_line, tree
 from test_faults import corrupt
 from test_faults_cluster import CONFIG, FAST, REPO, _unprefixed, iterations, resume, train
 

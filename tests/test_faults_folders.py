@@ -17,8 +17,8 @@ import time
 
 from empo2.config import Config
 from empo2.rundir.runlock import LOCK_NAME, RUN_MARKER
-from faults_input_helpers import CPU, FAST, REPO, empo2, memory_file, one_line, tree
-from processes import cli_env
+from helpers.faults_input import CPU, FAST, REPO, empo2, memory_file, one_line, tree
+from helpers.processes import cli_env
 
 
 # ------------------------------------------------------------------------------------- 1: --overwrite, data loss

@@ -25,7 +25,7 @@ from empo2.config import Config, ConfigError
 from empo2.config_bounds import check_machine_limits
 from empo2.memory.schema import create_schema, new_meta
 from empo2.memory.store import MemoryStoreError, TipMemory
-from faults_input_helpers import CPU, FAST, REPO, empo2, memory_file, one_line, sha
+from helpers.faults_input import CPU, FAST, REPO, empo2, memory_file, one_line, sha
 
 
 # --------------------------------------------------------------------------------- 1: a model folder's own code
@@ -71,12 +71,12 @@ def test_a_model_folder_with_its_own_code_never_runs_it_unless_trusted(tmp_path,
 
 def test_overrides_are_typed_by_their_field(tmp_path):
     cfg = Config.load(None, ["train.output_dir=/scratch/exp #2", "env.simplification=on", "policy.device=0755",
-                             "policy.lora=off", "train.tensorboard=yes", "train.iterations=0755",
+                             "policy.lora=off", "train.preempt_save=yes", "train.iterations=0755",
                              "train.learning_rate=1e-4", "memory.seed_from=null", "env.max_steps=",
                              "env.step_caps={find-animal: 9}", "tasks=[find-animal, find-plant]"])
     assert cfg.train.output_dir == "/scratch/exp #2"
     assert cfg.env.simplification == "on" and cfg.policy.device == "0755"
-    assert cfg.policy.lora is False and cfg.train.tensorboard is True and cfg.train.iterations == 755
+    assert cfg.policy.lora is False and cfg.train.preempt_save is True and cfg.train.iterations == 755
     assert cfg.train.learning_rate == 1e-4 and cfg.memory.seed_from is None and cfg.env.max_steps is None
     assert cfg.env.step_caps == {"find-animal": 9} and cfg.env.tasks == ["find-animal", "find-plant"]
     path = tmp_path / "c.yaml"  # a YAML file's plain scalars are typed by the field too

@@ -1,4 +1,4 @@
-"""Gold path lengths (``empo2.envs.gold``) on the real simulators, and the reachability guard of eval and compare.
+"""Gold path lengths (``empo2.envs.gold``, ``empo2.envs.scienceworld.gold``) on the real simulators, and the reachability guard of eval and compare.
 
 The lengths are checked against the ``scienceworld`` package driven directly (its own ``step``, no code of ours); the
 cache test makes a second JVM impossible by replacing our environment's constructor with one that raises.
@@ -14,6 +14,7 @@ from empo2.cli import main
 from empo2.config import Config
 from empo2.envs import gold
 from empo2.envs.base import EnvError
+from empo2.envs.scienceworld import gold as sw_gold
 
 
 def _simulator_steps(task: str, variation: int) -> int | None:
@@ -44,7 +45,7 @@ def test_gold_lengths_match_the_simulator_and_a_second_call_starts_no_jvm(tmp_pa
     first = gold.reachability(env_cfg, ["find-animal"], "test", 1, say=lambda _: None)
     assert [(p.task, p.cap, p.fits) for p in first] == [("find-animal", 12, p.steps <= 12) for p in first]
     assert [p.steps for p in first] == [_simulator_steps(p.task, p.variation) for p in first]
-    cached = json.loads(gold.scienceworld_cache_path().read_text())
+    cached = json.loads(sw_gold.cache_path().read_text())
     assert cached["splits"]["find-animal"]["test"][0] == first[0].variation
     assert cached["paths"][f"find-animal|{first[0].variation}|easy"]["java"][:2].isdigit()  # e.g. 17.0.15
 
@@ -95,7 +96,7 @@ def test_ambiguity_answers_and_steps_after_success_are_not_counted(tmp_path, mon
     # grow-plant's gold path holds a bare "0" (an ambiguity answer) and trailing waits after the task completes
     (path,) = gold.reachability(env_cfg, ["grow-plant"], "test", 1, say=lambda _: None)
     assert path.steps == _simulator_steps("grow-plant", path.variation)
-    raw = json.loads(gold.scienceworld_cache_path().read_text())["paths"][f"grow-plant|{path.variation}|easy"]["gold"]
+    raw = json.loads(sw_gold.cache_path().read_text())["paths"][f"grow-plant|{path.variation}|easy"]["gold"]
     assert raw > path.steps + 1
 
 

@@ -15,7 +15,7 @@ from empo2.parallel import sharding
 from empo2.parallel.distributed import Dist, process_group_backend
 from empo2.policy import fsdp_save
 from empo2.policy.backend import VLLM_LORA_RANKS, check_lora_rank
-from empo2.policy.errors import BackendError
+from empo2.policy.backend_error import BackendError
 from empo2.policy.vllm_backend import engine_kwargs
 from empo2.rundir import checkpoint as ckpt
 from empo2.train import update as update_module

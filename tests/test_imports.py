@@ -38,8 +38,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 """Rooms by floor, lowest first. A room is a top-level module or subpackage of ``empo2`` (``empo2`` itself is its
 ``__init__``), or a group named in :data:`ROOM_OF`."""
 ROOM_OF = {"config_bounds": "config", "config_presets": "config", "config_renames": "config",
-           "config_sections": "config", "config_values": "config", "cli_parser": "cli", "cli_policy": "cli"}
-"""Top-level files that are part of another name's room: the config's pieces and the CLI's parser."""
+           "config_sections": "config", "config_values": "config"}
+"""Top-level files that are part of another name's room: the config's pieces."""
 
 
 def module_files(src: Path = SRC) -> dict[str, Path]:
@@ -171,8 +171,20 @@ def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     return sorted(found)
 
 
+def shared_file_names(modules: dict[str, Path]) -> dict[str, list[str]]:
+    """``{file name: its modules}`` for each file name that modules of more than one room share (a package's
+    ``__init__.py`` and ``__main__.py`` excepted); files of one room may share a name (each environment's
+    ``env.py``)."""
+    by_name: dict[str, dict[str, list[str]]] = {}
+    for module, path in modules.items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, {}).setdefault(room_of(module), []).append(module)
+    return {name: sorted(m for found in rooms.values() for m in found) for name, rooms in by_name.items()
+            if len(rooms) > 1}
+
+
 def describe_edge(module: str, target: str) -> str:
-    """One upward import with the rooms and floors it joins: ``empo2.config -> empo2.experiments.arms (config, floor
+    """One upward import with the rooms and floors it joins: ``empo2.config -> empo2.experiments.arm_runs (config, floor
     3 -> experiments, floor 5)``."""
     here, there = room_of(module), room_of(target)
     return f"{module} -> {target} ({here}, floor {floor_of(here)} -> {there}, floor {floor_of(there)})"
@@ -221,7 +233,7 @@ def test_every_floor_is_checked_in_both_directions():
                 assert found == [(importer, imported)], (low, high)
             else:
                 assert found == [], (low, high)
-    assert upward_imports({"empo2.config_bounds": {"empo2.config"}, "empo2.cli": {"empo2.cli_parser"},
+    assert upward_imports({"empo2.config_bounds": {"empo2.config"}, "empo2.cli.app": {"empo2.cli.parser"},
                            "empo2.envs.a": {"empo2.envs"}}) == []  # one room's own files
     assert upward_imports({"empo2.signals": {"empo2.rundir.checkpoint"}}) == [("empo2.signals", "empo2.rundir.checkpoint")]
     assert unplaced({"empo2.newroom": set(), "empo2.config_new": set(), "empo2.cli": set()}) == ["empo2.config_new",
@@ -237,6 +249,17 @@ def test_no_import_runs_up_a_floor():
     found = upward_imports(import_graph())
     assert not found, "imports of a room on the importer's floor or above:\n" + \
         "\n".join(describe_edge(m, t) for m, t in found)
+
+
+def test_no_two_rooms_hold_a_file_of_the_same_name():
+    """A file's name says which module it is: a ``report.py`` in two rooms makes an import, a traceback or a search
+    ambiguous."""
+    sample = {"empo2.memory.report": Path("memory/report.py"), "empo2.experiments.report": Path("experiments/report.py"),
+              "empo2.envs.a.env": Path("envs/a/env.py"), "empo2.envs.b.env": Path("envs/b/env.py"),
+              "empo2.cli": Path("cli/__init__.py"), "empo2.envs": Path("envs/__init__.py")}
+    assert shared_file_names(sample) == {"report.py": ["empo2.experiments.report", "empo2.memory.report"]}
+    found = shared_file_names(module_files())
+    assert not found, f"file names shared by rooms (rename the less central one): {found}"
 
 
 def private_names_used(source: str) -> list[str]:
@@ -262,7 +285,8 @@ def test_tests_reach_the_package_through_public_names_only():
               "signals._state['x']\ncli.main\ncli._train_config\nrecord.__doc__\nobj._hidden\n")
     assert sorted(private_names_used(sample)) == ["cli._train_config", "empo2.machine._commit", "signals._state"]
     tests = Path(__file__).resolve().parent
-    found = {f.name: names for f in sorted(tests.glob("*.py")) if (names := private_names_used(f.read_text()))}
+    found = {str(f.relative_to(tests)): names for f in sorted(tests.rglob("*.py"))
+             if (names := private_names_used(f.read_text()))}
     assert not found, f"tests reaching private names (make them public or test through a public one): {found}"
 
 

@@ -14,7 +14,7 @@ from empo2.algo.advantages import AdvantageInput, compute_advantages
 from empo2.algo.losses import get_policy_loss
 from empo2.algo.luffy import LuffyOptions
 from empo2.config_sections import algo_config
-from empo2.envs.scienceworld import replayable_gold
+from empo2.envs.actions import replayable_gold
 from empo2.episodes.expert import ExpertPlayer, expert_generation
 
 AUTO_ANSWER = "0"  # how ScienceWorld's gold paths answer an ambiguity prompt
@@ -292,9 +292,9 @@ def test_compare_summary_counts_expert_steps_apart():
 def test_train_algo_names_what_compare_algos_names(tmp_path, capsys):
     """``train --algo luffy`` runs the ``luffy`` arm (LUFFY as its script runs it), as ``compare --algos luffy`` does;
     an override that contradicts the arm is refused at load; ``--algo NAME+ESTIMATOR`` sets the estimator."""
-    from empo2.cli import main, train_config
-    from empo2.cli_parser import parse_cli
-    from empo2.experiments.arms import arm_overrides
+    from empo2.cli import main, parse_cli
+    from empo2.cli.training import train_config
+    from empo2.experiments.arm_runs import arm_overrides
 
     args = parse_cli(["train", "--config", "configs/scienceworld_evidence_cpu.yaml", "--algo", "luffy",
                       "--output-dir", str(tmp_path / "a")])

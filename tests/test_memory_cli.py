@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from empo2.memory.cli import add_memory_parser, run_memory_command
+from empo2.memory.commands import add_memory_parser, run_memory_command
 from empo2.memory.store import TipMemory
 
 TIPS = {  # namespace -> [(state, tip, utility)]
@@ -114,7 +114,7 @@ def test_module_entry_point(run_dir):
     import subprocess
     import sys
 
-    res = subprocess.run([sys.executable, "-m", "empo2.memory.cli", "memory", "stats", "--json", "--db", str(run_dir)],
+    res = subprocess.run([sys.executable, "-m", "empo2.memory.commands", "memory", "stats", "--json", "--db", str(run_dir)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and json.loads(res.stdout)["tips"] == 3
 

@@ -17,19 +17,19 @@ from peft import PeftModel
 
 from empo2 import Config, Trainer
 from empo2.cli import build_parser, main
-from empo2.cli_policy import policy_context
+from empo2.cli.policy import policy_context
 from empo2.episodes.evaluate import EvalPlan, play_split
 from empo2.experiments import adapt
 from empo2.experiments.report import method_label
 from empo2.policy.loader import load_model
 from empo2.rundir.checkpoint import latest_checkpoint
-from signal_env import ChecksumRoom, checksum_room
+from helpers.signal_env import ChecksumRoom, checksum_room
 
 WEBSHOP = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "policy.max_completion_length=8",
-           "policy.reflection_max_tokens=8", "train.progress=false", "train.iterations=1", "train.tensorboard=false"]
+           "policy.reflection_max_tokens=8", "train.progress=false", "train.iterations=1", "train.report_to=none"]
 SCIWORLD = ["env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "policy.few_shot=0",
             "policy.max_completion_length=8", "policy.reflection_max_tokens=16", "train.progress=false",
-            "train.iterations=1", "train.tensorboard=false"]
+            "train.iterations=1", "train.report_to=none"]
 COMPARE = {"gigpo-seed0": ["algo.name=gigpo"], "empo2-seed0": ["algo.name=empo2", "algo.advantage=gigpo",
                                                                   "algo.p_memory=1.0"],
            "grpo-seed0": ["algo.name=grpo"], "grpo-seed1": ["algo.name=grpo", "train.seed=1", "env.seed=1"]}

@@ -2,7 +2,7 @@
 ``policy.autocast: auto`` picks bfloat16 only where the hardware has it, and a run records the choice.
 
 The training run uses the tiny random Llama (``conftest.tiny_model``), full fine-tuning, CPU autocast to bfloat16,
-on ChecksumRoom (tests/signal_env.py), whose groups always carry a signal.
+on ChecksumRoom (tests/helpers/signal_env.py), whose groups always carry a signal.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from empo2.policy import precision
 
 FAST = ["--config", "configs/scienceworld_cpu.yaml", "--algo", "grpo", "env.tasks=[find-animal]", "env.max_steps=2",
         "env.eval_variations=1", "algo.num_generations=2", "policy.few_shot=0", "policy.max_completion_length=8",
-        "train.progress=false", "train.tensorboard=false", "algo.intrinsic_weight=1.0", "algo.low_prob_threshold=0.0",
+        "train.progress=false", "train.report_to=none", "algo.intrinsic_weight=1.0", "algo.low_prob_threshold=0.0",
         "train.iterations=2", "train.learning_rate=1.0e-6", "policy.lora=false", "algo.novelty_threshold=1.0"]
 # every distinct state text counts as new: in two steps a tiny model rarely leaves its room, and at the default
 # 0.9 its states all look alike, which would leave the group no signal
@@ -45,7 +45,7 @@ def test_bf16_compute_at_lr_1e6_changes_fp32_weights(tmp_path, tiny_model, embed
     iterations through the Python API in this process, on ChecksumRoom (every group has a signal, so every
     iteration steps), then the checkpoint the trainer writes after them."""
     from empo2 import Config, Trainer
-    from signal_env import ChecksumRoom, checksum_room
+    from helpers.signal_env import ChecksumRoom, checksum_room
 
     with checksum_room():
         cfg = Config.load(None, ["env.name=checksum-room", "algo.name=grpo", "algo.num_generations=4",

@@ -302,7 +302,7 @@ def test_two_ranks_fit_tfidf_on_the_whole_batch():
 @pytest.mark.slow
 def test_two_gloo_ranks_match_one_rank(tmp_path):
     """The same through real gloo collectives (``Dist.all_gather``) under torchrun with 2 ranks."""
-    worker = Path(__file__).with_name("proxmo_rank_worker.py")
+    worker = Path(__file__).parent / "helpers" / "proxmo_rank_worker.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path("src").resolve())}
     subprocess.run([sys.executable, str(worker), str(tmp_path / "one.json")], env=env, check=True, timeout=300)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker),

@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")  # in the dev extra; skipped (= not tested) onl
 import empo2  # noqa: E402
 from empo2.envs.failures import Failure  # noqa: E402
 from empo2.envs.ray_pool import RayEnvPool  # noqa: E402
-from signal_env import checksum_room  # noqa: E402
+from helpers.signal_env import checksum_room  # noqa: E402
 
 TASK = "find-animal"
 
@@ -73,7 +73,7 @@ def test_killed_actor_gives_failed_episode_and_a_fresh_actor(local_ray):
 def test_train_with_env_pool_ray_runs_an_iteration_and_the_final_evaluation(tmp_path, tiny_model, embedder, local_ray):
     """``env.pool=ray``, the way docs/scaling.md trains: the trainer builds a RayEnvPool from the config (its build
     and the evaluator ask the pool for variations with ``retries=1``), plays an iteration's episodes on the actors,
-    updates, checkpoints and evaluates. ChecksumRoom (tests/signal_env.py) runs in the actors: Ray's workers import
+    updates, checkpoints and evaluates. ChecksumRoom (tests/helpers/signal_env.py) runs in the actors: Ray's workers import
     it by reference, as spawned worker processes do."""
     run = tmp_path / "run"
     overrides = [f"policy.model={tiny_model}", "env.name=checksum-room", "env.pool=ray", "algo.name=empo2",

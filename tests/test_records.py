@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-import tdist
 from empo2.experiments.compare_summary import rebuild
+from helpers import tdist
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from empo2.agent.reflection import parse_tip, reflection_messages
+from empo2.agent.reflection_prompt import parse_tip, reflection_messages
 
 
 def test_messages_show_task_score_and_recent_steps_only():

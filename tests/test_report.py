@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import tdist
 from empo2.cli import main
 from empo2.config import Config
 from empo2.experiments import adapt, stats
+from helpers import tdist
 
 PERCENT = re.compile(r"[+-]\d+(\.\d+)?%")  # a signed percentage gain (not the "95%" of a CI)
 UNITS = [("t1", 0), ("t1", 1), ("t1", 2), ("t2", 0), ("t2", 1), ("t2", 2)]
@@ -236,7 +236,7 @@ def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_p
     """Real WebShop-fixture episodes with the tiny model, 3 variations in chunks of 2: a trial plays with the memory
     it started with (none in trial 0, even for the second chunk), and its sampling is seeded, so the tips, the
     Reflexion and the no-memory control cell play the same trial 0 and a second tips cell repeats the first."""
-    from empo2.cli_policy import policy_context
+    from empo2.cli.policy import policy_context
 
     sizes, retrieved, play = [], [], adapt.play_split
 
@@ -288,7 +288,7 @@ def test_adapt_cells_of_one_model_share_trial_0_and_a_rerun_repeats_a_cell(tmp_p
 def test_adapt_trials_store_one_episode_per_variation(tmp_path, tiny_model):
     """Real WebShop-fixture episodes with the tiny model: each trial stores its episodes, one per task variation, whose
     mean is the trial's score, and the report's CI counts them."""
-    from empo2.cli_policy import policy_context
+    from empo2.cli.policy import policy_context
 
     args = argparse.Namespace(run=None, model=tiny_model, env="webshop", tasks=None, max_steps=2, batch=2)
     cfg, ctx = policy_context(args, tmp_path / "memory.sqlite")

@@ -7,7 +7,7 @@ import pytest
 
 from empo2.envs import make_env
 from empo2.envs.actions import clean_action, correct_action
-from empo2.envs.base import EnvError, TextEnv
+from empo2.envs.base import DEMO_OBS_CHARS, EnvError, TextEnv
 from empo2.envs.scienceworld import (
     TASK_SETS,
     ScienceWorldEnv,
@@ -15,7 +15,6 @@ from empo2.envs.scienceworld import (
     parse_focus_targets,
     step_cap,
 )
-from empo2.envs.scienceworld_text import DEMO_OBS_CHARS
 
 pytestmark = pytest.mark.slow  # real simulators / end-to-end runs: `pytest -m "not slow"` skips them
 

@@ -20,7 +20,7 @@ from empo2.config import Config, ConfigError
 from empo2.envs.actions import replayable_gold
 from empo2.envs.factory import make_env_kwargs
 from empo2.envs.webshop.env import WebShopEnv
-from empo2.experiments.arms import arm_overrides
+from empo2.experiments.arm_runs import arm_overrides
 from empo2.policy.loader import load_model
 from empo2.policy.logprobs import response_logprobs
 from empo2.rundir import warm_start

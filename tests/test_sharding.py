@@ -21,13 +21,13 @@ from safetensors.torch import load_file
 from empo2.cli import main
 from empo2.config import Config, ConfigError
 from empo2.memory.store import TipMemory
-from processes import kill_tree
+from helpers.processes import kill_tree
 
-WORKER = str(Path(__file__).with_name("sharding_worker.py"))
+WORKER = str(Path(__file__).parent / "helpers" / "sharding_worker.py")
 TRAIN_ARGS = ["--config", "configs/scienceworld_cpu.yaml", "env.tasks=[find-animal]", "env.max_steps=2",
               "env.eval_variations=1", "algo.num_generations=2", "train.tasks_per_batch=2", "policy.few_shot=0",
               "policy.max_completion_length=8", "policy.reflection_max_tokens=16", "train.progress=false",
-              "train.tensorboard=false", "algo.intrinsic_weight=1.0", "algo.p_memory=1.0", "algo.p_off_policy=0.5",
+              "train.report_to=none", "algo.intrinsic_weight=1.0", "algo.p_memory=1.0", "algo.p_off_policy=0.5",
               "policy.seeded_sampling=true", "train.keep_checkpoints=5", "algo.low_prob_threshold=0.0",
               "train.sharding=fsdp"]
 

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from empo2.policy.sampling import Sampling
 
-WORKER = str(Path(__file__).with_name("sharding_sync_worker.py"))
+WORKER = str(Path(__file__).parent / "helpers" / "sharding_sync_worker.py")
 IDS = torch.tensor([[1, 5, 9, 42, 7, 3, 11]])
 
 
@@ -227,7 +227,7 @@ def test_one_rank_fsdp_run_samples_from_the_synced_engine(engine, tmp_path, monk
                "algo.p_memory=1.0", "policy.backend=vllm", "train.sharding=fsdp", "policy.autocast=none",
                "env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1",
                "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
-               "train.progress=false", "train.tensorboard=false", "algo.intrinsic_weight=1.0",
+               "train.progress=false", "train.report_to=none", "algo.intrinsic_weight=1.0",
                "algo.novelty_threshold=1.0", "algo.num_generations=4"])  # every new state counts: a group with a signal
     assert rc == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

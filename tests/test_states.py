@@ -12,7 +12,7 @@ from empo2.config import MemoryConfig
 from empo2.config_sections import EnvConfig
 from empo2.envs.factory import make_env_kwargs
 from empo2.envs.pool import EnvPool
-from empo2.envs.scienceworld_text import focused_object, scienceworld_state
+from empo2.envs.scienceworld.text import focused_object, scienceworld_state
 from empo2.episodes.reflection import memory_ops, write_memory_ops
 from empo2.episodes.rollout import RolloutContext, run_episodes
 from empo2.memory.novelty import NoveltyReward

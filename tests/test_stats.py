@@ -11,8 +11,8 @@ import statistics
 import numpy as np
 import pytest
 
-import tdist
 from empo2.experiments import stats
+from helpers import tdist
 
 
 def _paired_reference(a: list[float], b: list[float]) -> tuple[float, float, float, list[float]]:

@@ -212,7 +212,7 @@ def test_a_resumed_run_continues_its_mlflow_run_unless_it_replays_iterations(tmp
 
 def test_trackers_are_imported_only_when_named(tmp_path):
     """A fresh interpreter: the default config writes TensorBoard events and imports neither wandb nor mlflow;
-    ``none`` and ``train.tensorboard=false`` write no events."""
+    ``none`` and the old ``train.tensorboard=false`` (read as ``report_to`` without it) write no events."""
     script = """
 import sys
 from pathlib import Path

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow  # real simulators / end-to-end runs: `pytest -m "
 
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
         "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
-        "train.progress=false", "train.tensorboard=true", "algo.intrinsic_weight=1.0", "algo.novelty_threshold=1.0"]
+        "train.progress=false", "train.report_to=tensorboard", "algo.intrinsic_weight=1.0", "algo.novelty_threshold=1.0"]
 # every distinct state text counts as new: in two steps a tiny model rarely leaves its room, and at the default
 # 0.9 its states all look alike, which would leave the group no signal
 

@@ -1,7 +1,7 @@
 """The Python API: ``empo2.Trainer`` built in this process from a config and its parts, one iteration at a time.
 
 Real parts throughout: the tiny random Llama (SmolLM2's tokenizer) loaded by the real loader, LoRA from the config,
-the real embedder and SQLite memory, and ChecksumRoom (tests/signal_env.py) played in this process through
+the real embedder and SQLite memory, and ChecksumRoom (tests/helpers/signal_env.py) played in this process through
 ``env=ChecksumRoom``, an environment factory: its sampled actions score differently, so every group has a signal.
 """
 
@@ -15,7 +15,7 @@ import torch
 import empo2
 from empo2.envs.local_pool import LocalEnvPool
 from empo2.policy.loader import load_model
-from signal_env import ChecksumRoom, checksum_room
+from helpers.signal_env import ChecksumRoom, checksum_room
 
 # EMPO²'s memory modes only, 2 groups of 4 one-step episodes: 8 rows, 4 optimizer steps of 2 rows each
 SIGNAL = ["env.name=checksum-room", "algo.name=empo2", "algo.p_memory=1.0", "algo.p_off_policy=0.5",

@@ -13,7 +13,7 @@ import importlib
 
 import pytest
 
-from empo2 import cli
+from empo2.cli import app as cli
 from empo2.errors import UserError
 
 USER_ERRORS = [
@@ -26,7 +26,7 @@ USER_ERRORS = [
     ("empo2.memory.store", "MemoryStoreError"),
     ("empo2.memory.validate", "DimensionMismatchError"),
     ("empo2.memory.embedder", "EmbedderError"),
-    ("empo2.memory.cli", "MemoryCliError"),
+    ("empo2.memory.commands", "MemoryCliError"),
     ("empo2.rundir.runlock", "RunLockError"),
     ("empo2.rundir.storage", "RunWriteError"),
 ]

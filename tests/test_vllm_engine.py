@@ -191,7 +191,7 @@ def test_two_iteration_empo2_run_samples_from_the_engine(engine, children_before
                "algo.p_memory=1.0", "policy.backend=vllm", "env.tasks=[find-animal]",
                "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2", "policy.few_shot=0",
                "policy.max_completion_length=8", "policy.reflection_max_tokens=16", "train.progress=false",
-               "train.tensorboard=false", "algo.intrinsic_weight=1.0"])
+               "train.report_to=none", "algo.intrinsic_weight=1.0"])
     assert rc == 0
     # the suite fixes autocast=auto to "none" (conftest), so the engine gets the trainer's float32
     assert dtypes == [("float32", torch.float32)]

@@ -37,7 +37,7 @@ import yaml
 
 from empo2.config_bounds import ConfigError, check_bounds, check_choices, is_options, settings, shown
 from empo2.config_presets import preset_layers
-from empo2.config_renames import forward_flat, new_names, old_name, warn_renamed
+from empo2.config_renames import FOLDED, fold_tensorboard, forward_flat, new_names, old_name, warn_renamed
 from empo2.config_sections import (  # noqa: F401
     AlgoConfig,
     EnvConfig,
@@ -47,7 +47,7 @@ from empo2.config_sections import (  # noqa: F401
     TrainConfig,
     algo_config,
 )
-from empo2.config_values import coerce, read_yaml
+from empo2.config_values import as_bool, coerce, read_yaml
 
 
 @dataclass
@@ -138,12 +138,18 @@ class Config:
     def _set_all(self, pairs: list[tuple[str, Any]], used: dict[str, str], where: str) -> None:
         """Set each ``(key, value)`` of one source (a file, the overrides), typed by its field. A key's old name
         (:data:`~empo2.config_renames.RENAMED`) sets the new one (or ones) and is noted in ``used``; a source that
-        gives both names different values is refused."""
+        gives both names different values is refused. An old key folded into another's value
+        (:data:`~empo2.config_renames.FOLDED`) applies after the source's other keys, so that it reads the value they
+        set."""
         written: dict[str, tuple[str | None, Any]] = {}  # dotted key -> (old name it was given by, value)
+        folded: dict[str, Any] = {}
         for key, value in self._spelled_out(pairs):
             old = None if self._knows(key) else old_name(key)
             if old is not None:
                 used.setdefault(old, where)
+            if old in FOLDED:
+                folded[old] = value
+                continue
             for target in new_names(old) if old else (key,):
                 path = self.resolve_key(target)
                 dotted, now = ".".join(path), self._assign(path, value)
@@ -152,6 +158,9 @@ class Config:
                     raise ConfigError(f"{where} gives both {old or earlier[0]} and its new name {dotted}, with "
                                       f"different values ({shown(earlier[1])} and {shown(now)}); keep only {dotted}")
                 written[dotted] = (old, now)
+        if "train.tensorboard" in folded:
+            tensorboard = as_bool("train.tensorboard", folded["train.tensorboard"])
+            self.train.report_to = fold_tensorboard(self.train.report_to, tensorboard)
 
     def _spelled_out(self, pairs: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         """The pairs, a method's options given as one mapping (``algo: {gigpo: {gamma: 0.9}}`` in a file) spelled
@@ -238,7 +247,7 @@ class Config:
         from empo2.algo.losses import POLICY_LOSSES
         from empo2.algo.registry import ALGORITHMS
         from empo2.envs.base import EnvError
-        from empo2.envs.registry import get_env_spec
+        from empo2.envs.specs import get_env_spec
         from empo2.memory.store import EVICTION_POLICIES
         from empo2.policy.backend import BACKENDS
 

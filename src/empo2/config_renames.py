@@ -35,17 +35,18 @@ class ConfigRenameWarning(UserWarning):
 
 
 def new_names(old: str) -> tuple[str, ...]:
-    """The current dotted names the old name ``old`` sets."""
-    new = RENAMED[old]
+    """The current dotted names the old name ``old`` sets (or, for a folded one, reads into)."""
+    new = RENAMED.get(old) or FOLDED[old]
     return (new,) if isinstance(new, str) else new
 
 
 def old_name(key: str) -> str | None:
-    """The old dotted name ``key`` stands for, written dotted (``algo.delta``) or bare (``delta``) when only one old
-    name ends so; ``None`` for any other key."""
-    if key in RENAMED:
+    """The old dotted name ``key`` stands for (renamed or folded), written dotted (``algo.delta``) or bare (``delta``)
+    when only one old name ends so; ``None`` for any other key."""
+    olds = [*RENAMED, *FOLDED]
+    if key in olds:
         return key
-    matches = [old for old in RENAMED if old.split(".", 1)[1] == key]
+    matches = [old for old in olds if old.split(".", 1)[1] == key]
     return matches[0] if len(matches) == 1 else None
 
 
@@ -68,7 +69,22 @@ def warn_renamed(used: dict[str, str]) -> None:
         if (old, where) in _WARNED:
             continue
         _WARNED.add((old, where))
-        new = " and ".join(new_names(old))
-        warnings.warn(f"{old} is now called {new}: {where} uses the old name, read as {new} (rename it there)",
-                      ConfigRenameWarning, stacklevel=3)
+        if old in RENAMED:
+            new = " and ".join(new_names(old))
+            message = f"{old} is now called {new}: {where} uses the old name, read as {new} (rename it there)"
+        else:
+            message = (f"{old} is now part of {FOLDED[old]}: {where} uses the old key, read into {FOLDED[old]} "
+                       "(state it there)")
+        warnings.warn(message, ConfigRenameWarning, stacklevel=3)
     used.clear()
+
+
+FOLDED: dict[str, str] = {"train.tensorboard": "train.report_to"}
+"""Old dotted name → the current key its value is folded into (:func:`fold_tensorboard`), once the other keys of its
+source are set."""
+
+
+def fold_tensorboard(report_to: list[str], tensorboard: bool) -> list[str]:
+    """``train.report_to`` under the old ``train.tensorboard``: false leaves TensorBoard out (``none`` when no tracker
+    is left); true changes nothing, since TensorBoard ran only where ``report_to`` named it."""
+    return list(report_to) if tensorboard else [n for n in report_to if n != "tensorboard"] or ["none"]

@@ -384,9 +384,6 @@ class TrainConfig:
     """Warn when this many consecutive iterations had zero advantage in every group."""
     sample_trajectories: int = bounded(4, 0, 1_000_000)
     """Episodes written to ``trajectories.jsonl`` per iteration."""
-    tensorboard: bool = True
-    """Write TensorBoard events to ``RUN/tb`` when ``report_to`` names ``tensorboard`` (its default); false leaves
-    TensorBoard out whatever ``report_to`` says."""
     progress: bool = True
     """Show progress: a bar on a terminal; where output goes to a file, a plain line as each stage (rollouts, update,
     an eval) starts and ends, and at most once a minute between."""

@@ -95,7 +95,7 @@ def _names(key: str, value: Any) -> list[str]:
     return value
 
 
-def _bool(key: str, value: Any) -> bool:
+def as_bool(key: str, value: Any) -> bool:
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
     if isinstance(value, bool):
@@ -169,6 +169,6 @@ def _table_of_ints(key: str, value: Any) -> dict[str, dict[str, int]]:
     return out
 
 
-_PARSERS = (("list", _names), ("dict[str, dict", _table_of_ints), ("dict", _mapping_of_ints), ("bool", _bool), ("int", _int), ("float", _float),
+_PARSERS = (("list", _names), ("dict[str, dict", _table_of_ints), ("dict", _mapping_of_ints), ("bool", as_bool), ("int", _int), ("float", _float),
             ("str", _text), ("Literal", _text))
 """How a field's value is read, by the start of its annotation."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from empo2.envs.actions import clean_action
-from empo2.envs.registry import get_env_spec
+from empo2.envs.specs import get_env_spec
 
 
 @dataclass

@@ -4,7 +4,7 @@ its method's official runs).
 
 A config that names an arm (``algo.arm``) is checked at load (:func:`check_arm`): it must hold the arm's algorithm and
 settings, so a label never says one thing while the run did another. The table lives here, below the config, because
-the config checks it; :mod:`empo2.experiments.arms` turns it into comparison runs and report labels. Nothing here
+the config checks it; :mod:`empo2.experiments.arm_runs` turns it into comparison runs and report labels. Nothing here
 imports the config; it takes the ``algo`` section as an argument.
 
 Arms differ in their method only: the novelty bonus is EMPO²'s (its ``AlgorithmSpec.novelty``), so every other

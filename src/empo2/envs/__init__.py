@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from empo2.envs.base import EnvError, StepResult, TextEnv
-from empo2.envs.registry import EnvSpec, env_names, get_env_spec, register_env
+from empo2.envs.specs import EnvSpec, env_names, get_env_spec, register_env
 
 
 def make_env(name: str, **kwargs: Any) -> TextEnv:

@@ -5,6 +5,10 @@ Environments know nothing of models: they take an action string and return text.
 
 from __future__ import annotations
 
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +45,16 @@ def state_of(observation: str, info: dict[str, Any]) -> str:
     if isinstance(state, str) and state.strip():
         return state
     return " ".join(str(observation).split())
+
+
+DEMO_OBS_CHARS = 160
+"""Longest observation line a demonstration shows."""
+
+
+def short_line(text: str, limit: int = DEMO_OBS_CHARS) -> str:
+    """One line, at most ``limit`` characters (an observation in a demonstration)."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @runtime_checkable
@@ -88,3 +102,31 @@ def stop_java_simulator(sim) -> None:
     except Exception:
         proc.kill()
         proc.wait(timeout=5)
+
+
+def start_java_simulator(start: Callable[[], Any], name: str, java_options: str | None, hint: str) -> Any:
+    """``start()``, a simulator constructor that starts its own JVM, with ``java_options`` in ``JAVA_TOOL_OPTIONS``
+    (after the user's, so theirs win); no ``java`` on PATH, or a JVM that does not start, is one :class:`EnvError`
+    ending in ``hint``."""
+    if shutil.which("java") is None:
+        raise EnvError(f"java not found. {hint}")
+    with _java_tool_options(java_options):
+        try:
+            return start()
+        except Exception as exc:  # py4j raises plain exceptions when the JVM cannot start
+            raise EnvError(f"could not start the {name} JVM: {exc}. {hint}") from None
+
+
+@contextmanager
+def _java_tool_options(options: str | None) -> Iterator[None]:
+    """``JAVA_TOOL_OPTIONS`` = ``options`` then the user's own (so theirs win), while a JVM starts."""
+    user = os.environ.get("JAVA_TOOL_OPTIONS")
+    if options:
+        os.environ["JAVA_TOOL_OPTIONS"] = f"{options} {user or ''}".strip()
+    try:
+        yield
+    finally:
+        if user is None:
+            os.environ.pop("JAVA_TOOL_OPTIONS", None)
+        else:
+            os.environ["JAVA_TOOL_OPTIONS"] = user

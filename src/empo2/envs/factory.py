@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from empo2.envs.registry import get_env_spec
+from empo2.envs.specs import get_env_spec
 
 
 class EnvSection(Protocol):

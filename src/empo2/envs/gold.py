@@ -8,19 +8,15 @@ The length is the number of our environment's steps that the gold path takes to 
 through the environment itself with no step cap, and the count stops when the episode ends with success. ``None`` means
 the gold path did not succeed when played so (it counts as unreachable at any cap).
 
-* ScienceWorld: the simulator's gold path (``generateGoldPath=True``, computed by a fresh JVM:
-  :func:`scienceworld_gold_actions`) played through :class:`~empo2.envs.scienceworld.ScienceWorldEnv`. Bare ``0``
-  actions in the gold path (grow-fruit, grow-plant, mendelian-genetics) answer the simulator's "Ambiguous request"
-  prompt; our environment answers that prompt with ``0`` itself inside the step that raised it, so these actions are
-  not played and not counted. A gold path may also
-  succeed before its last action (grow-plant's trailing waits), and the count stops there. Computing starts one JVM per
-  variation not yet known (its gold path) and one that plays them all; the gold actions, the lengths and the task
-  splits are cached per (task, variation, simplification) in ``$EMPO2_HOME/gold/scienceworld-<package
-  version>-fresh-jvm.json``, so a second call starts no JVM. Gold paths can differ between package versions and JVMs:
-  each length records the raw gold length and the version of the JVM it was computed on.
+* ScienceWorld: the simulator's gold path computed by a fresh JVM (:mod:`empo2.envs.scienceworld.gold`).
+* TextWorldExpress: the shortest path to the coin, or the package's gold path
+  (:mod:`empo2.envs.textworld_express.gold`).
 * WebShop: the environment's own gold path (search, result pages, product, options, buy now), played through
   :class:`~empo2.envs.webshop.env.WebShopEnv` in process (its ``gold_paths``; no cache: no JVM, and a fixture catalog
   loads in a second).
+
+The cached environments keep their gold paths in one JSON file each under :func:`gold_home`, read and written through
+:func:`read_cache` and :func:`write_cache`.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from empo2.envs.actions import replayable_gold
 from empo2.envs.base import EnvError
 
 REACHABLE_SHARE = 0.9
@@ -41,8 +36,7 @@ cannot be won whatever the policy does: the success rate's ceiling is under 0.9 
 shrinks with it (at a share of 0.1, success is 0 by construction in nine episodes of ten). A stricter threshold
 would refuse settings whose few long variations still leave success measurable."""
 UNCAPPED = 10**6  # the step cap while a gold path is measured: the path runs to its end or its success
-SAVE_EVERY = 50  # computed gold paths between cache writes
-CACHE_SECTIONS = ("splits", "paths", "actions")  # task splits; lengths; gold actions (the cache file's sections)
+CACHE_SECTIONS = ("splits", "paths", "actions")  # a cache file's sections: task splits; lengths; gold actions
 
 
 @dataclass(frozen=True)
@@ -77,7 +71,7 @@ def eval_plan_size(cfg) -> int:
 def reachability(env_cfg, tasks: list[str], split: str, per_task: int, say=print) -> list[GoldPath] | None:
     """Gold paths of the first ``per_task`` variations of ``split`` of every task, or ``None`` where the environment
     registers no gold paths."""
-    from empo2.envs.registry import get_env_spec
+    from empo2.envs.specs import get_env_spec
 
     spec = get_env_spec(env_cfg.name)
     if spec.gold_paths is None:
@@ -127,27 +121,8 @@ def check_reachable(cfg, split: str, per_task: int, what: str, allow: bool, refu
     raise EnvError(f"{what} refused: {below}; --allow-unreachable runs it anyway")
 
 
-# -------------------------------------------------------------------------------------------------- ScienceWorld
-def scienceworld_cache_path() -> Path:
-    from importlib.metadata import version
-
-    return gold_home() / f"scienceworld-{version('scienceworld')}-fresh-jvm.json"
-
-
-def scienceworld_gold_actions(task: str, variation: int, simplification: str, fresh_gold_path) -> list[str]:
-    """The simulator's gold path of (``task``, ``variation``) as a fresh JVM computes it (``fresh_gold_path(task,
-    variation, simplification)``: :func:`empo2.envs.scienceworld.fresh_gold_path`), cached: every run, worker and
-    evaluation that shows or plays it (demonstrations, LUFFY's expert, the lengths here) gets the same path, whatever
-    its JVM ran before."""
-    path, key = scienceworld_cache_path(), _path_key(task, variation, simplification)
-    actions = _read_cache(path)["actions"].get(key)
-    if actions is None:
-        actions = fresh_gold_path(task, variation, simplification)
-        _write_cache(path, {"actions": {key: actions}})
-    return list(actions)
-
-
-def _read_cache(path: Path) -> dict:
+# ----------------------------------------------------------------------------------------------------- cache
+def read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):  # absent or damaged: computed again
@@ -157,12 +132,12 @@ def _read_cache(path: Path) -> dict:
     return {k: data.get(k, {}) for k in CACHE_SECTIONS}
 
 
-def _write_cache(path: Path, found: dict) -> None:
+def write_cache(path: Path, found: dict) -> None:
     """Merge ``found`` into the cache file (re-read first: another process may have added entries) and replace it
     atomically, so that a reader never sees half a file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = _read_cache(path)
+        data = read_cache(path)
         for key, entries in found.items():
             data[key].update(entries)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".gold-", suffix=".json")
@@ -174,74 +149,6 @@ def _write_cache(path: Path, found: dict) -> None:
         raise EnvError(f"EMPO2_HOME cannot hold the gold-length cache ({path}: {exc.strerror or exc}); point "
                        "EMPO2_HOME at a writable folder") from None
 
-
-def _path_key(task: str, variation: int, simplification: str) -> str:
-    return f"{task}|{variation}|{simplification}"
-
-
-def scienceworld_gold_paths(make_env, splits: dict[str, str], env_cfg, tasks: list[str], split: str,
-                            per_task: int | None, say=print) -> list[GoldPath]:
-    """:class:`GoldPath` of the first ``per_task`` (``None``: all) variations of ``split`` of every task, from the cache
-    or computed in one JVM for all that are missing. ``make_env(**kwargs)`` builds the ScienceWorld environment;
-    ``splits`` maps split names to the simulator's (``eval`` → ``dev``)."""
-    from empo2.envs.scienceworld_tasks import expand_tasks, step_cap
-
-    tasks = expand_tasks(tasks)
-    if split not in splits:
-        raise EnvError(f"unknown split {split!r}; valid splits: {', '.join(splits)}")
-    path = scienceworld_cache_path()
-    cache = _read_cache(path)
-    if any(t not in cache["splits"] for t in tasks) or _missing(cache, env_cfg, tasks, splits[split], per_task):
-        cache = _compute(make_env, env_cfg, tasks, splits[split], per_task, cache, path, say)
-    return [GoldPath(t, v, cache["paths"][_path_key(t, v, env_cfg.simplification)]["steps"],
-                     step_cap(t, env_cfg.max_steps, env_cfg.step_caps))
-            for t, v in _wanted(cache, tasks, splits[split], per_task)]
-
-
-def _wanted(cache: dict, tasks: list[str], split: str, per_task: int | None) -> list[tuple[str, int]]:
-    return [(t, v) for t in tasks for v in cache["splits"][t][split][:per_task]]
-
-
-def _missing(cache: dict, env_cfg, tasks: list[str], split: str, per_task: int | None) -> list[tuple[str, int]]:
-    return [(t, v) for t, v in _wanted(cache, tasks, split, per_task)
-            if _path_key(t, v, env_cfg.simplification) not in cache["paths"]]
-
-
-def _compute(make_env, env_cfg, tasks: list[str], split: str, per_task: int | None, cache: dict, path: Path,
-             say) -> dict:
-    """The splits of ``tasks`` not cached, then the gold paths not cached, in one JVM; written to the cache, which is
-    returned."""
-    found: dict = {"splits": {}, "paths": {}}
-    with make_env(simplification=env_cfg.simplification, max_steps=UNCAPPED, valid_actions_in_info=False) as env:
-        for task in tasks:
-            if task not in cache["splits"]:
-                found["splits"][task] = cache["splits"][task] = {s: env.variations(task, s)
-                                                                 for s in ("train", "dev", "test")}
-        missing = _missing(cache, env_cfg, tasks, split, per_task)
-        if missing:
-            say(f"gold paths: computing {len(missing)} ScienceWorld variation(s) in one JVM (cached in {path})")
-        java = env.java_version() if missing else ""
-        for k, (task, variation) in enumerate(missing, 1):
-            gold, steps = _play_gold(env, task, variation)
-            found["paths"][_path_key(task, variation, env_cfg.simplification)] = {
-                "gold": len(gold), "steps": steps, "java": java}
-            if k % SAVE_EVERY == 0:  # a long listing that is stopped keeps what it computed
-                _write_cache(path, found)
-                say(f"gold paths: {k}/{len(missing)}")
-    _write_cache(path, found)
-    cache["paths"].update(found["paths"])
-    return cache
-
-
-def _play_gold(env, task: str, variation: int) -> tuple[list[str], int | None]:
-    """The simulator's gold path of (task, variation) and the steps our environment takes to succeed along it."""
-    env.reset(task, variation)
-    gold = env.gold_actions()
-    for steps, action in enumerate(replayable_gold(gold), 1):
-        result = env.step(action)
-        if result.done:
-            return gold, steps if result.info["success"] else None
-    return gold, None
 
 
 # ------------------------------------------------------------------------------------------------------ listing

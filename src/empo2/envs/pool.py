@@ -74,7 +74,7 @@ class EnvPool(WorkerPool):
         super().__init__(env_name, size)
         self.env_kwargs = dict(env_kwargs or {})
         self.timeout, self.start_timeout = timeout, start_timeout
-        from empo2.envs.registry import get_env_spec
+        from empo2.envs.specs import get_env_spec
 
         self._factory = get_env_spec(env_name).factory
         self._ctx = mp.get_context("spawn")

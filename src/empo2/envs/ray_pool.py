@@ -89,7 +89,7 @@ class RayEnvPool(WorkerPool):
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
         self.env_kwargs = dict(env_kwargs or {})
         self.timeout, self.start_timeout = timeout, start_timeout
-        from empo2.envs.registry import get_env_spec
+        from empo2.envs.specs import get_env_spec
 
         self._factory = pickle.dumps(get_env_spec(env_name).factory)
         self._cls = ray.remote(num_cpus=1, max_restarts=0)(_EnvActor)

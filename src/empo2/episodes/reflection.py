@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from empo2.agent.prompts import chat_prompt_ids
-from empo2.agent.reflection import memory_entry, parse_tip, reflection_messages
+from empo2.agent.reflection_prompt import memory_entry, parse_tip, reflection_messages
 from empo2.algo.modes import MEMORY_MODES
 from empo2.config_sections import MemoryConfig
 from empo2.episodes.episode import Episode, namespace_of

@@ -52,7 +52,7 @@ def resolve_tasks(preset: str | None, tasks: str | None, max_tasks: int | None, 
                   ) -> tuple[str | None, str | None]:
     """(env, comma-separated tasks) for ``empo2 adapt``: a preset fixes ScienceWorld and its adapt topic's tasks;
     ``max_tasks`` keeps the first N (quick checks)."""
-    from empo2.envs.scienceworld import expand_tasks
+    from empo2.envs.scienceworld.tasks import expand_tasks
 
     if preset is None:
         if max_tasks and tasks:

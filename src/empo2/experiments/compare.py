@@ -7,7 +7,7 @@ sets ``algo.advantage=gigpo``, and a ``-std`` suffix (``gigpo-std``, ``empo2+gig
 run both of ProxMO's parts (``algo.proxmo.psc`` and ``algo.proxmo.psa`` set true); an algorithm without a novelty
 bonus of its own (all but EMPO²'s) runs with ``algo.intrinsic_weight=0`` unless its name ends in ``+novelty``
 (``gigpo+novelty``: the config's bonus), so arms differ in their method only; an ablation arm of
-:mod:`empo2.experiments.arms` (``empo2-no-offpolicy`` …) sets its algorithm, its settings and ``algo.arm``, the label
+:mod:`empo2.experiments.arm_runs` (``empo2-no-offpolicy`` …) sets its algorithm, its settings and ``algo.arm``, the label
 ``report`` shows). ``--seeds`` names seed values:
 ``3``, ``1,4,7``, ``0-4``. Runs go one after another (``--jobs N``: N at once, see :func:`run_all`), each in its own
 ``empo2 train`` subprocess and session: a crash in one run cannot take the others down, and the model, the
@@ -45,7 +45,7 @@ from typing import Any
 
 from empo2.config import Config, ConfigError, flat_settings
 from empo2.experiments import records
-from empo2.experiments.arms import (
+from empo2.experiments.arm_runs import (
     ARMS,
     NOVELTY_SUFFIX,
     STD_SUFFIX,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from empo2 import machine
-from empo2.experiments import arms, records, stats
+from empo2.experiments import arm_runs, records, stats
 
 PROTOCOL_EPISODES = 40
 """Held-out eval episodes per run below which the summary says the evaluation is too small to rank methods."""
@@ -124,7 +124,7 @@ def arms_trained_on(found: list[dict[str, Any]], algos: list[str]) -> dict[str, 
         if record is None:
             continue
         try:
-            out[algo] = arms.arm_settings(Config.from_dict(record["config"], record=True).algo)
+            out[algo] = arm_runs.arm_settings(Config.from_dict(record["config"], record=True).algo)
         except (ConfigError, ValueError):  # a record of a config this version cannot read
             continue
     return out
@@ -164,7 +164,7 @@ def summary_markdown(meta: dict[str, Any], per_algo: dict[str, dict], results: l
     lines = [f"# empo2 compare — {meta['label']}", "",
              f"Config `{meta['config']}`" + (f" with `{' '.join(meta['overrides'])}`" if meta["overrides"] else "")
              + ".", *(_protocol_text(meta["protocol"], results) if "protocol" in meta else []),
-             *arms.describe(meta.get("algos", [])),
+             *arm_runs.describe(meta.get("algos", [])),
              f"Budget: every run trains {meta['budget_text']} episodes; the environment steps they took are below.",
              *expert_steps_text(results),
              ("Learning curves: `curves.png` (eval success rate and eval score vs environment steps; line = mean over "

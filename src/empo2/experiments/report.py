@@ -20,7 +20,7 @@ with its 95% CI, paired t-test p and one sentence on whether it is distinguishab
 there is the mean of the episodes its ``eval/final.json`` (or its record) stores.
 
 A method is the run's ``algo.name``, plus ``+<estimator>`` when ``algo.advantage`` is not that algorithm's own, or the
-ablation arm it ran (``algo.arm``, :mod:`empo2.experiments.arms`).
+ablation arm it ran (``algo.arm``, :mod:`empo2.experiments.arm_runs`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import yaml
 from empo2.algo.registry import ALGORITHMS
 from empo2.config import ConfigError, flat_settings
 from empo2.config_sections import AlgoConfig
-from empo2.experiments import arms, ood_stats, records, stats
+from empo2.experiments import arm_runs, ood_stats, records, stats
 
 
 def method_label(cfg) -> str:
@@ -54,8 +54,8 @@ def method_label(cfg) -> str:
     spec = ALGORITHMS.get(algo.get("name", "empo2"))
     defaults = {k: getattr(AlgoConfig, k) for k in ("intrinsic_weight", "intrinsic_schedule", "intrinsic_weight_start",
                                                     "intrinsic_weight_end")}
-    bonus = arms.novelty_on(SimpleNamespace(**{**defaults, **algo}))
-    return f"{label}{arms.NOVELTY_SUFFIX}" if bonus and spec is not None and not spec.novelty else label
+    bonus = arm_runs.novelty_on(SimpleNamespace(**{**defaults, **algo}))
+    return f"{label}{arm_runs.NOVELTY_SUFFIX}" if bonus and spec is not None and not spec.novelty else label
 
 
 def _estimator_label(algo: dict[str, Any]) -> str:
@@ -269,7 +269,7 @@ def markdown(tabs: dict[str, Any]) -> str:
         else:
             lines = _ood_lines(t)
         if "stats" in t:  # the run tables: their methods over seeds
-            for line in arms.describe(t["methods"]):
+            for line in arm_runs.describe(t["methods"]):
                 lines += ["", line]
             lines += ["", f"Over seeds, env `{label}` (a run's score: the mean of its eval episodes):", "",
                       *stats.stats_markdown(t["stats"])]

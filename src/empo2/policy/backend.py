@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from empo2.policy.errors import BackendError
+from empo2.policy.backend_error import BackendError
 from empo2.policy.generate import Generation, generate_batch
 from empo2.policy.prefix import DEFAULT_OPTIONS, ComputeOptions
 from empo2.policy.sampling import Sampling

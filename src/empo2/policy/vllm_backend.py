@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from empo2.policy import fsdp_save
-from empo2.policy.errors import BackendError
+from empo2.policy.backend_error import BackendError
 from empo2.policy.generate import Generation
 from empo2.policy.sampling import Sampling
 

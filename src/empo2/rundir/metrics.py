@@ -23,9 +23,8 @@ TRACKER_PACKAGES = {"tensorboard": "torch.utils.tensorboard", "wandb": "wandb", 
 
 
 def trackers(train) -> list[str]:
-    """The trackers a run writes to: ``train.report_to`` without ``none``, and without TensorBoard when
-    ``train.tensorboard`` is off."""
-    return [name for name in train.report_to if name != "none" and (name != "tensorboard" or train.tensorboard)]
+    """The trackers a run writes to: ``train.report_to`` without ``none``."""
+    return [name for name in train.report_to if name != "none"]
 
 
 def check_trackers(train) -> None:

@@ -28,7 +28,7 @@ from empo2.rundir import checkpoint as ckpt
 from empo2.rundir.manifest import verify_manifest
 
 RESUME_SAFE = frozenset({
-    "train.iterations", "train.output_dir", "train.progress", "train.tensorboard", "train.eval_every",
+    "train.iterations", "train.output_dir", "train.progress", "train.eval_every",
     "train.eval_at_start", "train.eval_episodes_per_task", "train.save_every", "train.keep_checkpoints",
     "train.sample_trajectories", "train.zero_adv_warn_iters", "train.max_consecutive_env_failures",
     "train.preempt_save", "train.micro_batch_tokens", "train.logprob_chunk_tokens", "train.gradient_checkpointing",

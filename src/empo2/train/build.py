@@ -42,7 +42,7 @@ from empo2.rundir.resume import align_memory, pick_checkpoint, truncate_samples
 from empo2.train import preflight
 from empo2.train.compute import decide
 from empo2.train.overlap import BackgroundReflection, overlap_wanted
-from empo2.train.sampling import TaskSampler
+from empo2.train.task_choice import TaskSampler
 from empo2.train.update import PolicyUpdate
 
 log = logging.getLogger("empo2.train")

@@ -24,15 +24,11 @@ below ``action_cutoff`` it is sent as it is and the game answers ``Unknown actio
 from __future__ import annotations
 
 import operator
-import os
-import shutil
-from contextlib import contextmanager
 from typing import Any
 
 from empo2.envs.actions import clean_action, closest_actions, normalise
-from empo2.envs.base import EnvError, StepResult, stop_java_simulator
-from empo2.envs.registry import EnvSpec, register_env
-from empo2.envs.scienceworld_text import short_line
+from empo2.envs.base import EnvError, StepResult, short_line, start_java_simulator, stop_java_simulator
+from empo2.envs.specs import EnvSpec, register_env
 from empo2.envs.textworld_express import gold
 from empo2.envs.textworld_express.games import GAME_NAMES, check_game, check_param_table, params_text, step_cap
 from empo2.envs.textworld_express.state import compact_room, twx_state
@@ -65,17 +61,12 @@ class TextWorldExpressEnv:
         for game in self.step_caps:
             check_game(game, " in step_caps")
         self.action_correction, self.action_cutoff = action_correction, float(action_cutoff)
-        if shutil.which("java") is None:
-            raise EnvError(f"java not found. {JAVA_HINT}")
         try:
             from textworld_express import TextWorldExpressEnv as _Sim
         except ImportError as exc:
             raise EnvError(f"the textworld-express package is missing ({exc}); pip install textworld-express") from None
-        with _java_options(java_options):
-            try:
-                self._sim = _Sim(envStepLimit=10**9)  # the step cap is this class's
-            except Exception as exc:  # py4j raises plain exceptions when the JVM cannot start
-                raise EnvError(f"could not start the TextWorldExpress JVM: {exc}. {JAVA_HINT}") from None
+        self._sim = start_java_simulator(lambda: _Sim(envStepLimit=10**9),  # the step cap is this class's
+                                         "TextWorldExpress", java_options, JAVA_HINT)
         self._loaded: tuple[str, str] | None = None
         self._seeds: dict[str, list[int]] = {}
         self._demo_cache: dict[tuple[str, int], str] = {}
@@ -320,21 +311,6 @@ class TextWorldExpressEnv:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-@contextmanager
-def _java_options(options: str | None):
-    """``JAVA_TOOL_OPTIONS`` = ``options`` then the user's own, while the JVM starts."""
-    user = os.environ.get("JAVA_TOOL_OPTIONS")
-    if options:
-        os.environ["JAVA_TOOL_OPTIONS"] = f"{options} {user or ''}".strip()
-    try:
-        yield
-    finally:
-        if user is None:
-            os.environ.pop("JAVA_TOOL_OPTIONS", None)
-        else:
-            os.environ["JAVA_TOOL_OPTIONS"] = user
 
 
 GUIDE = (

@@ -23,7 +23,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from empo2.envs.gold import _read_cache, _write_cache, gold_home
+from empo2.envs.gold import gold_home, read_cache, write_cache
 from empo2.envs.textworld_express.state import room_name, room_objects
 
 DRAWS = 8
@@ -47,17 +47,17 @@ def cache_key(game: str, params: str, seed: int) -> str:
 
 
 def cached_actions(key: str) -> list[str] | None:
-    actions = _read_cache(cache_path())["actions"].get(key)
+    actions = read_cache(cache_path())["actions"].get(key)
     return None if actions is None else list(actions)
 
 
 def store(key: str, actions: list[str] | None = None, steps: dict | None = None) -> None:
     found = {"actions": {key: actions} if actions is not None else {}, "paths": {key: steps} if steps else {}}
-    _write_cache(cache_path(), found)
+    write_cache(cache_path(), found)
 
 
 def cached_steps(key: str) -> dict | None:
-    return _read_cache(cache_path())["paths"].get(key)
+    return read_cache(cache_path())["paths"].get(key)
 
 
 # ----------------------------------------------------------------------------------------------- coin: shortest path

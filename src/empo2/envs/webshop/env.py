@@ -19,7 +19,7 @@ from rapidfuzz import process, utils
 from empo2.envs.actions import similarity
 from empo2.envs.base import EnvError, StepResult
 from empo2.envs.gold import UNCAPPED, GoldPath
-from empo2.envs.registry import EnvSpec, register_env
+from empo2.envs.specs import EnvSpec, register_env
 from empo2.envs.webshop import pages
 from empo2.envs.webshop.catalog import Catalog, load_catalog
 from empo2.envs.webshop.goals import Goal, split_ranges, synthetic_goals

@@ -18,41 +18,21 @@ correcting before trying would break them.
 from __future__ import annotations
 
 import operator
-import os
-import shutil
 from typing import Any
 
-from empo2.envs.actions import clean_action, closest_actions, replayable_gold  # noqa: F401 - part of this module's API
-from empo2.envs.base import EnvError, StepResult, stop_java_simulator
-from empo2.envs.registry import EnvSpec, register_env
-from empo2.envs.scienceworld_tasks import (  # noqa: F401 - re-exported: the task sets are part of this module's API
-    DEFAULT_STEP_CAP,
-    DEFAULT_STEP_CAPS,
-    TASK_NAMES,
-    TASK_SETS,
-    expand_tasks,
-    parse_focus_targets,
-    step_cap,
-)
-from empo2.envs.scienceworld_text import compact_actions, focused_object, readings_of, scienceworld_state, short_line
+from empo2.envs.actions import clean_action, closest_actions
+from empo2.envs.base import EnvError, StepResult, short_line, stop_java_simulator
+from empo2.envs.scienceworld import gold
+from empo2.envs.scienceworld.simulator import CONSTANT_HASH, DEFAULT_JAVA_OPTIONS, start_simulator
+from empo2.envs.scienceworld.tasks import SPLITS, TASK_NAMES, check_task, expand_tasks, parse_focus_targets, step_cap
+from empo2.envs.scienceworld.text import compact_actions, focused_object, readings_of, scienceworld_state
+from empo2.envs.specs import EnvSpec, register_env
 
-SPLITS = {"train": "train", "dev": "dev", "eval": "dev", "test": "test"}
-JAVA_HINT = "ScienceWorld needs Java >= 11 on PATH; install it with: apt-get install -y openjdk-17-jre-headless"
 UNPARSED = "No known action matches that input."
 AMBIGUOUS = "Ambiguous request"
 ANSWER = "answer: "
 """How an answer to the simulator's question is recorded: this prefix and the text of the reading taken, since the
 order of the readings changes between loads (``open drawer (in cupboard, ...)`` is 0 in one load, 1 in the next)."""
-DEFAULT_JAVA_OPTIONS = "-Xmx1g -XX:+UseSerialGC"
-"""A small heap and the serial collector: a worker's JVM holds far less memory and steps faster than with the JVM's
-defaults (G1, heap = RAM/4), measured in docs/benchmarks.md."""
-CONSTANT_HASH = "-XX:+UnlockExperimentalVMOptions -XX:hashCode=2"
-"""Every Java object gets the same identity hash. The simulator lists a room's objects, names the referents of its
-valid actions ("paint in cup containing red paint") and breaks ties in the order of sets hashed by identity, and the
-JVM's default hashes depend on everything the JVM ran before: an evaluation's episodes, or a resume's fresh JVM,
-would change the episodes of the training after them. With one constant hash the order is the one the world was
-built in, the same in every JVM. Gold paths keep being computed without it (:func:`fresh_gold_path`), so the cached
-ones stay valid; they replay the same either way, and steps take as long."""
 
 
 class ScienceWorldEnv:
@@ -70,12 +50,6 @@ class ScienceWorldEnv:
     def __init__(self, simplification: str = "easy", max_steps: int | None = None, action_correction: bool = True,
                  step_caps: dict[str, int] | None = None, valid_actions_in_info: bool = True,
                  java_options: str | None = f"{DEFAULT_JAVA_OPTIONS} {CONSTANT_HASH}", action_cutoff: float = 0.0):
-        if shutil.which("java") is None:
-            raise EnvError(f"java not found. {JAVA_HINT}")
-        try:
-            from scienceworld import ScienceWorldEnv as _Sim
-        except ImportError as exc:
-            raise EnvError(f"the scienceworld package is missing ({exc}); pip install scienceworld") from None
         self.simplification = simplification
         self.max_steps = max_steps
         self.action_correction = action_correction
@@ -85,18 +59,7 @@ class ScienceWorldEnv:
         unknown = [t for t in self.step_caps if t not in TASK_NAMES]
         if unknown:
             raise EnvError(f"step_caps names unknown tasks {unknown}; valid tasks: {', '.join(TASK_NAMES)}")
-        user_options = os.environ.get("JAVA_TOOL_OPTIONS")
-        if java_options:
-            os.environ["JAVA_TOOL_OPTIONS"] = f"{java_options} {user_options or ''}".strip()
-        try:
-            self._sim = _Sim("", envStepLimit=10**9)
-        except Exception as exc:  # py4j raises plain exceptions when the JVM cannot start
-            raise EnvError(f"could not start the ScienceWorld JVM: {exc}. {JAVA_HINT}") from None
-        finally:
-            if user_options is None:
-                os.environ.pop("JAVA_TOOL_OPTIONS", None)
-            else:
-                os.environ["JAVA_TOOL_OPTIONS"] = user_options
+        self._sim = start_simulator(java_options)
         self._splits: dict[str, dict[str, list[int]]] = {}
         self._demo_cache: dict[tuple[str, int], str] = {}
         self._n_variations: dict[str, int] = {}
@@ -121,28 +84,24 @@ class ScienceWorldEnv:
 
     def num_variations(self, task: str) -> int:
         """Number of variations of ``task`` (all splits together)."""
-        self._check_task(task)
+        check_task(task)
         if task not in self._n_variations:
             self._n_variations[task] = int(self._sim.get_max_variations(task))
         return self._n_variations[task]
 
     def variations(self, task: str, split: str) -> list[int]:
         """Variation ids of ``task`` in ``split`` (``train``, ``dev``/``eval``, ``test``), from the simulator."""
-        self._check_task(task)
+        check_task(task)
         if split not in SPLITS:
             raise EnvError(f"unknown split {split!r}; valid splits: {', '.join(SPLITS)}")
         if task not in self._splits:
             self._scratch(lambda: self._load(task, 0))
         return list(self._splits[task][SPLITS[split]])
 
-    def _check_task(self, task: str) -> None:
-        if task not in TASK_NAMES:
-            raise EnvError(f"unknown ScienceWorld task {task!r}; valid tasks: {', '.join(TASK_NAMES)}")
-
     # ------------------------------------------------------------------ episodes
     def reset(self, task: str, variation: int) -> tuple[str, dict[str, Any]]:
         """Start ``task`` at ``variation``; the observation is the first room's ``look around``."""
-        self._check_task(task)
+        check_task(task)
         n = self.num_variations(task)
         given = variation
         try:
@@ -309,12 +268,10 @@ class ScienceWorldEnv:
 
     def gold_actions(self) -> list[str]:
         """The current episode's gold action sequence (``[]`` before any reset): the one a fresh JVM computes
-        (:func:`fresh_gold_path`), read from the gold cache after the first time."""
+        (:func:`~empo2.envs.scienceworld.simulator.fresh_gold_path`), read from the gold cache after the first time."""
         if self._task is None:
             return []
-        from empo2.envs.gold import scienceworld_gold_actions
-
-        return scienceworld_gold_actions(self._task, self._variation, self.simplification, fresh_gold_path)
+        return gold.gold_actions(self._task, self._variation, self.simplification)
 
     def java_version(self) -> str:
         """The JVM's ``java.version`` (gold paths can differ between JVMs)."""
@@ -327,7 +284,7 @@ class ScienceWorldEnv:
     def demonstration(self, task: str, variation: int, n: int = 1) -> str:
         """``n`` gold trajectories of ``task`` from train variations other than ``variation``, as
         ``> action`` / observation lines. Cached; the current episode is restored if one is running."""
-        self._check_task(task)
+        check_task(task)
         others = [v for v in self.variations(task, "train") if v != variation][:n]
         missing = [v for v in others if (task, v) not in self._demo_cache]
         if missing:
@@ -335,11 +292,9 @@ class ScienceWorldEnv:
         return "\n\n".join(self._demo_cache[(task, v)] for v in others)
 
     def _demo_text(self, task: str, variation: int) -> str:
-        from empo2.envs.gold import scienceworld_gold_actions
-
         obs = self._load(task, variation)
         lines = [f"Task: {self._sim.get_task_description()}", short_line(obs)]
-        for action in scienceworld_gold_actions(task, variation, self.simplification, fresh_gold_path):
+        for action in gold.gold_actions(task, variation, self.simplification):
             obs = self._sim.server.step(action)
             lines += [f"> {action}", short_line(obs)]
             if self._sim.server.getCompleted():
@@ -358,22 +313,6 @@ class ScienceWorldEnv:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def fresh_gold_path(task: str, variation: int, simplification: str) -> list[str]:
-    """The simulator's gold path of (``task``, ``variation``), computed by a JVM started for it alone.
-
-    The simulator makes some of a gold path's choices (which object a find task moves, say) by shuffling sets whose
-    order follows Java identity hashes, and those depend on everything the JVM ran before. The same JVM therefore gives
-    another path after other episodes, and only a fresh one gives the same path every time."""
-    with ScienceWorldEnv(simplification=simplification, valid_actions_in_info=False,
-                         java_options=DEFAULT_JAVA_OPTIONS) as env:  # as every cached gold path was computed
-        env._check_task(task)
-        try:
-            env._sim.load(task, variation, simplification, generateGoldPath=True)
-        except ValueError as exc:
-            raise EnvError(str(exc)) from None
-        return list(env._sim.get_gold_action_sequence())
 
 
 GUIDE = (
@@ -395,10 +334,8 @@ def _env_kwargs(cfg) -> dict:
 
 
 def _gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say=print) -> list:
-    """Gold path lengths of ``split``'s first ``per_task`` variations (:mod:`empo2.envs.gold`: cached, one JVM)."""
-    from empo2.envs.gold import scienceworld_gold_paths
-
-    return scienceworld_gold_paths(ScienceWorldEnv, SPLITS, env_cfg, tasks, split, per_task, say)
+    """Gold path lengths of ``split``'s first ``per_task`` variations (:mod:`.gold`: cached, one JVM)."""
+    return gold.gold_paths(ScienceWorldEnv, env_cfg, tasks, split, per_task, say)
 
 
 register_env(EnvSpec("scienceworld", factory=ScienceWorldEnv, kwargs=_env_kwargs, guide=GUIDE,

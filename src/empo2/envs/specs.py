@@ -18,7 +18,7 @@ from typing import Any
 
 from empo2.envs.base import EnvError
 
-BUILTIN_MODULES = {"scienceworld": "empo2.envs.scienceworld", "webshop": "empo2.envs.webshop.env",
+BUILTIN_MODULES = {"scienceworld": "empo2.envs.scienceworld.env", "webshop": "empo2.envs.webshop.env",
                    "textworld_express": "empo2.envs.textworld_express.env"}
 
 

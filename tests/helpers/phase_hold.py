@@ -1,4 +1,4 @@
-"""``python tests/phase_hold.py ARGS`` runs ``python -m empo2.cli ARGS``; with ``EMPO2_TEST_HOLD_PHASE`` set, the
+"""``python tests/helpers/phase_hold.py ARGS`` runs ``python -m empo2.cli ARGS``; with ``EMPO2_TEST_HOLD_PHASE`` set, the
 process stays in that phase (``the update of iteration 1``) until a signal comes. The tiny test model leaves some
 phases within milliseconds, sooner than a test can read the phase's log line and send its signal, so a test that
 means to stop a run inside a phase holds it there. A held signal under ``train.preempt_save`` ends the wait and the

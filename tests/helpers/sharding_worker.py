@@ -1,7 +1,7 @@
 """One policy update on a fixed batch, sharded or not: run by tests/test_sharding.py as a plain process and under
 torchrun (2 gloo ranks). Writes the full weights after the update (rank 0) and the batch's loss metrics as JSON.
 
-usage: python tests/sharding_worker.py MODEL OUT_DIR SHARDING(none|fsdp) LORA(0|1) [key=value ...]
+usage: python tests/helpers/sharding_worker.py MODEL OUT_DIR SHARDING(none|fsdp) LORA(0|1) [key=value ...]
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from empo2.envs import EnvSpec, StepResult, register_env
-from empo2.envs.registry import ENVIRONMENTS
+from empo2.envs.specs import ENVIRONMENTS
 
 
 class ChecksumRoom:

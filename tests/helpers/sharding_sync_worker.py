@@ -6,7 +6,7 @@ every rank writes the sharded model into its own folder (``OUT/rank<r>``) and re
 at once (``OUT/peak<r>.json``): every tensor the writer gathers is counted from its gathering until it is freed.
 It also records whether ``sharding.generating`` gathers the weights with and without a separate rollout backend.
 
-usage: python tests/sharding_sync_worker.py MODEL OUT_DIR LORA(0|1)
+usage: python tests/helpers/sharding_sync_worker.py MODEL OUT_DIR LORA(0|1)
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ScienceWorld's task names, the paper's task sets, per-task step caps and focus targets (no JVM needed)."""
+"""ScienceWorld's task names, the paper's task sets, splits, per-task step caps and focus targets (no JVM needed)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ except ImportError:  # pragma: no cover - scienceworld is a hard dependency
     TASK_NAMES = []
 TASK_SETS["all"] = list(TASK_NAMES)
 
+SPLITS = {"train": "train", "dev": "dev", "eval": "dev", "test": "test"}
+"""Our split names and the simulator's (``eval`` is its ``dev``)."""
 DEFAULT_STEP_CAP = 30
 DEFAULT_STEP_CAPS = {"chemistry-mix": 60, "measure-melting-point-known-substance": 120}
 def expand_tasks(names: list[str] | str) -> list[str]:
@@ -57,3 +59,9 @@ def parse_focus_targets(description: str) -> list[str]:
     """The objects the task description allows to FOCUS on (``focus on the thermometer`` → ``thermometer``)."""
     found = re.findall(r"focus on (?:the |a |an )?([^.;]+?)(?:[.;]|$)", description, flags=re.IGNORECASE)
     return list(dict.fromkeys(f.strip() for f in found if f.strip()))
+
+
+def check_task(task: str) -> None:
+    """Raise :class:`EnvError` (one line, the valid names) unless ``task`` is a ScienceWorld task."""
+    if task not in TASK_NAMES:
+        raise EnvError(f"unknown ScienceWorld task {task!r}; valid tasks: {', '.join(TASK_NAMES)}")

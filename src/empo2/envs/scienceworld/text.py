@@ -1,11 +1,7 @@
 """Reading ScienceWorld's text: the state a step reached (with the task's progress), the readings of an ambiguity
-question, a compact list of valid actions and the one-line observations of a demonstration. Pure functions of strings
-(no JVM)."""
+question and a compact list of valid actions. Pure functions of strings (no JVM)."""
 
 from __future__ import annotations
-
-DEMO_OBS_CHARS = 160
-"""Longest observation line a demonstration shows."""
 
 
 def compact_actions(actions: list[str], limit: int = 64) -> list[str]:
@@ -77,8 +73,3 @@ def readings_of(question: str) -> list[str]:
     """The readings the simulator offers in an ambiguity question (``0:\topen drawer (in cupboard, in kitchen)``)."""
     return [line.split(":", 1)[1].strip() for line in question.splitlines()[1:] if line.split(":", 1)[0].isdigit()]
 
-
-def short_line(text: str, limit: int = DEMO_OBS_CHARS) -> str:
-    """One line, at most ``limit`` characters."""
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,12 +1,12 @@
-"""The ``empo2`` command line's parser: every command and flag, and no code that runs them (that is :mod:`empo2.cli`)."""
+"""The ``empo2`` command line's parser: every command and flag, and no code that runs them (that is :mod:`empo2.cli.app`)."""
 
 from __future__ import annotations
 
 import argparse
 
 from empo2.envs.gold import REACHABLE_SHARE
-from empo2.experiments.arms import arms_help
-from empo2.memory.cli import add_memory_parser
+from empo2.experiments.arm_runs import arms_help
+from empo2.memory.commands import add_memory_parser
 
 DESCRIPTION = "empo2 command line: play · sft · train · compare · eval · adapt · report · export · memory · gold."
 

@@ -11,13 +11,13 @@ from pathlib import Path
 import numpy as np
 
 from empo2.memory.store import TipMemory
-from processes import cli_env
+from helpers.processes import cli_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU = "configs/scienceworld_cpu.yaml"
 FAST = ["env.tasks=[find-animal]", "env.max_steps=2", "env.eval_variations=1", "algo.num_generations=2",
         "policy.few_shot=0", "policy.max_completion_length=8", "policy.reflection_max_tokens=16",
-        "train.progress=false", "train.tensorboard=false", "algo.p_memory=1.0"]
+        "train.progress=false", "train.report_to=none", "algo.p_memory=1.0"]
 
 
 def empo2(*args, env: dict | None = None, timeout: float = 300, **kw) -> subprocess.CompletedProcess:

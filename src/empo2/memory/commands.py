@@ -2,7 +2,7 @@
 
 Every subcommand takes ``--db PATH``: a memory SQLite file, or a run folder holding ``memory.sqlite``.
 Wired into the main CLI with :func:`add_memory_parser` and :func:`run_memory_command`; also runnable as
-``python -m empo2.memory.cli memory stats --db runs/x``.
+``python -m empo2.memory.commands memory stats --db runs/x``.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _export(mem: TipMemory, args: argparse.Namespace) -> None:
 
 
 def _report(mem: TipMemory, args: argparse.Namespace) -> None:
-    from .report import write_report
+    from .html_report import write_report
 
     print(f"wrote {write_report(mem, args.out)}")
 

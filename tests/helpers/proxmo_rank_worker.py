@@ -1,7 +1,7 @@
 """ProxMO advantages of a fixed batch on this rank's groups, gathered through real collectives: run by
 tests/test_proxmo.py as a plain process and under torchrun (2 gloo ranks).
 
-usage: python tests/proxmo_rank_worker.py OUT   (writes OUT on one process, OUT.<rank> under torchrun)
+usage: python tests/helpers/proxmo_rank_worker.py OUT   (writes OUT on one process, OUT.<rank> under torchrun)
 """
 
 from __future__ import annotations
