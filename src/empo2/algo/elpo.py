@@ -444,5 +444,5 @@ def row_extras(episode) -> dict[str, np.ndarray]:
 
 register_algorithm(AlgorithmSpec(
     "elpo", uses_memory=False, loss="elpo", advantage="elpo", rollout="empo2.episodes.elpo_rollout:drive",
-    row_extras=row_extras, reward_note="a tree leaf's R is its whole path's (the replayed prefix included)",
+    metrics="empo2.episodes.elpo_rollout:tree_metrics", row_extras=row_extras, reward_note="a tree leaf's R is its whole path's (the replayed prefix included)",
     official=OFFICIAL, options=ElpoOptions))  # Liang et al. 2026
