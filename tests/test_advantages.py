@@ -16,8 +16,9 @@ from empo2.algo.advantages import (
     compute_advantages,
     register_advantage,
 )
-from empo2.algo.empo2 import combine_returns, intrinsic_weight
+from empo2.algo.empo2 import intrinsic_weight
 from empo2.config import AlgoConfig, algo_config
+from paper_returns import combine_returns
 
 
 def grpo(returns, groups, scale_rewards=True, eps=1e-6, lengths=None):

@@ -11,6 +11,7 @@ import torch
 
 from empo2.algo import empo2
 from empo2.config_sections import AlgoConfig
+from paper_returns import combine_returns
 
 
 def test_mode_probabilities_split_the_memory_rollouts():
@@ -79,7 +80,7 @@ def test_step_rewards_add_up_to_extrinsic_plus_weighted_intrinsic(aggregation):
     assert empo2.intrinsic_return(novelty, aggregation) == pytest.approx(r_int, rel=1e-12)
     want = math.fsum(extrinsic) + w * r_int
     assert math.fsum(steps) == pytest.approx(want, rel=1e-12)
-    assert empo2.combine_returns([math.fsum(extrinsic)], [r_int], w).tolist() == pytest.approx([want], rel=1e-12)
+    assert combine_returns([math.fsum(extrinsic)], [r_int], w).tolist() == pytest.approx([want], rel=1e-12)
     assert empo2.step_rewards_with_novelty([], [], w, aggregation).shape == (0,)
     assert empo2.intrinsic_return([], aggregation) == 0.0
     with pytest.raises(ValueError):

@@ -1,7 +1,7 @@
 """Extending empo2 from outside ``src/``: a toy environment and a toy algorithm registered in this file train one
 iteration through the real CLI (real pool worker processes, the tiny random model, a real run folder), and the toy
 method's own setting (``algo.toy.pg_scale``) reaches its loss through the ``algo`` section without an edit of the config
-or the update. The toy method brings its own options, rollout driver and row field, named in its one registration line,
+or the update. The toy method brings its own options, rollout driver, row field and metrics, named in its one registration line,
 as ELPO does in ``empo2.algo.elpo``.
 
 The environment is a two-door room: the door that hides the prize depends on the variation's parity. It is small on
@@ -111,6 +111,11 @@ def toy_row_extras(episode):
     return {"first_step": [t == 0 for t in range(len(episode.steps))]}
 
 
+def toy_metrics(batch):
+    """The toy's part of the iteration record: the number of episodes the whole batch played."""
+    return {"toy": {"episodes": len(batch.episodes)}}
+
+
 @pytest.fixture
 def registered():
     register_env(EnvSpec("two-doors", factory=TwoDoors, kwargs=lambda cfg: {"max_steps": cfg.max_steps or 3},
@@ -118,7 +123,8 @@ def registered():
                          tasks=lambda cfg: ["doors"]))
     register_policy_loss("toy_pg")(plain_policy_gradient)
     register_algorithm(AlgorithmSpec("toy_reinforce", uses_memory=False, loss="toy_pg", advantage="grpo",
-                                     rollout=toy_rollout, row_extras=toy_row_extras, options=ToyOptions))
+                                     rollout=toy_rollout, row_extras=toy_row_extras, metrics=toy_metrics,
+                                     options=ToyOptions))
     SEEN["driven"].clear(), SEEN["first_step"].clear()
     yield
     ENVIRONMENTS.pop("two-doors"), POLICY_LOSSES.pop("toy_pg"), ALGORITHMS.pop("toy_reinforce")
@@ -135,7 +141,7 @@ def test_toy_algorithm_and_environment_train_without_editing_src(tmp_path, tiny_
     assert rc == 0
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert record["modes"] == ["on", "on"] and record["memory"]["size"] == 0
-    assert record["advantage"]["groups"] == 2
+    assert record["advantage"]["groups"] == 2 and record["toy"] == {"episodes": 8}  # the toy's own metrics
     final = json.loads((run / "eval" / "final.json").read_text())
     assert final["label"] == "two-doors" and final["summary"]["episodes"] == 2
     assert not (run / "memory.sqlite").exists()  # the toy algorithm keeps no memory

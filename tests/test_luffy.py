@@ -364,7 +364,7 @@ def test_a_resumed_luffy_run_remembers_its_unreachable_experts(tiny_model, tmp_p
                                                    "algo.loss_type=dr_grpo", "train.eval_at_start=false"])
     with Trainer(cfg, output_dir=tmp_path / "whole") as trainer:
         first = trainer.iteration()
-        unreachable = set(trainer.expert.unreachable)
+        unreachable = set(trainer.rollout.unreachable)
         second = trainer.iteration()
     assert first["expert"]["discarded_env_steps"] == 2 and first["expert"]["fallback"] == 1
     assert second["expert"]["discarded_env_steps"] == 0 and second["expert"]["fallback"] == 1
@@ -373,7 +373,7 @@ def test_a_resumed_luffy_run_remembers_its_unreachable_experts(tiny_model, tmp_p
         trainer.iteration()
         trainer.save(0)
     with Trainer(cfg, output_dir=tmp_path / "resumed", resume=True) as trainer:
-        assert len(unreachable) == 1 and trainer.expert.unreachable == unreachable
+        assert len(unreachable) == 1 and trainer.rollout.unreachable == unreachable
         again = trainer.iteration()
     assert again["expert"] == second["expert"]
     assert first["expert"]["cut_actions"] >= 1  # the search text is longer than 8 tokens
@@ -382,6 +382,7 @@ def test_a_resumed_luffy_run_remembers_its_unreachable_experts(tiny_model, tmp_p
 
 
 def test_training_metrics_keep_the_expert_apart():
+    from empo2.episodes.expert import expert_metrics
     from empo2.train.batch import Batch, iteration_record
 
     sampled, expert = _episode(0, ["a", "b", "c"]), _episode(1, ["a", "b", "c", "d"], expert=True)
@@ -392,7 +393,7 @@ def test_training_metrics_keep_the_expert_apart():
              "expert_discarded_steps": 0}
     batch = Batch(0, ["on"], [], episodes=[sampled, expert], stats=stats, returns=np.array([8.0, 100.0]),
                   advantage_metrics={"groups": 1.0})
-    rec = iteration_record(batch, "mean", 0, 2, 3)
+    rec = iteration_record(batch, "mean", 0, 2, 3, expert_metrics)
     train = rec["train"]
     assert (train["score_mean"], train["success_rate"], train["return_mean"], train["steps_mean"]) == (8.0, 0.0, 8.0,
                                                                                                        2.0)

@@ -52,7 +52,7 @@ class AdvantageInput:
     """Step-level data of N episodes (see the module docstring)."""
 
     returns: np.ndarray
-    """[N] float64: each episode's return (extrinsic + weighted intrinsic, :func:`empo2.algo.empo2.combine_returns`;
+    """[N] float64: each episode's return (extrinsic + weighted intrinsic, R_ext + w·R_int;
     = the sum of the step rewards on its path from the root, :func:`path_rewards`: a branch's prefix included)."""
     group_ids: np.ndarray
     """[N] int64: the GRPO group (same task and variation, same rollout batch)."""

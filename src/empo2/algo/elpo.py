@@ -28,8 +28,8 @@ Error-localised clipping (§4.3):
 - :func:`critical_steps`, :func:`elc_clip_low`, :func:`critical_clip_low` (Eq. 11) — ε^t_low = ε_low + ε_elc on the
   searched trajectory's steps t ≥ t_crit, ε_low elsewhere.
 - :func:`elc_surrogate` (Eq. 12) — min(ρ·A_hier, clip(ρ, 1 − ε^t_low, 1 + ε_high)·A_hier); :func:`elpo_loss`, the
-  registered loss, is Eq. 12 through the shared clipped surrogate (:func:`empo2.algo.losses.policy_loss`) with the
-  per-row lower bound of Eq. 11.
+  registered loss, hands it, with the per-row lower bound of Eq. 11, to the shared policy loss
+  (:func:`empo2.algo.losses.policy_loss`: masks, KL, aggregation) in place of the shared clip.
 
 Where the text is silent, the worked tree of App. B (Figure 4) decides: σ is the POPULATION std (ddof 0) at both
 levels; a child whose siblings all have the same r gets A_b = 0; a node with a single child passes its own A_b on to
@@ -43,6 +43,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import ClassVar
 
 import numpy as np
@@ -292,11 +293,12 @@ def elpo_loss(logp_new, logp_old, advantages, response_mask, algo, *, critical: 
     suffix (``critical`` [B] bool, :func:`critical_steps`) and ε_low elsewhere; ε_low = ``algo.epsilon``,
     ε_elc = ``algo.elpo.eps_elc``, ε_high = ``algo.epsilon_high``. Metric ``critical_rows``: the rows with the wider
     bound."""
-    clip_low = None
+    surrogate = None
     if critical is not None:
         clip_low = elc_clip_low(critical.to(logp_new.device, torch.float64), algo.epsilon, algo.elpo.eps_elc)  # [B]
+        surrogate = partial(elc_surrogate, clip_low=clip_low[:, None], eps_high=algo.epsilon_high)
     loss, metrics = policy_loss(logp_new, logp_old, advantages, response_mask,
-                                dataclasses.replace(algo, low_prob_threshold=0.0, dual_clip=0.0), clip_low=clip_low,
+                                dataclasses.replace(algo, low_prob_threshold=0.0, dual_clip=0.0), surrogate=surrogate,
                                 **kwargs)
     metrics["critical_rows"] = float(critical.sum()) if critical is not None else 0.0
     return loss, metrics
@@ -444,5 +446,5 @@ def row_extras(episode) -> dict[str, np.ndarray]:
 
 register_algorithm(AlgorithmSpec(
     "elpo", uses_memory=False, loss="elpo", advantage="elpo", rollout="empo2.episodes.elpo_rollout:drive",
-    row_extras=row_extras, reward_note="a tree leaf's R is its whole path's (the replayed prefix included)",
+    metrics="empo2.episodes.elpo_rollout:tree_metrics", row_extras=row_extras, reward_note="a tree leaf's R is its whole path's (the replayed prefix included)",
     official=OFFICIAL, options=ElpoOptions))  # Liang et al. 2026

@@ -27,7 +27,7 @@ The intrinsic reward and the return (fidelity *The novelty reward*):
 - :func:`novelty_reward` — r_int = 1/n, n the visits of the state (:class:`empo2.memory.novelty.NoveltyReward` counts
   them, a whole batch at once).
 - :func:`intrinsic_weight` — the weight w of r_int, constant or annealed linearly (0.8 → 0.2).
-- :func:`intrinsic_return`, :func:`step_rewards_with_novelty`, :func:`combine_returns` — R = R_ext + w·R_int, with
+- :func:`intrinsic_return`, :func:`step_rewards_with_novelty` — R = R_ext + w·R_int, with
   each step's reward r_t + w·r_int_t (w / T_i per step when R_int is the mean over the episode's steps).
 
 Every rollout, row and loss of any method carries a mode, every arm may add the novelty bonus, and GRPO, LUFFY and ELPO
@@ -40,9 +40,6 @@ is defined below.
 from __future__ import annotations
 
 from typing import Any
-
-import numpy as np
-import torch
 
 from empo2.algo.losses import clipped_surrogate_settings, low_probability_mask, policy_loss, register_policy_loss
 from empo2.algo.modes import (
@@ -58,7 +55,7 @@ from empo2.algo.modes import (
 from empo2.algo.registry import AlgorithmSpec, register_algorithm
 from empo2.algo.returns import intrinsic_return, intrinsic_weight, novelty_reward, step_rewards_with_novelty
 
-__all__ = ["MEMORY_MODES", "MODES", "OFFICIAL", "behaviour_logp_for_ratio", "check_mode", "combine_returns",
+__all__ = ["MEMORY_MODES", "MODES", "OFFICIAL", "behaviour_logp_for_ratio", "check_mode",
            "empo2_loss", "empo2_modes", "intrinsic_return", "intrinsic_weight", "low_probability_mask",
            "mode_probabilities", "novelty_reward", "rollout_has_tips", "step_rewards_with_novelty",
            "training_prompt_has_tips", "trains_on_rollout_prompt", "uses_tip_free_old_logp"]
@@ -83,26 +80,6 @@ def empo2_modes(algo_cfg: Any) -> dict[str, float]:
 empo2_loss = register_policy_loss("empo2", settings=clipped_surrogate_settings)(policy_loss)
 """The ``empo2`` loss: :func:`empo2.algo.losses.policy_loss` with every knob of the ``algo`` section, the
 low-probability mask included."""
-
-
-# ------------------------------------------------------------------------------------------------- novelty, return
-def combine_returns(extrinsic, intrinsic_returns, weight: float) -> np.ndarray:
-    """R = R_ext + w · R_int, the return the advantage estimators normalise in their groups (the paper adds the
-    intrinsic reward to the extrinsic one; the released code computes one and never adds it).
-
-    extrinsic [N], intrinsic_returns [N] (each episode's :func:`intrinsic_return`), weight w -> R [N] float64.
-    """
-    ext = _as_numpy(extrinsic)  # [N]
-    intr = _as_numpy(intrinsic_returns)  # [N]
-    if ext.shape != intr.shape:
-        raise ValueError(f"extrinsic {ext.shape} and intrinsic_returns {intr.shape} must have the same length")
-    return ext + float(weight) * intr
-
-
-def _as_numpy(x) -> np.ndarray:
-    if isinstance(x, torch.Tensor):
-        x = x.detach().cpu().numpy()
-    return np.asarray(x, dtype=np.float64).reshape(-1)
 
 
 register_algorithm(AlgorithmSpec("empo2", uses_memory=True, loss="empo2", mode_probs=empo2_modes, novelty=True,

@@ -132,14 +132,16 @@ def low_probability_mask(logp_new: torch.Tensor, logp_old: torch.Tensor, valid: 
 
 def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
                 algo: Any, *, logp_ref: torch.Tensor | None = None, modes: Sequence[str] | None = None,
-                clip_low: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                surrogate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """EMPO² loss. logp_new/logp_old/logp_ref/response_mask [B, T]; advantages [B] or [B, T]; modes: B strings;
     ``algo``: the ``algo`` config section (:class:`empo2.config_sections.AlgoConfig`), which holds the knobs.
 
     Returns ``(loss scalar, metrics)``; see the module docstring for the formula. Gradient flows through ``logp_new``
     only. Metrics (python floats): ratio_mean, ratio_max, clip_frac, dual_clip_frac, masked_frac, approx_kl, kl_ref,
-    valid_tokens, kept_tokens, skipped, and loss_<mode> for each mode present in ``modes``. ``clip_low`` [B]: a
-    per-row ε_low in place of ``algo.epsilon`` (ELPO's error-localised clip, :func:`empo2.algo.elpo.elpo_loss`).
+    valid_tokens, kept_tokens, skipped, and loss_<mode> for each mode present in ``modes``. ``surrogate``:
+    ``(ratio, advantage) -> objective`` [B, T], a method's clipped surrogate min(ρ·A, clip(ρ)·A) in place of the
+    shared clip(ρ, 1 − ε, 1 + ε_high) (ELPO's error-localised clip, :func:`empo2.algo.elpo.elpo_loss`).
     """
     _check_args(logp_new, logp_old, advantages, response_mask, logp_ref, modes)
     epsilon, epsilon_high, dual_clip = algo.epsilon, algo.epsilon_high, algo.dual_clip
@@ -153,12 +155,11 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     log_ratio = torch.where(keep, logp_new - logp_old, 0.0).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     obj_unclipped = ratio * adv  # [B, T]
-    if clip_low is None:
-        obj_clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv  # [B, T]
-    else:  # a lower bound per row [B, 1]
-        low = (1.0 - clip_low.to(ratio.device, ratio.dtype))[:, None].expand_as(ratio)
-        obj_clipped = torch.clamp(ratio, min=low, max=torch.full_like(ratio, 1.0 + epsilon_high)) * adv  # [B, T]
-    obj = torch.minimum(obj_unclipped, obj_clipped)  # [B, T]
+    if surrogate is None:
+        obj = torch.minimum(obj_unclipped, torch.clamp(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * adv)  # [B, T]
+    else:
+        obj = surrogate(ratio, adv)  # [B, T]
+    surrogate_obj = obj  # before the dual clip: the clip branch is active where it is below ρ·A
     if dual_clip > 0:
         obj = torch.where(adv < 0, torch.maximum(obj, dual_clip * adv), obj)  # [B, T]
     token_loss = torch.where(keep, -obj, 0.0)  # [B, T]
@@ -172,7 +173,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     loss = aggregate_token_loss(token_loss, valid, aggregation, algo.dr_grpo_length)  # []
 
     with torch.no_grad():
-        metrics = _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip)
+        metrics = _metrics(ratio, log_ratio, obj_unclipped, surrogate_obj, adv, valid, keep, k3, dual_clip)
         metrics.update(_mode_losses(token_loss, valid, modes, aggregation))
     return _skip_if_not_finite(loss, metrics, logp_new, [logp_old, adv, logp_ref], valid)
 
@@ -230,7 +231,8 @@ def aggregate_token_loss(token_loss: torch.Tensor, valid: torch.Tensor, aggregat
     return (per_row * has_tokens).sum() / has_tokens.sum().clamp(min=1)
 
 
-def _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3, dual_clip) -> dict[str, float]:
+def _metrics(ratio, log_ratio, obj_unclipped, obj, adv, valid, keep, k3, dual_clip) -> dict[str, float]:
+    """``obj``: the clipped surrogate min(ρ·A, clip(ρ)·A) [B, T], before the dual clip."""
     n_valid = int(valid.sum())
     n_keep = int(keep.sum())
     kf = keep.to(ratio.dtype)
@@ -238,10 +240,10 @@ def _metrics(ratio, log_ratio, obj_unclipped, obj_clipped, adv, valid, keep, k3,
     def mean_kept(x: torch.Tensor) -> float:
         return float((x * kf).sum() / max(n_keep, 1))
 
-    clipped = (obj_clipped < obj_unclipped) & keep  # the clip branch is the active one (zero gradient)
+    clipped = (obj < obj_unclipped) & keep  # the clip branch is the active one (zero gradient)
     dual = torch.zeros_like(keep)
     if dual_clip > 0:  # the dual-clip floor c·A is the active branch
-        dual = (adv < 0) & (dual_clip * adv > torch.minimum(obj_unclipped, obj_clipped)) & keep
+        dual = (adv < 0) & (dual_clip * adv > obj) & keep
     return {
         "ratio_mean": mean_kept(ratio),
         "ratio_max": float(ratio[keep].max()) if n_keep else 0.0,

@@ -194,8 +194,14 @@ def empo2_luffy_loss(logp_new, logp_old, advantages, response_mask, algo,
     return _loss(logp_new, logp_old, advantages, response_mask, algo, algo, **kwargs)
 
 
-register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy",
-                                 expert_members=1, official=OFFICIAL, options=LuffyOptions))  # Yan et al. 2025
+EXPERT_ROLLOUT = "empo2.episodes.expert:ExpertPlayer"
+"""The rollout driver that plays the expert members (:mod:`empo2.episodes.expert`), and its part of the record."""
+EXPERT_METRICS = "empo2.episodes.expert:expert_metrics"
+
+register_algorithm(AlgorithmSpec("luffy", uses_memory=False, loss="luffy", advantage="luffy", expert_members=1,
+                                 rollout=EXPERT_ROLLOUT, metrics=EXPERT_METRICS, official=OFFICIAL,
+                                 options=LuffyOptions))  # Yan et al. 2025
 # EMPO² with an expert member: no published method
 register_algorithm(AlgorithmSpec("empo2_luffy", uses_memory=True, loss="empo2_luffy", mode_probs=empo2_modes,
-                                 expert_members=1, novelty=True, options=LuffyOptions))
+                                 expert_members=1, rollout=EXPERT_ROLLOUT, metrics=EXPERT_METRICS, novelty=True,
+                                 options=LuffyOptions))

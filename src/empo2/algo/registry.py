@@ -15,6 +15,7 @@ the method files, one line each; this module names no method, only the two that 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, is_dataclass
 from typing import Any
@@ -44,13 +45,19 @@ class AlgorithmSpec:
     """Members of each group that play the environment's gold path instead of sampling (LUFFY's off-policy
     guidance, :mod:`empo2.episodes.expert`); their rows are marked off-policy for the loss."""
     rollout: str | Callable = "episodes"
-    """How its groups are played (:func:`empo2.episodes.drivers.rollout_driver`): ``episodes`` (G independent
+    """How its groups are played (:func:`empo2.episodes.drivers.make_driver`): ``episodes`` (G independent
     episodes per group), a driver ``(ctx, specs, sampling, cfg, progress, seed) -> (episodes, stats)``, or the
     ``"module:function"`` path of one, for a driver that lives above ``algo`` (ELPO's tree, in
-    :mod:`empo2.episodes.elpo_rollout`)."""
+    :mod:`empo2.episodes.elpo_rollout`). A driver that keeps state across iterations is a class, built once per run
+    (LUFFY's expert members, :class:`empo2.episodes.expert.ExpertPlayer`)."""
     row_extras: Callable[[Any], dict[str, Sequence]] | None = None
     """``episode -> {name: one value per step}``: what its update rows carry besides the shared fields, handed to its
     loss by keyword as a [B] tensor (ELPO's ``critical``); a name no row of a micro-batch sets true is left out."""
+    metrics: str | Callable | None = None
+    """``batch -> {name: value}``: what the iteration record (one line of ``metrics.jsonl``) holds for this method
+    besides the shared fields, from the whole batch's ``episodes``, rollout ``stats`` and ``losses``
+    (:class:`empo2.train.batch.Batch`); a function or the ``"module:function"`` path of one (ELPO's searches, LUFFY's
+    expert members, beside the rollout stats they read)."""
     reward_note: str = ""
     """What its rollout changes about the return, for ``compare``'s description of an arm (ELPO's path returns)."""
     novelty: bool = False
@@ -100,6 +107,20 @@ def method_options() -> dict[str, type]:
     """``{key: options class}`` of every registered algorithm with options of its own (``{"gigpo": GigpoOptions,
     …}``): the settings the ``algo`` section holds besides its shared fields."""
     return {spec.options.key: spec.options for spec in ALGORITHMS.values() if spec.options is not None}
+
+
+def load_hook(hook: str | Callable, what: str) -> Callable:
+    """The function a spec's hook names: itself, or the ``"module:function"`` it points to (a module above ``algo``,
+    imported only when the hook is used). ``what`` names the hook in the error."""
+    if callable(hook):
+        return hook
+    module, _, function = hook.partition(":")
+    if not function:
+        raise ValueError(f"{what} {hook!r} is neither a function nor a 'module:function' path")
+    try:
+        return getattr(importlib.import_module(module), function)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what} {hook!r} cannot be loaded: {exc}") from None
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:

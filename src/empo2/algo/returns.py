@@ -57,7 +57,7 @@ def intrinsic_return(novelty: Sequence[float], aggregation: str = "mean") -> flo
 def step_rewards_with_novelty(extrinsic: Sequence[float], novelty: Sequence[float], weight: float,
                               aggregation: str = "mean") -> np.ndarray:
     """One episode's step rewards r_t + w_t·r_int_t [T] float64, the return's terms: they sum to
-    R_ext + w·R_int (:func:`empo2.algo.empo2.combine_returns` with :func:`intrinsic_return`), so w_t = w / T under ``mean``
+    R_ext + w·R_int (R_int: :func:`intrinsic_return`), so w_t = w / T under ``mean``
     aggregation and w under ``sum``. extrinsic [T] (the environment's step rewards), novelty [T]."""
     if len(extrinsic) != len(novelty):
         raise ValueError(f"{len(extrinsic)} step rewards but {len(novelty)} novelty rewards")

@@ -169,3 +169,15 @@ def _finish(grp: _Group, episodes: list[Episode], stats: dict[str, float]) -> No
     stats["elpo_searches"] += 1
     stats["elpo_localised_after_first"] += t_crit > 1
     grp.search, grp.source = None, None
+
+
+def tree_metrics(batch) -> dict:
+    """ELPO's part of the iteration record (``AlgorithmSpec.metrics``): the whole batch's searches and replays, when
+    the rollout grew trees. ``localised_share`` is the share of searches whose first irrecoverable step came after
+    step 1 (with no success anywhere a search ends at step 1)."""
+    stats = batch.stats
+    if "elpo_searches" not in stats:
+        return {}
+    out = {k.removeprefix("elpo_"): float(v) for k, v in stats.items() if k.startswith(("elpo_", "replay_"))}
+    out["localised_share"] = out["localised_after_first"] / out["searches"] if out["searches"] else 0.0
+    return {"elpo": out}

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from empo2.envs.actions import replayable_gold
 from empo2.envs.base import EnvError
 from empo2.episodes.episode import Episode
@@ -48,11 +50,22 @@ class ExpertPlayer:
 
     group_size: int
     members: int = 1
+    state_key = "expert_unreachable"
+    """The name of :meth:`state_dict` in a checkpoint (:mod:`empo2.episodes.drivers`)."""
     unreachable: set = field(default_factory=set)
     """(task, variation) whose gold replay failed: their expert slots are sampled from the start. Part of every
     checkpoint (:meth:`state_dict`), so that a resumed run plays its expert slots as the uninterrupted run would."""
     cut_actions: int = 0
     """Gold actions cut at ``policy.max_completion_length`` in the current :meth:`play`."""
+
+    @classmethod
+    def for_run(cls, cfg, spec) -> ExpertPlayer:
+        """The run's driver (``AlgorithmSpec.rollout``): ``spec.expert_members`` experts in each group of
+        ``algo.num_generations``."""
+        return cls(cfg.algo.num_generations, spec.expert_members)
+
+    def __call__(self, ctx, specs, sampling, cfg, progress, seed=None) -> tuple[list[Episode], dict[str, float]]:
+        return self.play(ctx, specs, sampling, progress=progress, seed=seed)
 
     def state_dict(self) -> list[list]:
         return sorted([task, variation] for task, variation in self.unreachable)
@@ -124,3 +137,26 @@ class ExpertPlayer:
         stats.update(expert_slots=len(slots), expert_kept=len(kept), expert_fallback=len(slots) - len(kept),
                      expert_steps=sum(len(episodes[k].steps) for k in kept), expert_cut_actions=self.cut_actions)
         return episodes, stats
+
+
+def expert_metrics(batch) -> dict:
+    """LUFFY's part of the iteration record (``AlgorithmSpec.metrics``): the expert members of the whole ``batch``,
+    their slots, replays and environment steps, apart from the policy's episodes (which the shared ``train`` block
+    describes). Empty where the rollout played no expert slot."""
+    stats = batch.stats
+    if "expert_slots" not in stats:
+        return {}
+    played = [ep for ep in batch.episodes if ep.expert]
+    return {"expert": {"slots": int(stats["expert_slots"]), "kept": int(stats["expert_kept"]),
+                       "fallback": int(stats["expert_fallback"]),
+                       "fallback_rate": stats["expert_fallback"] / max(stats["expert_slots"], 1),
+                       "env_steps": int(stats["expert_steps"] + stats["expert_discarded_steps"]),
+                       "discarded_env_steps": int(stats["expert_discarded_steps"]),
+                       "cut_actions": int(stats.get("expert_cut_actions", 0)),
+                       "score_mean": _mean([ep.score for ep in played]),
+                       "success_rate": _mean([ep.success for ep in played]),
+                       "rows": int(batch.losses.get("expert_rows", 0))}}
+
+
+def _mean(values: list[float]) -> float:
+    return float(np.mean(values)) if values else 0.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,32 +51,20 @@ def ran_episodes(episodes: list[Episode]) -> list[Episode]:
 
 
 def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps: int,
-                     expert_env_steps: int = 0) -> dict[str, Any]:
+                     expert_env_steps: int = 0, method_metrics: Callable[[Batch], dict[str, Any]] | None = None,
+                     ) -> dict[str, Any]:
     """The metrics record of ``batch`` (the whole batch, on rank 0); ``env_steps`` is the run's running total of the
     policy's environment steps, ``expert_env_steps`` that of the expert members' (algorithms with experts only).
-    ``train`` describes the policy's own episodes; the expert members' (LUFFY's gold paths) are in ``expert``."""
+    ``train`` describes the policy's own episodes; ``method_metrics`` (the algorithm's ``AlgorithmSpec.metrics``)
+    adds the entries of the method's own, e.g. its expert members' (LUFFY's gold paths) or its searches (ELPO's)."""
     stats = batch.stats
-    policy = [not ep.expert for ep in batch.episodes]
-    episodes = [ep for ep, p in zip(batch.episodes, policy) if p]
+    episodes = [ep for ep in batch.episodes if not ep.expert]
     ran = [(ep, r) for ep, r in zip(batch.ran, batch.returns) if not ep.expert]
     scores = [ep.score for ep in episodes]
-    expert = {}
-    if "expert_slots" in stats:  # LUFFY's expert members, their steps apart from the policy's
-        played = [ep for ep, p in zip(batch.episodes, policy) if not p]
-        expert = {"expert_env_steps": expert_env_steps,
-                  "expert": {"slots": int(stats["expert_slots"]), "kept": int(stats["expert_kept"]),
-                             "fallback": int(stats["expert_fallback"]),
-                             "fallback_rate": stats["expert_fallback"] / max(stats["expert_slots"], 1),
-                             "env_steps": int(stats["expert_steps"] + stats["expert_discarded_steps"]),
-                             "discarded_env_steps": int(stats["expert_discarded_steps"]),
-                             "cut_actions": int(stats.get("expert_cut_actions", 0)),
-                             "score_mean": mean_or_zero([ep.score for ep in played]),
-                             "success_rate": mean_or_zero([ep.success for ep in played]),
-                             "rows": int(batch.losses.get("expert_rows", 0))}}
     return {
         "iteration": batch.iteration,
         "env_steps": env_steps,
-        **expert,
+        **({"expert_env_steps": expert_env_steps} if expert_env_steps else {}),
         "modes": batch.modes,
         "mode_counts": dict(Counter(batch.modes)),
         "train": {"score_mean": float(np.mean(scores)), "score_max": float(np.max(scores)),
@@ -98,18 +87,8 @@ def iteration_record(batch: Batch, aggregation: str, memory_size: int, env_steps
         "tokens_per_s": {"generate": stats["gen_tokens"] / max(stats["gen_time"], 1e-9),
                          "update": batch.losses.get("tokens", 0) / max(batch.seconds["update"], 1e-9)},
         "long_prompts": stats["long_prompts"], "memory_peak_rss_gb": peak_rss_gb(),
-        **_tree_record(stats),
+        **(method_metrics(batch) if method_metrics is not None else {}),
     }
-
-
-def _tree_record(stats: dict[str, float]) -> dict[str, Any]:
-    """ELPO's searches and replays, when the rollout grew trees: ``localised_share`` is the share of searches whose
-    first irrecoverable step came after step 1 (with no success anywhere a search ends at step 1)."""
-    if "elpo_searches" not in stats:
-        return {}
-    out = {k.removeprefix("elpo_"): float(v) for k, v in stats.items() if k.startswith(("elpo_", "replay_"))}
-    out["localised_share"] = out["localised_after_first"] / out["searches"] if out["searches"] else 0.0
-    return {"elpo": out}
 
 
 def no_signal_warnings(batch: Batch, zero_adv_streak: int, train_cfg) -> tuple[int, list[str]]:

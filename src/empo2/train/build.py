@@ -19,11 +19,12 @@ import torch
 
 from empo2.algo.losses import get_policy_loss
 from empo2.algo.modes import ModeSampler
+from empo2.algo.registry import load_hook
 from empo2.config import Config, ConfigError
 from empo2.envs.factory import make_env_kwargs, resolve_tasks
 from empo2.envs.local_pool import LocalEnvPool
 from empo2.envs.pool import FailureStreak, make_pool
-from empo2.episodes.expert import ExpertPlayer
+from empo2.episodes.drivers import has_state, make_driver
 from empo2.episodes.rollout import RolloutContext
 from empo2.memory import open_tip_memory
 from empo2.memory.embedder import get_embedder
@@ -154,8 +155,8 @@ class TrainerParts:
         self.resumed_step_counter = 0
         self.env_steps = 0  # environment steps of all sampled training episodes so far (the run's budget spent)
         self.expert_env_steps = 0  # the expert members' environment steps so far, counted apart
-        self.expert = ExpertPlayer(cfg.algo.num_generations, self.algorithm.expert_members) \
-            if self.algorithm.expert_members else None
+        self.rollout = make_driver(self.algorithm, cfg)
+        self.method_metrics = load_hook(self.algorithm.metrics, "metrics hook") if self.algorithm.metrics else None
         self.env_failures = FailureStreak(cfg.train.max_consecutive_env_failures)
         if resume:
             self._restore()
@@ -217,8 +218,8 @@ class TrainerParts:
         self.resumed_step_counter = state.get("step_counter", 0)
         self.env_steps = state.get("env_steps", 0)
         self.expert_env_steps = state.get("expert_env_steps", 0)
-        if self.expert is not None:
-            self.expert.load_state_dict(state.get("expert_unreachable", []))
+        if has_state(self.rollout):
+            self.rollout.load_state_dict(state.get(self.rollout.state_key, []))
         ckpt.set_rng_state(state["rng"])
         self.start_iteration = state["iteration"] + 1
         if self.dist.is_main:  # the iterations after the checkpoint are played again

@@ -39,7 +39,7 @@ from empo2 import signals
 from empo2.algo.advantages import AdvantageInput, compute_advantages, step_rewards
 from empo2.algo.returns import intrinsic_weight
 from empo2.envs.factory import env_label
-from empo2.episodes.drivers import rollout_driver
+from empo2.episodes.drivers import has_state, share_state
 from empo2.episodes.episode import Episode
 from empo2.episodes.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.episodes.reflection import reflect, tip_writers
@@ -191,15 +191,9 @@ class Trainer(TrainerParts):
         reset_peak_rss()
         with sharding.generating(self.model, cfg.policy.autocast, self.ctx.backend):
             progress_fn = partial(_rollout_progress, progress, it)
-            if self.expert is None:  # G independent episodes, or ELPO's tree
-                drive = rollout_driver(self.algorithm.rollout)
-                return drive(self.ctx, specs, self.sampling, cfg, progress_fn, seed)
-            episodes, stats = self.expert.play(self.ctx, specs, self.sampling, progress=progress_fn, seed=seed)
-            # LUFFY's gold-path members: every rank knows every unreachable expert, as one process would (and rank 0
-            # checkpoints them)
-            found = self.dist.all_gather(self.expert.state_dict())
-            self.expert.load_state_dict([pair for part in found for pair in part])
-            return episodes, stats
+            episodes, stats = self.rollout(self.ctx, specs, self.sampling, cfg, progress_fn, seed)
+        share_state(self.rollout, self.dist.all_gather)
+        return episodes, stats
 
     def _reflect(self, episodes: list[Episode], stats: dict[str, float], seed: int | None):
         """Each finished episode writes its tip into memory (memory algorithms only). Returns the episodes noting
@@ -269,7 +263,7 @@ class Trainer(TrainerParts):
             self._say(text)
         memory_size = self.memory.stats()["tips"] if self.memory is not None else 0
         return iteration_record(whole, self.cfg.algo.intrinsic_aggregation, memory_size, self.env_steps,
-                                self.expert_env_steps)
+                                self.expert_env_steps, self.method_metrics)
 
     # ----------------------------------------------------------------------------------------------- eval/save
     def evaluate(self, tag: str, with_memory: bool = False, progress=None) -> dict[str, Any]:
@@ -299,7 +293,7 @@ class Trainer(TrainerParts):
                  "novelty": self.novelty.state_dict(), "zero_adv_streak": self.zero_adv_streak,
                  "step_counter": self.ctx.step_counter,
                  "env_steps": self.env_steps, "expert_env_steps": self.expert_env_steps,
-                 "expert_unreachable": self.expert.state_dict() if self.expert is not None else [],
+                 **({self.rollout.state_key: self.rollout.state_dict()} if has_state(self.rollout) else {}),
                  "config": self.cfg.to_dict(), "settings_digest": settings_digest(self.cfg)}
         copy = self.memory.copy_to if self.memory is not None else None
         if self.dist.sharded:
