@@ -18,7 +18,7 @@ from empo2.algo.advantages import (
 )
 from empo2.algo.empo2 import intrinsic_weight
 from empo2.config import AlgoConfig, algo_config
-from paper_returns import combine_returns
+from helpers.paper_returns import combine_returns
 
 
 def grpo(returns, groups, scale_rewards=True, eps=1e-6, lengths=None):

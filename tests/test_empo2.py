@@ -11,7 +11,7 @@ import torch
 
 from empo2.algo import empo2
 from empo2.config_sections import AlgoConfig
-from paper_returns import combine_returns
+from helpers.paper_returns import combine_returns
 
 
 def test_mode_probabilities_split_the_memory_rollouts():

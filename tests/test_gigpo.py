@@ -198,7 +198,7 @@ def test_input_from_episodes_step_rewards_add_up_to_the_return(aggregation):
     """The trainer's conversion: step rewards (with the weighted novelty reward) sum to the episode's return, and
     the state keys are the states the steps answered, verbatim."""
     from empo2.episodes.episode import Episode, Step
-    from paper_returns import combine_returns
+    from helpers.paper_returns import combine_returns
 
     def step(obs, reward, intrinsic):
         return Step([1], [1], [2], [-0.5], "a", "a", "next", reward, obs, intrinsic=intrinsic)
