@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from empo2.algo.losses import policy_loss
-from empo2.config_sections import AlgoConfig
+from empo2.config.sections import AlgoConfig
 from empo2.memory.novelty import NoveltyReward
 
 B, T, V, D = 64, 512, 1024, 384

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from empo2.config_sections import MemoryConfig, PolicyConfig
+from empo2.config.sections import MemoryConfig, PolicyConfig
 from empo2.envs.base import state_of
 from empo2.envs.pool import EnvPool
 from empo2.envs.scienceworld import ANSWER

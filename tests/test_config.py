@@ -71,12 +71,12 @@ def test_missing_file():
 
 def test_every_config_field_is_documented():
     """Each setting is followed by its attribute docstring (the reference users read): the sections' fields in
-    config_sections.py and each method's own options in its file (``algo.gigpo.*`` in algo/gigpo.py …)."""
+    config/sections.py and each method's own options in its file (``algo.gigpo.*`` in algo/gigpo.py …)."""
     import ast
     import importlib
     import inspect
 
-    from empo2.config_bounds import settings
+    from empo2.config.bounds_check import settings
 
     declared, documented = set(), set()
     for _, obj, f in settings(Config()):

@@ -13,7 +13,7 @@ import yaml
 
 from empo2.cli import main
 from empo2.config import Config, ConfigError, flat_settings
-from empo2.config_renames import RENAMED, ConfigRenameWarning
+from empo2.config.renames import RENAMED, ConfigRenameWarning
 
 BEFORE = json.loads((Path(__file__).parent / "data" / "presets_before_inheritance.json").read_text())
 """Every shipped preset's resolved config as the loader gave it when each preset was a full copy (and before the

@@ -12,7 +12,7 @@ import torch
 
 from empo2.algo import elpo
 from empo2.algo.advantages import AdvantageInput, compute_advantages
-from empo2.config_sections import algo_config
+from empo2.config.sections import algo_config
 
 W, L = 1.0, -1.1  # the worked example's rewards: right answer, wrong answer
 

@@ -12,7 +12,7 @@ import pytest
 from empo2.algo import elpo
 from empo2.algo.advantages import AdvantageInput, compute_advantages, step_rewards
 from empo2.algo.elpo import ElpoOptions
-from empo2.config_sections import MemoryConfig, PolicyConfig, algo_config
+from empo2.config.sections import MemoryConfig, PolicyConfig, algo_config
 from empo2.envs.pool import EnvPool
 from empo2.episodes.elpo_rollout import run_elpo
 from empo2.episodes.rollout import RolloutContext

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from empo2.algo import empo2
-from empo2.config_sections import AlgoConfig
+from empo2.config.sections import AlgoConfig
 from helpers.paper_returns import combine_returns
 
 

@@ -355,7 +355,7 @@ def test_truncated_memory_refused_by_train_resume(memory_run):
 
 # ------------------------------------------------------------------------------------------- 4: bad config, early
 def test_unknown_advantage_exits_2_before_any_run_folder(tmp_path, tiny_model):
-    """Registry names are checked at config load (config.py); bounded at 90 s, because without that check the run
+    """Registry names are checked at config load (config/core.py); bounded at 90 s, because without that check the run
     trains until the advantage is first needed."""
     run = tmp_path / "run"
     proc = start_train(run, tiny_model, "algo.advantage=nope", "train.iterations=1")

@@ -389,7 +389,7 @@ def test_root_is_not_held_to_the_process_limit():
     limit = threads_of(0) + 60
     probe = ("import os, resource, sys, time\n"
              f"resource.setrlimit(resource.RLIMIT_NPROC, ({limit}, {limit}))\n"
-             "from empo2.config_bounds import check_process_limit\n"
+             "from empo2.config.bounds_check import check_process_limit\n"
              "check_process_limit(8, 'train.tasks_per_batch × algo.num_generations')\n"
              "children = []\n"
              "for _ in range(140):\n"

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from empo2.config import Config, ConfigError
-from empo2.config_bounds import check_machine_limits
+from empo2.config.bounds_check import check_machine_limits
 from empo2.memory.schema import create_schema, new_meta
 from empo2.memory.store import MemoryStoreError, TipMemory
 from helpers.faults_input import CPU, FAST, REPO, empo2, memory_file, one_line, sha
@@ -136,10 +136,10 @@ def test_eval_batch_beyond_the_machine_exits_2(tmp_path, fake_model):
 
 
 def test_every_numeric_field_states_its_bounds_and_load_checks_them():
-    """Each int and float field carries its bounds beside it (``bounded(...)`` in config_sections.py, and in each
+    """Each int and float field carries its bounds beside it (``bounded(...)`` in config/sections.py, and in each
     method's options: ``algo.proxmo.alpha``); a value past either end (or on an open end) is refused at load with
     one line naming the field, and the default is inside."""
-    from empo2.config_bounds import settings
+    from empo2.config.bounds_check import settings
 
     checked = 0
     for key, obj, f in settings(Config()):

@@ -251,7 +251,7 @@ def test_rollout_records_the_state_each_action_answered():
     chosen in: the reset page first, then the previous step's result; the episode keeps the state it ended in."""
     from types import SimpleNamespace
 
-    from empo2.config_sections import EnvConfig
+    from empo2.config.sections import EnvConfig
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
     from empo2.episodes.rollout import RolloutContext, run_episodes

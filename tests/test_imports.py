@@ -36,10 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("empo2",),  # the package's public names (Config, Trainer), re-exported from the rooms below
 )
 """Rooms by floor, lowest first. A room is a top-level module or subpackage of ``empo2`` (``empo2`` itself is its
-``__init__``), or a group named in :data:`ROOM_OF`."""
-ROOM_OF = {"config_bounds": "config", "config_presets": "config", "config_renames": "config",
-           "config_sections": "config", "config_values": "config"}
-"""Top-level files that are part of another name's room: the config's pieces."""
+``__init__``)."""
 
 
 def module_files(src: Path = SRC) -> dict[str, Path]:
@@ -144,9 +141,8 @@ def _circle_in(group: set[str], graph: dict[str, set[str]]) -> list[str]:
 
 
 def room_of(module: str) -> str:
-    """The room of a dotted module name: its top-level name under ``empo2``, or the group :data:`ROOM_OF` puts it in."""
-    top = module.split(".")[1] if "." in module else module
-    return ROOM_OF.get(top, top)
+    """The room of a dotted module name: its top-level name under ``empo2``."""
+    return module.split(".")[1] if "." in module else module
 
 
 def floor_of(room: str) -> int | None:
@@ -233,7 +229,7 @@ def test_every_floor_is_checked_in_both_directions():
                 assert found == [(importer, imported)], (low, high)
             else:
                 assert found == [], (low, high)
-    assert upward_imports({"empo2.config_bounds": {"empo2.config"}, "empo2.cli.app": {"empo2.cli.parser"},
+    assert upward_imports({"empo2.config.core": {"empo2.config.sections"}, "empo2.cli.app": {"empo2.cli.parser"},
                            "empo2.envs.a": {"empo2.envs"}}) == []  # one room's own files
     assert upward_imports({"empo2.signals": {"empo2.rundir.checkpoint"}}) == [("empo2.signals", "empo2.rundir.checkpoint")]
     assert unplaced({"empo2.newroom": set(), "empo2.config_new": set(), "empo2.cli": set()}) == ["empo2.config_new",

@@ -9,7 +9,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from empo2.algo.losses import policy_loss
-from empo2.config_sections import AlgoConfig
+from empo2.config.sections import AlgoConfig
 from empo2.policy.logprobs import micro_batches, response_logprobs
 from empo2.policy.sampling import Sampling
 

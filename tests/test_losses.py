@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from empo2.algo.empo2 import MODES, behaviour_logp_for_ratio, training_prompt_has_tips
 from empo2.algo.losses import POLICY_LOSSES, get_policy_loss, policy_loss
 from empo2.config import Config, ConfigError
-from empo2.config_sections import AlgoConfig
+from empo2.config.sections import AlgoConfig
 
 # ---------------------------------------------------------------------------------------------------- reference
 

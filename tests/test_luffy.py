@@ -13,7 +13,7 @@ import torch
 from empo2.algo.advantages import AdvantageInput, compute_advantages
 from empo2.algo.losses import get_policy_loss
 from empo2.algo.luffy import LuffyOptions
-from empo2.config_sections import algo_config
+from empo2.config.sections import algo_config
 from empo2.envs.actions import replayable_gold
 from empo2.episodes.expert import ExpertPlayer, expert_generation
 
@@ -199,7 +199,7 @@ def test_update_rows_mark_the_expert_off_policy():
 
 @pytest.mark.slow
 def test_expert_plays_a_real_scienceworld_gold_path_to_the_goal(smollm):
-    from empo2.config_sections import MemoryConfig, PolicyConfig
+    from empo2.config.sections import MemoryConfig, PolicyConfig
     from empo2.envs.pool import EnvPool
     from empo2.episodes.rollout import RolloutContext
 

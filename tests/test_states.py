@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from empo2.config import MemoryConfig
-from empo2.config_sections import EnvConfig
+from empo2.config.sections import EnvConfig
 from empo2.envs.factory import make_env_kwargs
 from empo2.envs.pool import EnvPool
 from empo2.envs.scienceworld.text import focused_object, scienceworld_state

@@ -232,7 +232,7 @@ def test_old_logprobs_from_the_trainer_start_the_ratio_at_one_and_tis_reweights_
 def test_auto_old_logprobs_follow_the_backend_and_the_compute_dtype():
     """``auto`` recomputes π_old in the trainer wherever sampling and training can round differently: a separate
     engine, or any engine in 16 bits; only the HF engine in float32 keeps its own log-probs."""
-    from empo2.config_sections import PolicyConfig
+    from empo2.config.sections import PolicyConfig
     from empo2.train.update import compute_dtype, old_logprobs_source
 
     assert old_logprobs_source("auto", "hf", "float32") == "engine"

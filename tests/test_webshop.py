@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from empo2.config import Config, ConfigError
-from empo2.config_sections import EnvConfig
+from empo2.config.sections import EnvConfig
 from empo2.envs.base import EnvError, TextEnv
 from empo2.envs.factory import env_label, make_env_kwargs
 from empo2.envs.webshop import WebShopEnv, load_catalog

@@ -1,7 +1,7 @@
 """How a setting states the numbers it may hold: :func:`bounded` declares a dataclass field with its default and its
-:class:`Bounds`, beside the field, and :func:`empo2.config_bounds.check_bounds` checks every such field at load.
+:class:`Bounds`, beside the field, and :func:`empo2.config.bounds_check.check_bounds` checks every such field at load.
 
-In the lowest layer because two floors declare settings: the config's sections (:mod:`empo2.config_sections`) and
+In the lowest layer because two floors declare settings: the config's sections (:mod:`empo2.config.sections`) and
 each method's own options in :mod:`empo2.algo` (``algo.gigpo`` …), which cannot import the config above them.
 """
 
@@ -44,7 +44,7 @@ class Bounds:
 def bounded(default: Any, low: float, high: float, *, open_low: bool = False, open_high: bool = False,
             off: float | None = None, why: str = ""):
     """A setting's dataclass field with its default and its :class:`Bounds`, read by
-    :func:`empo2.config_bounds.check_bounds`."""
+    :func:`empo2.config.bounds_check.check_bounds`."""
     return field(default=default, metadata={"bounds": Bounds(low, high, open_low, open_high, off, why)})
 
 

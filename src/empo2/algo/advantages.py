@@ -62,7 +62,7 @@ class AdvantageInput:
     """N lists of T_i strings: the state each step's action answered, as the environment defines it (GiGPO's anchor
     key; anchor groups never span two episode groups, and one episode group is one task and variation)."""
     algo: Any
-    """The ``algo`` config section (:class:`empo2.config_sections.AlgoConfig`): the shared knobs and every registered
+    """The ``algo`` config section (:class:`empo2.config.sections.AlgoConfig`): the shared knobs and every registered
     method's options (``algo.gigpo`` …), each estimator reading its own."""
     success: np.ndarray | None = None
     """[N] bool: whether each episode reached the goal (ProxMO's success rate); ``None`` where unknown."""

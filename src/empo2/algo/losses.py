@@ -135,7 +135,7 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
                 surrogate: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                 ) -> tuple[torch.Tensor, dict[str, float]]:
     """EMPO² loss. logp_new/logp_old/logp_ref/response_mask [B, T]; advantages [B] or [B, T]; modes: B strings;
-    ``algo``: the ``algo`` config section (:class:`empo2.config_sections.AlgoConfig`), which holds the knobs.
+    ``algo``: the ``algo`` config section (:class:`empo2.config.sections.AlgoConfig`), which holds the knobs.
 
     Returns ``(loss scalar, metrics)``; see the module docstring for the formula. Gradient flows through ``logp_new``
     only. Metrics (python floats): ratio_mean, ratio_max, clip_frac, dual_clip_frac, masked_frac, approx_kl, kl_ref,

@@ -123,7 +123,7 @@ def _warn_renamed_keys_plainly() -> None:
     instead of a source location; other warnings print as Python prints them."""
     import warnings
 
-    from empo2.config_renames import ConfigRenameWarning
+    from empo2.config.renames import ConfigRenameWarning
 
     show = warnings.showwarning
     if getattr(show, "plain_renames", False):

@@ -25,7 +25,7 @@ def policy_config(args):
     """The config eval/adapt play under: a run's, or a config file's (or the defaults) with ``--model``; the
     ``--env``, ``--tasks`` and ``--max-steps`` flags on top."""
     from empo2.config import Config
-    from empo2.config_bounds import check_worker_count
+    from empo2.config.bounds_check import check_worker_count
 
     if args.run:
         cfg = Config.load(Path(args.run) / "config.yaml")

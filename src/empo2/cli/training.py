@@ -117,7 +117,7 @@ def check_run_inputs(cfg) -> None:
     """Unknown task or model names, sampling that cannot train, missing or foreign files and a pool too big for the
     machine fail here, before a run writes anything."""
     from empo2.config import ConfigError
-    from empo2.config_bounds import check_machine_limits
+    from empo2.config.bounds_check import check_machine_limits
     from empo2.envs.factory import resolve_tasks
     from empo2.memory.sqlite_file import check_seed_file
     from empo2.policy.loader import resolve_model_path
@@ -154,7 +154,7 @@ def cmd_sft(args) -> int:
     from empo2 import machine, signals
     from empo2.cli.policy import own_run_folder
     from empo2.config import Config
-    from empo2.config_bounds import check_machine_limits
+    from empo2.config.bounds_check import check_machine_limits
     from empo2.envs.factory import env_label, resolve_tasks
     from empo2.policy.loader import resolve_model_path
     from empo2.progress import ProgressBar

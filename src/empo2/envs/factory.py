@@ -1,4 +1,4 @@
-"""From a run's ``env`` section (:class:`empo2.config_sections.EnvConfig`) to environment constructor arguments, a
+"""From a run's ``env`` section (:class:`empo2.config.sections.EnvConfig`) to environment constructor arguments, a
 task list and a report label, through the environment registry (no branching on the environment's name).
 
 The section comes in as an argument: the environments do not import the run's configuration."""

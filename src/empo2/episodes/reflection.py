@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from empo2.agent.prompts import chat_prompt_ids
 from empo2.agent.reflection_prompt import memory_entry, parse_tip, reflection_messages
 from empo2.algo.modes import MEMORY_MODES
-from empo2.config_sections import MemoryConfig
+from empo2.config.sections import MemoryConfig
 from empo2.episodes.episode import Episode, namespace_of
 from empo2.episodes.rollout import RolloutContext, generate, row_seeds
 from empo2.policy.sampling import Sampling

@@ -16,7 +16,7 @@ import torch
 
 from empo2.agent.prompts import PromptParts, append_prompt_ids, hints_text, parse_action, render_prompt_ids
 from empo2.algo.modes import MEMORY_MODES, training_prompt_has_tips
-from empo2.config_sections import MemoryConfig, PolicyConfig
+from empo2.config.sections import MemoryConfig, PolicyConfig
 from empo2.envs.base import state_of
 from empo2.envs.pool import WorkerError
 from empo2.episodes.episode import Episode, Step, namespace_of

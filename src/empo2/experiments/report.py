@@ -36,7 +36,7 @@ import yaml
 
 from empo2.algo.registry import ALGORITHMS
 from empo2.config import ConfigError, flat_settings
-from empo2.config_sections import AlgoConfig
+from empo2.config.sections import AlgoConfig
 from empo2.experiments import arm_runs, ood_stats, records, stats
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import yaml
 
-from empo2.config_bounds import MAX_CONFIG_BYTES, ConfigError, check_size, shown
+from empo2.config.bounds_check import MAX_CONFIG_BYTES, ConfigError, check_size, shown
 
 
 def read_yaml(p: Path) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """How bounds of numeric config fields are checked (each field states its own, next to it, with
-:func:`empo2.bounds.bounded`, in :mod:`empo2.config_sections` and in each method's options), the values of every
+:func:`empo2.bounds.bounded`, in :mod:`empo2.config.sections` and in each method's options), the values of every
 enumerated field, the size of every string, and the machine's cap on environment workers.
 
 Checked at load (:meth:`empo2.config.Config.validate`), so a nonsense value (``env.max_steps=-1``,
@@ -103,7 +103,7 @@ def check_choices(cfg) -> None:
 
 
 def check_bounds(cfg) -> None:
-    """Every int and float field within the bounds declared next to it (``bounded``, in :mod:`empo2.config_sections`
+    """Every int and float field within the bounds declared next to it (``bounded``, in :mod:`empo2.config.sections`
     and in the methods' options; ``None`` passes where the field allows it)."""
     for key, obj, f in settings(cfg):
         value = getattr(obj, f.name)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from empo2.config_bounds import ConfigError, shown
+from empo2.config.bounds_check import ConfigError, shown
 
 BASE_KEY = "base"
 

@@ -1,28 +1,5 @@
-"""Run configuration: one dataclass per concern, loaded from YAML with ``key=value`` overrides.
-
-Names follow TRL where TRL has the knob (``num_generations``, ``beta``, ``epsilon``, ``epsilon_high``,
-``temperature``, ``top_p``, ``top_k``, ``max_completion_length``, ``learning_rate``, ``loss_type``) and its name
-does not mislead (PPO's passes are ``ppo_epochs``, not TRL's ``num_iterations``, beside ``train.iterations``);
-EMPO²'s own knobs say what they are (``low_prob_threshold``, the paper's δ; ``p_memory``, ``p_off_policy``,
-``top_k_tips``). Renamed keys still load, with a warning (:mod:`empo2.config_renames`).
-
-A YAML file has one mapping per section::
-
-    env: {name: scienceworld, tasks: [find-animal]}
-    algo: {name: proxmo, beta: 0.0, proxmo: {alpha: 2.0}}
-
-Overrides on the command line are ``section.key=value`` or, when the key is unique across sections, ``key=value``
-(a key ``sft`` shares with another section means the other's: the warm start's knobs are written dotted). A method's
-own settings sit one level down, under its name, and are always written dotted: ``algo.proxmo.alpha=2.0``.
-A value is read by its field's declared type, never as YAML: a string or path is taken literally (``output_dir=/scratch/
-exp #2`` keeps `` #2``, ``dtype=on`` stays ``"on"``); an integer is decimal digits (``0755`` is 755); a bool is
-``true``/``false`` (also ``yes``/``no``/``on``/``off``, as YAML files spell them); a list is ``[a, b]`` or ``a,b``; an
-optional field is unset by an empty value or ``null``. A YAML file is read the same way: its plain scalars are typed by
-the field, not by YAML's guesses, and aliases (``*name``) are refused. A preset may inherit from another (``base:``,
-:mod:`empo2.config_presets`). The sections' fields, with their bounds, are defined and documented in
-:mod:`empo2.config_sections`, a method's own in its file (:class:`empo2.algo.gigpo.GigpoOptions` …); the text of a
-value is read by :mod:`empo2.config_values`.
-"""
+"""The :class:`Config` of a run: its sections, loading (a preset's ``base:`` chain, then ``key=value`` overrides),
+access by dotted key, and the checks at load (:mod:`empo2.config` describes the rules a user sees)."""
 
 from __future__ import annotations
 
@@ -35,10 +12,10 @@ from typing import Any
 
 import yaml
 
-from empo2.config_bounds import ConfigError, check_bounds, check_choices, is_options, settings, shown
-from empo2.config_presets import preset_layers
-from empo2.config_renames import FOLDED, fold_tensorboard, forward_flat, new_names, old_name, warn_renamed
-from empo2.config_sections import (  # noqa: F401
+from empo2.config.bounds_check import ConfigError, check_bounds, check_choices, is_options, settings, shown
+from empo2.config.presets import preset_layers
+from empo2.config.renames import FOLDED, fold_tensorboard, forward_flat, new_names, old_name, warn_renamed
+from empo2.config.sections import (
     AlgoConfig,
     EnvConfig,
     MemoryConfig,
@@ -47,7 +24,7 @@ from empo2.config_sections import (  # noqa: F401
     TrainConfig,
     algo_config,
 )
-from empo2.config_values import as_bool, coerce, read_yaml
+from empo2.config.values import as_bool, coerce, read_yaml
 
 
 @dataclass
@@ -137,9 +114,9 @@ class Config:
 
     def _set_all(self, pairs: list[tuple[str, Any]], used: dict[str, str], where: str) -> None:
         """Set each ``(key, value)`` of one source (a file, the overrides), typed by its field. A key's old name
-        (:data:`~empo2.config_renames.RENAMED`) sets the new one (or ones) and is noted in ``used``; a source that
+        (:data:`~empo2.config.renames.RENAMED`) sets the new one (or ones) and is noted in ``used``; a source that
         gives both names different values is refused. An old key folded into another's value
-        (:data:`~empo2.config_renames.FOLDED`) applies after the source's other keys, so that it reads the value they
+        (:data:`~empo2.config.renames.FOLDED`) applies after the source's other keys, so that it reads the value they
         set."""
         written: dict[str, tuple[str | None, Any]] = {}  # dotted key -> (old name it was given by, value)
         folded: dict[str, Any] = {}
@@ -207,7 +184,7 @@ class Config:
     # ------------------------------------------------------------------ checks
     def validate(self) -> None:
         """Each enumerated field holds one of its values and each number lies within the bounds stated next to its
-        field (:mod:`empo2.config_sections`); then the rules between fields, and the registry names."""
+        field (:mod:`empo2.config.sections`); then the rules between fields, and the registry names."""
         check_choices(self)
         check_bounds(self)
         a, m, t = self.algo, self.memory, self.train
@@ -311,7 +288,7 @@ def _override(item: str) -> tuple[str, str]:
 def flat_settings(sections: dict[str, Any]) -> dict[str, Any]:
     """``{dotted key: value}`` of a config as a mapping of sections (:meth:`Config.to_dict`, a saved
     ``config.yaml``, a checkpoint's stored config): a method's options spelled out (``algo.gigpo.gamma``), old names
-    under the current ones (:func:`~empo2.config_renames.forward_flat`), keys this version does not know as they are."""
+    under the current ones (:func:`~empo2.config.renames.forward_flat`), keys this version does not know as they are."""
     grouped, out = Config()._option_keys(), {}
     for section, values in sections.items():
         for name, value in values.items():
