@@ -31,15 +31,7 @@ here: ``from empo2.config import Config, ConfigError``.
 
 from empo2.config.bounds_check import ConfigError
 from empo2.config.core import Config, flat_settings
-from empo2.config.sections import (
-    AlgoConfig,
-    EnvConfig,
-    MemoryConfig,
-    PolicyConfig,
-    SftConfig,
-    TrainConfig,
-    algo_config,
-)
+from empo2.config.sections import AlgoConfig, EnvConfig, MemoryConfig, PolicyConfig, SftConfig, TrainConfig, algo_config
 
 __all__ = ["AlgoConfig", "Config", "ConfigError", "EnvConfig", "MemoryConfig", "PolicyConfig", "SftConfig",
            "TrainConfig", "algo_config", "flat_settings"]
