@@ -207,3 +207,15 @@ def test_the_trainer_refuses_sampling_the_update_cannot_score(tmp_path):
     with pytest.raises(ConfigError, match="policy.top_p=0.9 / policy.top_k=0 cannot train"):
         Trainer(cfg, output_dir=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_survives_pickling_with_its_method_options():
+    """Worker processes and ranks receive configs by pickle; the ``algo`` section is a class made from the registry."""
+    import pickle
+
+    from empo2.config import Config
+
+    cfg = Config()
+    cfg.set("algo.proxmo.alpha", 2.5)
+    back = pickle.loads(pickle.dumps(cfg))
+    assert back.to_dict() == cfg.to_dict() and back.algo.proxmo.alpha == 2.5

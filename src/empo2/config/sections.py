@@ -7,7 +7,7 @@ open), and a comment saying what it does. A method's own settings are declared t
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, make_dataclass
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Literal
 
 from empo2.bounds import bounded
@@ -321,7 +321,17 @@ def _with_options(options: tuple[tuple[str, type], ...]) -> type[AlgoConfig]:
     if clash:
         raise ValueError(f"method options named like a field of the algo section: {', '.join(clash)}")
     return make_dataclass("AlgoConfig", [(key, cls, field(default_factory=cls)) for key, cls in options],
-                          bases=(AlgoConfig,), namespace={"__module__": __name__})
+                          bases=(AlgoConfig,), namespace={"__module__": __name__, "__reduce__": _reduce_algo})
+
+
+def _reduce_algo(section: AlgoConfig) -> tuple:
+    """Pickle a made section by its values: its class is rebuilt from the registry where it is unpickled (a worker
+    process, another rank), since pickle cannot find a made class by its name."""
+    return _algo_config_of, ({f.name: getattr(section, f.name) for f in fields(section)},)
+
+
+def _algo_config_of(values: dict[str, Any]) -> AlgoConfig:
+    return algo_config(**values)
 
 
 @dataclass
