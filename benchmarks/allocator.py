@@ -1,6 +1,6 @@
 """Peak RSS and time of update micro-batches on glibc's malloc vs jemalloc (``empo2.allocator``).
 
-    python benchmarks/allocator.py              # ~3 min on 2 idle cores; writes benchmarks/results/allocator.json
+    python benchmarks/allocator.py              # ~3 min on 2 idle cores; writes records/benchmarks/allocator.json
 
 The allocator is fixed when a process starts, so each arm is a child process (this file with ``--child``), and the
 arms alternate over ``--rounds``. A child loads SmolLM2-135M with the trainer's LoRA, then runs forward + backward of
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from empo2.allocator import MALLOC_CONF
 
-RESULTS = Path(__file__).resolve().parent / "results" / "allocator.json"
+RESULTS = Path(__file__).resolve().parents[1] / "records" / "benchmarks" / "allocator.json"
 
 
 def child(batches: int) -> dict:

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"  # engines_<the CPU's widest vector feature>.json, one file per kind of CPU
+RESULTS = ROOT / "records" / "benchmarks"  # engines_<the CPU's widest vector feature>.json, one file per kind of CPU
 ARMS = {"hf_fp32": ["policy.backend=hf", "policy.autocast=none"],
         "hf_auto": ["policy.backend=hf", "policy.autocast=auto"],
         "vllm": ["policy.backend=vllm", "policy.autocast=none"],
@@ -200,7 +200,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="timed rollouts per arm")
     ap.add_argument("--iterations", type=int, default=2, help="timed whole iterations per arm")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, help="default: benchmarks/results/engines_<widest CPU feature>.json")
+    ap.add_argument("--out", type=Path, help="default: records/benchmarks/engines_<widest CPU feature>.json")
     ap.add_argument("--arm", help=argparse.SUPPRESS)
     ap.add_argument("--arm-out", help=argparse.SUPPRESS)
     args = ap.parse_args()

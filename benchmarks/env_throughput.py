@@ -2,7 +2,7 @@
 
     python benchmarks/env_throughput.py                  # 1, 2, 4 workers x {full, lean} x both environments;
                                                          # 15 s each; prints a table (and the CPU's lscpu flags),
-                                                         # writes benchmarks/results/env_throughput.json
+                                                         # writes records/benchmarks/env_throughput.json
     python benchmarks/env_throughput.py --workers 1 8 --seconds 30 --modes lean --envs scienceworld
 
 Each worker plays gold paths of a few tasks (ScienceWorld: panel tasks; TextWorldExpress: its four games at the
@@ -29,6 +29,8 @@ from pathlib import Path
 import psutil
 
 from empo2.envs.pool import EnvPool
+
+RECORDS = Path(__file__).resolve().parents[1] / "records" / "benchmarks"
 
 TASKS = ["find-animal", "use-thermometer", "lifespan-longest-lived", "chemistry-mix"]
 TWX_PARAMS = {"coin": {"numLocations": 6, "includeDoors": 1},
@@ -146,7 +148,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--modes", nargs="+", choices=["full", "lean"], default=["full", "lean"])
     parser.add_argument("--envs", nargs="+", choices=list(ENVS), default=list(ENVS))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "env_throughput.json"))
+    parser.add_argument("--out", default=str(RECORDS / "env_throughput.json"))
     args = parser.parse_args()
 
     load_before = os.getloadavg()

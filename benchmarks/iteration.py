@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "iteration.json"
+RESULTS = ROOT / "records" / "benchmarks" / "iteration.json"
 ROLLOUT_RESULTS = RESULTS.with_name("iteration_rollout.json")
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from rollout import loadavg, median  # noqa: E402  (the other benchmark's helpers)

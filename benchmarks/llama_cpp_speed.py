@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "records" / "benchmarks"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from engines import machine  # noqa: E402
 

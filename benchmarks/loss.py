@@ -1,6 +1,6 @@
 """Cost of the algorithm core on CPU: the EMPO² loss + backward, and the novelty reward.
 
-    python benchmarks/loss.py            # prints a table, writes benchmarks/results/loss.json
+    python benchmarks/loss.py            # prints a table, writes records/benchmarks/loss.json
 
 - ``loss_only``: ``policy_loss`` + ``backward`` on log-prob tensors [B, T] = [64, 512] (the part this project owns;
   the model forward/backward dominates a real step and is not included).
@@ -102,7 +102,7 @@ def main(repeats: int = 20) -> dict:
         print(f"{key:<28}{result[key]['median_ms']:>12.2f}{result[key]['min_ms']:>12.2f}")
     print(f"(B×T = {B}×{T}; novelty against {int(result['stored_states']['count'])} stored {D}-d states; "
           f"{result['torch_threads']} torch threads)")
-    out = Path(__file__).resolve().parent / "results" / "loss.json"
+    out = Path(__file__).resolve().parents[1] / "records" / "benchmarks" / "loss.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

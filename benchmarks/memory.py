@@ -1,6 +1,6 @@
 """Tip-memory benchmark: top-10 retrieval latency, insert throughput and process RSS at 1k / 10k / 100k tips.
 
-    python benchmarks/memory.py [--sizes 1000 10000 100000] [--queries 200] [--out benchmarks/results/memory.json]
+    python benchmarks/memory.py [--sizes 1000 10000 100000] [--queries 200] [--out records/benchmarks/memory.json]
 
 Keys and tip embeddings are random unit vectors (384-d). The worst case is measured: every tip in ONE namespace,
 so a query scans all of them (with the default capacity of 1000 per namespace a real run scans at most 1000).
@@ -23,6 +23,8 @@ import numpy as np
 import psutil
 
 from empo2.memory.store import TipMemory
+
+RECORDS = Path(__file__).resolve().parents[1] / "records" / "benchmarks"
 
 
 def unit(rng: np.random.Generator, n: int, d: int = 384) -> np.ndarray:
@@ -135,7 +137,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     ap.add_argument("--queries", type=int, default=200)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory.json"))
+    ap.add_argument("--out", default=str(RECORDS / "memory.json"))
     args = ap.parse_args()
 
     from empo2.memory.embedder import get_embedder

@@ -1,7 +1,7 @@
 """π_old from the engine against the trainer's recompute: |log π_trainer − log π_engine| per response token, with the HF
 engine, in each compute dtype. This is the gap `algo.old_logprobs: auto` decides on (docs/fidelity.md).
 
-    python benchmarks/old_logp_gap.py              # bfloat16 and float32; writes benchmarks/results/old_logp_gap.json
+    python benchmarks/old_logp_gap.py              # bfloat16 and float32; writes records/benchmarks/old_logp_gap.json
 
 The engine's log-probs are those recorded while sampling (:func:`empo2.policy.generate.generate_batch`: one token at a
 time against a KV cache, shared prompt heads), the trainer's those of the update's forward on the same prompt and
@@ -66,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/scienceworld_learn_cpu.yaml")
     ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--out", default="benchmarks/results/old_logp_gap.json")
+    ap.add_argument("--out", default="records/benchmarks/old_logp_gap.json")
     args = ap.parse_args()
     flags = subprocess.run("lscpu | grep -o -E 'avx2|avx512_bf16|amx_bf16' | sort -u | tr '\\n' ' '", shell=True,
                            capture_output=True, text=True).stdout.strip()

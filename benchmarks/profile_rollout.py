@@ -3,7 +3,7 @@
     flock /work/cpu.lock python benchmarks/profile_rollout.py                       # the reach preset, ~6 min
     python benchmarks/profile_rollout.py --config configs/X.yaml --task T --parts model rollout
 
-Three parts, each printed as a table and written to ``benchmarks/results/profile_rollout_<widest CPU feature>.json``:
+Three parts, each printed as a table and written to ``records/benchmarks/profile_rollout_<widest CPU feature>.json``:
 
 1. ``model``: SmolLM2-135M with the trainer's LoRA (unmerged, as rollouts run it) in float32 and bfloat16 autocast:
    prefill tokens/s of B rows × S new tokens on top of a C-token KV cache, and decode tokens/s of B rows on a C-token
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = ROOT / "records" / "benchmarks"
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from engines import machine  # noqa: E402  (the CPU's flags, threads and precision)
 

@@ -1,6 +1,6 @@
 """Prefix sharing and bfloat16, measured in CPU seconds (no simulator): robust to other jobs' load.
 
-    EMPO2_HOME=/tmp/e2home python benchmarks/quick_ratios.py      # ~5 CPU-minutes; JSON: results/quick_ratios.json
+    EMPO2_HOME=/tmp/e2home python benchmarks/quick_ratios.py      # ~5 CPU-minutes; JSON: records/benchmarks/quick_ratios.json
 
 SmolLM2-135M + the CPU config's LoRA adapter, one thread. Prompts are ScienceWorld-like ``PromptParts`` (task,
 demonstration, hints, observation; ``benchmarks/rollout.py``) for one task rolled out G times: step 0 (identical
@@ -52,7 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--generations", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--budget", type=int, default=4096, help="micro-batch token budget (config: 4096)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quick_ratios.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "records" / "benchmarks" / "quick_ratios.json")
     args = ap.parse_args()
     import torch
     from peft import LoraConfig, get_peft_model

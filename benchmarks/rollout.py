@@ -1,4 +1,4 @@
-"""Rollout benchmark: two ratios from one run, a table on stdout, JSON in benchmarks/results/rollout.json.
+"""Rollout benchmark: two ratios from one run, a table on stdout, JSON in records/benchmarks/rollout.json.
 
     EMPO2_HOME=/tmp/e2home python benchmarks/rollout.py    # defaults (G=2, 3 steps, 512-token prompt cap, 2 timed
                                                            # iterations, 2 rounds): ~5 min on 2 idle cores, ~11 loaded
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "rollout.json"
+RESULTS = ROOT / "records" / "benchmarks" / "rollout.json"
 
 # ----------------------------------------------------------------------------------------------- realistic prompts
 ROOMS = ["kitchen", "bathroom", "workshop", "art studio", "greenhouse", "outside", "foundry", "bedroom", "living room",

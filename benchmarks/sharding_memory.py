@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "sharding_memory.json"
+RESULTS = ROOT / "records" / "benchmarks" / "sharding_memory.json"
 
 
 def local_bytes(tensors) -> int:

@@ -2,7 +2,7 @@
 consumer read first), the room and the inventory (the state before the task's progress joined it) and the
 environment's state now (the task's progress, the inventory, then the room: :func:`empo2.envs.base.state_of`).
 
-    python benchmarks/states.py                       # writes benchmarks/results/states.json, prints a table
+    python benchmarks/states.py                       # writes records/benchmarks/states.json, prints a table
     python benchmarks/states.py --variations 2 --group 4 --steps 8     # quicker
 
 Rollouts: a seeded random policy over the compact valid-action list (``focus on`` left out, so episodes run to the
@@ -209,7 +209,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--threshold", type=float, default=0.5)
     ap.add_argument("--novelty-threshold", type=float, default=0.9)
-    ap.add_argument("--out", default="benchmarks/results/states.json")
+    ap.add_argument("--out", default="records/benchmarks/states.json")
     args = ap.parse_args()
     flags = subprocess.run("lscpu | grep -o -E 'avx2|avx512_bf16|amx_bf16' | sort -u | tr '\\n' ' '", shell=True,
                            capture_output=True, text=True).stdout.strip()

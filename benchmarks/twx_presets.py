@@ -9,7 +9,7 @@ and a policy that does not look where it goes wins only a minority of them. For 
 ``--games`` games of its evaluation split (and, where the preset trains on other parameters, of its train split):
 the gold path, to count its steps; one walk of the uniform-random policy over the valid actions (``empo2 play
 --policy random``), seeded by the game, to the preset's cap. Prints a table with 95% Wilson intervals and writes
-``benchmarks/results/twx_presets.json``. One JVM, in this process; about a minute per preset.
+``records/benchmarks/twx_presets.json``. One JVM, in this process; about a minute per preset.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", default=",".join(PRESETS), help="comma-separated names from configs/")
     parser.add_argument("--games", type=int, default=100, help="first N games of each split")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks/results/twx_presets.json"))
+    parser.add_argument("--json", default=str(ROOT / "records/benchmarks/twx_presets.json"))
     args = parser.parse_args()
     me = machine.describe()
     flags = subprocess.run("lscpu | grep -i '^flags'", shell=True, capture_output=True, text=True).stdout.split()

@@ -1,12 +1,12 @@
 """Warm starts for an evidence preset (``--preset reach``: ScienceWorld's find-non-living-thing; ``coin``:
 TextWorldExpress's CoinCollector): held-out success and the share of raw outputs that are valid actions, by number of
-gold demonstrations and epoch (docs/evidence.md, "A warm start"; the cost in docs/benchmarks.md).
+gold demonstrations and epoch (records/evidence.md, "A warm start"; the cost in records/benchmarks.md).
 
 Each setting is one ``empo2 sft`` run of the preset's warm config with its demonstrations and ``--epochs`` epochs;
 after every epoch it plays the first ``--eval-variations`` dev variations as a training run evaluates (no memory,
 temperature 0.4). Prints one row per (setting, epoch) with the success's 95%
 Wilson interval, and merges the rows, the runs' times and peak memory and this machine into
-``benchmarks/results/warm_start.json``, e.g.::
+``records/benchmarks/warm_start.json``, e.g.::
 
     python benchmarks/warm_start.py --preset coin --settings own-8,own-32
 """
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--eval-variations", type=int, default=40)
     parser.add_argument("--out", default="runs/warm_start_curve", help="the sft run folders")
-    parser.add_argument("--json", default=str(ROOT / "benchmarks/results/warm_start.json"))
+    parser.add_argument("--json", default=str(ROOT / "records/benchmarks/warm_start.json"))
     parser.add_argument("overrides", nargs="*", help="config overrides for every setting")
     args = parser.parse_args()
     path = Path(args.json)

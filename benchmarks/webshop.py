@@ -1,6 +1,6 @@
 """WebShop environment speed on the fixture catalog: BM25 search latency and environment steps per second.
 
-    python benchmarks/webshop.py            # prints a table, writes benchmarks/results/webshop.json
+    python benchmarks/webshop.py            # prints a table, writes records/benchmarks/webshop.json
 
 Set ``EMPO2_WEBSHOP_DATA`` to time the official small set instead (the label then says so).
 """
@@ -77,7 +77,7 @@ def main(repeats: int = 5, random_episodes: int = 200) -> dict:
     print(f"WebShop environment benchmark ({result['env']})")
     for k, v in result.items():
         print(f"  {k:<{width}}  {v}")
-    out = Path(__file__).parent / "results" / "webshop.json"
+    out = Path(__file__).resolve().parents[1] / "records" / "benchmarks" / "webshop.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

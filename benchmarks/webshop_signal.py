@@ -7,7 +7,7 @@ GRPO-style training learns only from groups whose episodes differ in reward, so 
 untrained model already gets some reward in some episodes (target: at least 10%). Each setting plays the test goals
 of the bundled fixture catalog with ``configs/webshop_cpu.yaml``'s policy at the training temperature (1.0 unless a
 setting changes it), through ``empo2 train`` with no iterations, so the episodes are the ones training would see.
-Prints a table (share with a 95% Wilson interval, mean score) and writes ``benchmarks/results/webshop_signal.json``
+Prints a table (share with a 95% Wilson interval, mean score) and writes ``records/benchmarks/webshop_signal.json``
 with every episode's score and this machine.
 """
 
@@ -69,7 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--episodes", type=int, default=41, help="test goals per setting (the fixture has 41)")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, from: " + ", ".join(SETTINGS))
-    parser.add_argument("--json", default=str(ROOT / "benchmarks/results/webshop_signal.json"))
+    parser.add_argument("--json", default=str(ROOT / "records/benchmarks/webshop_signal.json"))
     args = parser.parse_args()
     names = [n.strip() for n in args.settings.split(",") if n.strip()]
     unknown = [n for n in names if n not in SETTINGS]

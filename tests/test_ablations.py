@@ -93,7 +93,7 @@ def test_every_arm_but_the_novelty_ones_runs_without_the_bonus(tmp_path):
                 assert reward.startswith("the environment's return (its score changes), no novelty bonus"), plan.algo
             if plan.algo.endswith("+novelty"):  # the label says what ran
                 assert method_label(plan.cfg) == plan.algo
-    # the arms of results/reach, as they ran then: GiGPO and ProxMO had the bonus; now the plain names run without
+    # the arms of records/results/reach, as they ran then: GiGPO and ProxMO had the bonus; now the plain names run without
     # it, and gigpo+novelty / proxmo+novelty rerun them as they were
     plans = plan_runs("configs/scienceworld_reach_cpu.yaml", ["gigpo", "proxmo", "gigpo+novelty", "proxmo+novelty"],
                       [1], tmp_path, [])

@@ -146,7 +146,7 @@ def test_auto_engine_follows_the_measured_table():
                 "amx_bf16": (("engines_reach_amx_bf16", "hf_fp32"), ("engines_reach_merged_amx_bf16", "merged_bf16"),
                              "merged")}
     assert sorted(MEASURED) == sorted(compared)
-    results = Path(__file__).parents[1] / "benchmarks/results"
+    results = Path(__file__).parents[1] / "records/benchmarks"
     summary = lambda file, arm: json.loads((results / f"{file}.json").read_text())["arms"][arm]["summary"]  # noqa: E731
     for flag, (hf_at, other_at, other) in compared.items():
         hf, vllm = summary(*hf_at), summary(*other_at)

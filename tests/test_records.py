@@ -1,29 +1,34 @@
-"""The committed comparisons are their records: every summary in ``results/`` is recomputed from its ``scores.jsonl.gz``
-alone (:func:`empo2.experiments.compare_summary.rebuild`), the evidence protocol's CIs also by hand in float64 from the
-record's episode lines, and the README's lead table quotes the reach record's numbers, recomputed the same way.
-``results/`` stays small.
+"""The committed comparisons in ``records/results/`` are their records: every ``summary.json`` is recomputed from its
+``scores.jsonl.gz`` alone (:func:`empo2.experiments.compare_summary.rebuild`), the evidence and reach protocols' CIs
+also by hand in float64 from the record's episode lines; every ``summary.md`` shows its ``summary.json`` and every OOD
+cell's ``adapt.md`` its ``adapt.json``. The README's lead table is the reach summary's numbers. ``records/results/``
+stays small.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
-import math
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from empo2.experiments import stats
+from empo2.experiments.adapt import adaptation_markdown
 from empo2.experiments.compare_summary import rebuild
 from helpers import tdist
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "results"
+RECORDS = ROOT / "records"
+RESULTS = RECORDS / "results"
 EVIDENCE = RESULTS / "evidence"
 REACH = RESULTS / "reach"
+SUMMARIES = sorted(p.parent.relative_to(RESULTS).as_posix() for p in RESULTS.rglob("summary.json"))
+OOD_CELLS = sorted(p.parent.name for p in (RESULTS / "ood").glob("*/adapt.json"))
 MAX_BYTES, MAX_FILES = 3_000_000, 100
-LOCAL_ONLY = ("runs", "logs")  # what .gitignore keeps out of results/: run folders and logs
+LOCAL_ONLY = ("runs", "logs")  # what .gitignore keeps out of records/results/: run folders and logs
 
 
 def _committed(folder: Path) -> dict:
@@ -40,54 +45,128 @@ def _episodes(folder: Path, phase: str) -> dict[tuple[str, int], list[tuple[floa
     return episodes
 
 
-def test_evidence_cis_are_recomputed_from_its_record(tmp_path):
+def _by_hand(values: list[float], low: float = -float("inf"), high: float = float("inf")) -> tuple[float, float]:
+    """The 95% t interval of a mean in float64, clipped to the metric's range; a point where all values agree."""
+    lo, hi = tdist.mean_interval(values) if len(set(values)) > 1 else (values[0], values[0])
+    return max(lo, low), min(hi, high)
+
+
+def test_evidence_summary_is_its_record_in_full(tmp_path):
+    """The evidence record rebuilt: statistics, per-arm curves and every run's row, 40 held-out episodes a run."""
     committed = _committed(EVIDENCE)
     rebuilt = rebuild(EVIDENCE, tmp_path, committed["algos"], committed["seeds"])
     assert rebuilt["stats"] == committed["stats"] and rebuilt["algorithms"] == committed["algorithms"]
     assert rebuilt["runs"] == committed["runs"]
-    finals = {run: [x for x, _ in eps] for run, eps in _episodes(EVIDENCE, "final").items()}
-    assert sorted(len(v) for v in finals.values()) == [40] * 21  # 40 held-out episodes per run: 3 arms × 5 + 2 × 3
-    for algo, arm in committed["stats"]["arms"].items():  # float64 by hand: seed means, their mean and t interval
-        per_seed = [statistics.fmean(finals[algo, s]) for s in arm["seeds"]]
-        assert arm["score"]["mean"] == pytest.approx(statistics.fmean(per_seed), abs=1e-12)
-        assert arm["score"]["ci"] == pytest.approx(tdist.mean_interval(per_seed), abs=1e-9)
+    finals = _episodes(EVIDENCE, "final")
+    assert sorted(len(v) for v in finals.values()) == [40] * 21  # 3 arms × 5 seeds + 2 × 3
+
+
+@pytest.mark.parametrize("folder", [EVIDENCE, REACH], ids=["evidence", "reach"])
+def test_the_summary_cis_are_recomputed_by_hand_from_the_record(folder):
+    """Per arm: seed means of score and success, their mean and t interval, final − start per seed; per pair the
+    paired differences of the final score; episodes won and played; all in float64 from the episode lines."""
+    committed = _committed(folder)
+    start, final = _episodes(folder, "start"), _episodes(folder, "final")
+    runs = {(r["algo"], r["seed"]): r for r in committed["runs"]}
+    for algo, arm in committed["stats"]["arms"].items():
+        score = [statistics.fmean(x for x, _ in final[algo, s]) for s in arm["seeds"]]
+        success = [statistics.fmean(float(w) for _, w in final[algo, s]) for s in arm["seeds"]]
+        assert arm["score"]["mean"] == pytest.approx(statistics.fmean(score), abs=1e-12)
+        assert arm["score"]["ci"] == pytest.approx(_by_hand(score), abs=1e-9)
+        assert arm["success"]["mean"] == pytest.approx(statistics.fmean(success), abs=1e-12)
+        assert arm["success"]["ci"] == pytest.approx(_by_hand(success, 0.0, 1.0), abs=1e-9)
+        if arm["gain"] is not None:
+            gain = [score[i] - statistics.fmean(x for x, _ in start[algo, s]) for i, s in enumerate(arm["seeds"])]
+            assert arm["gain"]["diff_mean"] == pytest.approx(statistics.fmean(gain), abs=1e-12)
+            assert arm["gain"]["ci"] == pytest.approx(_by_hand(gain), abs=1e-9)
+        for s in arm["seeds"]:
+            assert len(runs[algo, s]["episodes"]) == len(final[algo, s])
+            assert round(runs[algo, s]["success"] * len(final[algo, s])) == sum(w for _, w in final[algo, s])
     for pair in committed["stats"]["pairs"]:
-        d = [statistics.fmean(finals[pair["b"], s]) - statistics.fmean(finals[pair["a"], s]) for s in pair["seeds"]]
+        d = [statistics.fmean(x for x, _ in final[pair["b"], s]) - statistics.fmean(x for x, _ in final[pair["a"], s])
+             for s in pair["seeds"]]
         assert pair["diff_mean"] == pytest.approx(statistics.fmean(d), abs=1e-12)
-        assert pair["ci"] == pytest.approx(tdist.mean_interval(d), abs=1e-9)
+        assert pair["ci"] == pytest.approx(_by_hand(d), abs=1e-9)
 
 
-def test_the_readme_quotes_the_reach_record():
-    """The README's lead table, each number recomputed in float64 from the reach record's episode lines."""
-    start, final = _episodes(REACH, "start"), _episodes(REACH, "final")
-    readme = (ROOT / "README.md").read_text()
+def _minus(text: str) -> str:
+    return text.replace("-", "−")
 
-    def fmt(x: float, form: str = ".1f") -> str:
-        return f"{x:{form}}".replace("-", "−")
 
-    def interval(values: list[float], form: str = ".1f", low: float = -math.inf, high: float = math.inf) -> str:
-        lo, hi = tdist.mean_interval(values) if len(set(values)) > 1 else (values[0], values[0])
-        return f"[{fmt(max(lo, low), form)}, {fmt(min(hi, high), form)}]"
+def _readme_row(label: str, arm: dict, runs: list[dict]) -> str:
+    """One row of the README's lead table from the reach summary: success, episodes won, score and final − start."""
+    ok, score, gain = arm["success"], arm["score"], arm["gain"]
+    won = sum(round(r["success"] * len(r["episodes"])) for r in runs)
+    played = sum(len(r["episodes"]) for r in runs)
+    return _minus(f"| {label} | {score['n']} | {ok['mean']:.2f} [{ok['ci'][0]:.2f}, {ok['ci'][1]:.2f}] | "
+                  f"{won} of {played} | {score['mean']:.1f} [{score['ci'][0]:.1f}, {score['ci'][1]:.1f}] | "
+                  f"{gain['diff_mean']:+.1f} [{gain['ci'][0]:+.1f}, {gain['ci'][1]:+.1f}] |")
 
+
+def test_the_readme_lead_table_is_the_reach_summary():
+    """Each row of the README's lead table is built from ``records/results/reach/summary.json`` (which the tests
+    above tie to its episode lines) and found in the README; a changed number in either fails here."""
+    committed, readme = _committed(REACH), (ROOT / "README.md").read_text()
     # the record's arm names as they ran then: its gigpo and proxmo had the novelty bonus, its ELPO the prefix defect
     labels = {"empo2": "EMPO²", "grpo-no-novelty": "GRPO", "gigpo": "GiGPO + novelty bonus", "luffy": "LUFFY",
               "proxmo": "ProxMO + novelty bonus", "grpo-novelty": "GRPO + novelty bonus",
               "empo2+luffy": "EMPO² + expert member", "elpo": "ELPO (branches scored without their prefix)"}
-    for algo, label in labels.items():
-        seeds = sorted(seed for a, seed in final if a == algo)
-        assert len(seeds) >= 2, algo
-        score = [statistics.fmean(x for x, _ in final[algo, k]) for k in seeds]
-        success = [statistics.fmean(float(w) for _, w in final[algo, k]) for k in seeds]
-        gain = [score[i] - statistics.fmean(x for x, _ in start[algo, k]) for i, k in enumerate(seeds)]
-        won = sum(w for k in seeds for _, w in final[algo, k])
-        row = (f"| {label} | {len(seeds)} | {statistics.fmean(success):.2f} {interval(success, '.2f', 0.0, 1.0)} | "
-               f"{won} of {sum(len(final[algo, k]) for k in seeds)} | {fmt(statistics.fmean(score))} {interval(score)} | "
-               f"{fmt(statistics.fmean(gain), '+.1f')} {interval(gain, '+.1f')} |")
-        assert row in readme, row
+    assert set(labels) == set(committed["stats"]["arms"])
+    rows = {algo: _readme_row(label, committed["stats"]["arms"][algo],
+                              [r for r in committed["runs"] if r["algo"] == algo]) for algo, label in labels.items()}
+    assert [row for row in rows.values() if row not in readme] == []
+    arm = committed["stats"]["arms"]["empo2"]
+    shifted = {**arm, "score": {**arm["score"], "mean": arm["score"]["mean"] + 0.1}}
+    assert _readme_row(labels["empo2"], shifted, []) not in readme  # a changed number is not found
 
 
-@pytest.mark.parametrize("folder", sorted(p.parent.relative_to(RESULTS).as_posix()
-                                          for p in RESULTS.rglob("summary.json")))
+def _run_rows(summary: dict) -> list[str]:
+    """The start of each run's row in a ``summary.md``'s runs table (later versions add a machine column)."""
+    rows = []
+    for r in summary["runs"]:
+        start = "n/a" if r["start"] is None else f"{r['start']:.1f}"
+        rows.append(f"| {r['name']} | {r['algo']} | {r['seed']} | {start} | {r['score']:.1f} | {r['success']:.2f} "
+                    f"| {len(r['episodes'])} | {r['train_episodes']} | {r['env_steps']} |")
+    return rows
+
+
+@pytest.mark.parametrize("folder", SUMMARIES)
+def test_every_summary_md_shows_its_summary_json(folder):
+    """``summary.md`` holds the arms' table and the paired differences as ``summary.json`` renders them, line for
+    line, and every run's row (the prose around them may be an earlier version's)."""
+    committed = _committed(RESULTS / folder)
+    shown = (RESULTS / folder / "summary.md").read_text().splitlines()
+    assert [line for line in stats.stats_markdown(committed["stats"]) if line and line not in shown] == []
+    assert [row for row in _run_rows(committed) if not any(line.startswith(row) for line in shown)] == []
+
+
+def test_the_learn_cpu_summary_md_shows_its_json():
+    """The learning preset's summary (an earlier version's layout, no ``scores.jsonl.gz``): every run's row and each
+    arm's final score as its JSON has them."""
+    summary = json.loads((RECORDS / "learn_cpu_summary.json").read_text())
+    shown = (RECORDS / "learn_cpu_summary.md").read_text().splitlines()
+    assert [row for row in _run_rows(summary) if row not in shown] == []
+    arms = [f"| {arm} | {a['score']['n']} | **{a['score']['mean']:.1f}** | {stats.fmt_ci(a['score']['ci'])} |"
+            for arm, a in summary["stats"]["arms"].items()]
+    assert [arm for arm in arms if not any(line.startswith(arm) for line in shown)] == []
+
+
+@pytest.mark.parametrize("cell", OOD_CELLS)
+def test_every_ood_cell_md_shows_its_json(cell):
+    """An OOD cell's ``adapt.md``: its trial table as ``adapt.json`` renders it, and the best trial, trial 0 and the
+    CI stored in the JSON (the statistics line was written by the version that made the cell)."""
+    report = json.loads((RESULTS / "ood" / cell / "adapt.json").read_text())
+    shown = (RESULTS / "ood" / cell / "adapt.md").read_text()
+
+    def table(text: str) -> list[str]:
+        return [line for line in text.splitlines() if line.startswith("|")]
+
+    assert len(table(shown)) == 2 + len(report["trials"]) and table(shown) == table(adaptation_markdown(report))
+    assert (f"best trial {report['best']:.1f} (95% CI {stats.fmt_ci(report['best_ci'])}); "
+            f"trial 0 {report['trial0']:.1f}; ") in shown
+
+
+@pytest.mark.parametrize("folder", SUMMARIES)
 def test_every_committed_summary_is_its_record(folder, tmp_path):
     """Each summary from its own record; the ablations' from the evidence record, filtered to their arms and seeds."""
     committed = _committed(RESULTS / folder)

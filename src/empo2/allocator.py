@@ -2,7 +2,7 @@
 
 An update's forward/backward allocates and frees hundreds of activation tensors of many sizes. glibc's malloc keeps
 much of that freed memory in fragmented arenas, so the process peaks higher on glibc than on jemalloc at about the
-same speed (``benchmarks/allocator.py``; docs/benchmarks.md). The
+same speed (``benchmarks/allocator.py``; records/benchmarks.md). The
 allocator has to be chosen before the process starts, so the command re-executes itself once with ``LD_PRELOAD`` set.
 ``EMPO2_ALLOCATOR=system`` keeps glibc's malloc; a ``MALLOC_CONF`` of your own replaces :data:`MALLOC_CONF`.
 """

@@ -1,6 +1,6 @@
 """``policy.backend: auto``: the rollout engine that was measured faster on this kind of machine.
 
-The table holds what ``benchmarks/engines.py`` measured (docs/benchmarks.md), keyed by the CPU's widest vector
+The table holds what ``benchmarks/engines.py`` measured (records/benchmarks.md), keyed by the CPU's widest vector
 feature (:data:`empo2.policy.precision.ISA_FLAGS`). A feature set with no measurement of its own takes the nearest
 narrower one that has, and says so; a GPU has no measurement yet and takes the reference engine. The decision and its reason
 go into the run's banner, and the saved config records the engine chosen.

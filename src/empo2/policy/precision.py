@@ -1,7 +1,7 @@
 """``policy.autocast: auto``: bfloat16 compute where the hardware runs it natively, the weights' float32 elsewhere.
 
 A CPU without AVX512-BF16 or AMX has no bfloat16 matmul instructions, so bfloat16 autocast there converts every
-operand and runs slower than float32 (docs/benchmarks.md); with either of them, or on a GPU that supports bfloat16,
+operand and runs slower than float32 (records/benchmarks.md); with either of them, or on a GPU that supports bfloat16,
 bfloat16 is the fast path. ``auto`` is decided once per process from the CPU's flags (Linux ``/proc/cpuinfo``) or the
 GPU's capability, and a run records the decision in its ``config.yaml``.
 

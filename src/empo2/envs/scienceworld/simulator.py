@@ -9,7 +9,7 @@ from empo2.envs.scienceworld.tasks import check_task
 JAVA_HINT = "ScienceWorld needs Java >= 11 on PATH; install it with: apt-get install -y openjdk-17-jre-headless"
 DEFAULT_JAVA_OPTIONS = "-Xmx1g -XX:+UseSerialGC"
 """A small heap and the serial collector: a worker's JVM holds far less memory and steps faster than with the JVM's
-defaults (G1, heap = RAM/4), measured in docs/benchmarks.md."""
+defaults (G1, heap = RAM/4), measured in records/benchmarks.md."""
 CONSTANT_HASH = "-XX:+UnlockExperimentalVMOptions -XX:hashCode=2"
 """Every Java object gets the same identity hash. The simulator lists a room's objects, names the referents of its
 valid actions ("paint in cup containing red paint") and breaks ties in the order of sets hashed by identity, and the
