@@ -356,7 +356,7 @@ class TrainConfig:
     micro_batch_tokens: int = bounded(1024, 1, _BIG)
     """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up).
     Peak memory grows with it; speed depends on how many rows share a prompt head in a micro-batch
-    (``benchmarks/iteration.py``; docs/benchmarks.md)."""
+    (``benchmarks/iteration.py``; records/benchmarks.md)."""
     logprob_chunk_tokens: int = bounded(1024, 1, _BIG)
     """Response tokens whose full-vocabulary logits exist at once when computing log-probs (bounds update memory)."""
     gradient_checkpointing: bool = False
