@@ -114,7 +114,7 @@ def time_llama(engine: Engine, kind: str, b: int, s: int, c: int, repeats: int) 
 def time_hf(model, kind: str, b: int, s: int, c: int, repeats: int) -> float:
     import torch
 
-    from empo2.policy import prefix as px
+    from empo2.policy import kv_cache
 
     times = []
     new_len = s if kind == "prefill" else 1
@@ -126,10 +126,10 @@ def time_hf(model, kind: str, b: int, s: int, c: int, repeats: int) -> float:
                 out = model(input_ids=torch.randint(100, 40000, (1, c), generator=g), use_cache=True,
                             logits_to_keep=1)
                 kv = [(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous())
-                      for k, v in px._layer_kv(px.output_cache(out))]
-                cache = px.make_cache(model, kv, room=new_len + 1)
+                      for k, v in kv_cache.layer_kv(kv_cache.output_cache(out))]
+                cache = kv_cache.make_cache(model, kv, room=new_len + 1)
             new = torch.randint(100, 40000, (b, new_len), generator=g)
-            kw = px.cache_kwargs(model, cache) if cache is not None else {}
+            kw = kv_cache.cache_kwargs(model, cache) if cache is not None else {}
             t = time.perf_counter()
             model(input_ids=new, attention_mask=torch.ones((b, c + new_len), dtype=torch.long),
                   position_ids=torch.arange(c, c + new_len)[None].expand(b, -1), use_cache=True, logits_to_keep=1,

@@ -53,6 +53,7 @@ def bench_model(trainer, args) -> list[dict]:
     """Prefill and decode tokens/s at the given shapes, float32 and bfloat16 autocast."""
     import torch
 
+    from empo2.policy import kv_cache
     from empo2.policy import prefix as px
 
     model, rows = trainer.model, []
@@ -70,10 +71,10 @@ def bench_model(trainer, args) -> list[dict]:
                     if c:
                         out = model(input_ids=ctx, use_cache=True, logits_to_keep=1)
                         kv = [(k.expand(b, -1, -1, -1).contiguous(), v.expand(b, -1, -1, -1).contiguous())
-                              for k, v in px._layer_kv(px.output_cache(out))]
-                        cache = px.make_cache(model, kv, room=new.shape[1] + 1)
+                              for k, v in kv_cache.layer_kv(kv_cache.output_cache(out))]
+                        cache = kv_cache.make_cache(model, kv, room=new.shape[1] + 1)
                     width = c + new.shape[1]
-                    kw = px.cache_kwargs(model, cache) if cache is not None else {}
+                    kw = kv_cache.cache_kwargs(model, cache) if cache is not None else {}
                     t = time.perf_counter()
                     model(input_ids=new, attention_mask=torch.ones((b, width), dtype=torch.long),
                           position_ids=torch.arange(c, width)[None].expand(b, -1), use_cache=True,

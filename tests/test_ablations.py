@@ -32,7 +32,7 @@ FINAL = {("empo2", 1): [10.0, 30.0], ("empo2", 2): [-20.0, 5.0], ("empo2", 3): [
 
 
 def test_each_arm_runs_its_settings_and_is_labelled_by_its_name(tmp_path):
-    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.compare_plan import plan_runs
     from empo2.experiments.report import method_label
 
     names = [*ARMS, "grpo-no-novelty", "grpo"]
@@ -70,7 +70,7 @@ def test_every_arm_but_the_novelty_ones_runs_without_the_bonus(tmp_path):
     from empo2.algo.registry import ALGORITHMS
     from empo2.experiments.arm_runs import ARMS as REGISTRY
     from empo2.experiments.arm_runs import arm_settings
-    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.compare_plan import plan_runs
     from empo2.experiments.report import method_label
 
     warm = {name for name, arm in REGISTRY.items() if arm.needs_warm_start}  # planned only beside a real warm start
@@ -184,7 +184,7 @@ def test_compare_help_lists_every_arm(capsys, monkeypatch):
 
 def _runs(root: Path) -> list:
     """Synthetic finished run folders of every arm and seed (seeds 3, 1, 2 written in that order)."""
-    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.compare_plan import plan_runs
 
     plans = plan_runs(LEARN, ARMS, [3, 1, 2], root, [])
     for plan in plans:

@@ -20,13 +20,8 @@ from empo2 import machine
 from empo2.cli import main
 from empo2.config import Config, ConfigError
 from empo2.experiments import records, stats
-from empo2.experiments.compare import (
-    parse_seeds,
-    plan_runs,
-    run_status,
-    share_start_eval,
-    start_eval_key,
-)
+from empo2.experiments.compare import run_status, share_start_eval, start_eval_key
+from empo2.experiments.compare_plan import parse_seeds, plan_runs
 from empo2.experiments.compare_summary import aggregate, summary_markdown
 from empo2.rundir import checkpoint as ckpt
 from helpers import tdist
@@ -267,7 +262,7 @@ def test_run_folder_with_other_settings_is_refused(tmp_path, capsys):
 
 def test_algorithm_with_another_estimator_is_its_own_run(tmp_path):
     """``empo2+gigpo``: EMPO² with GiGPO's advantage, in its own folder, labelled so by the report."""
-    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.compare_plan import plan_runs
     from empo2.experiments.report import method_label
 
     plans = plan_runs("configs/webshop_cpu.yaml", ["empo2", "empo2+gigpo", "gigpo"], [1], tmp_path, [])
@@ -281,7 +276,7 @@ def test_algorithm_with_another_estimator_is_its_own_run(tmp_path):
 def test_gigpo_variants_are_labelled_by_their_normalisation(tmp_path, capsys):
     """``gigpo`` runs the reference's mean-only normalisation, ``gigpo-std`` the std one; compare's folders, the
     configs the runs get and report's labels agree, also when the config file asks for the other variant."""
-    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.compare_plan import plan_runs
     from empo2.experiments.report import method_label
 
     algos = ["gigpo", "gigpo-std", "empo2+gigpo", "empo2+gigpo-std", "grpo"]

@@ -1,5 +1,5 @@
-"""ELPO's equations (empo2.algo.elpo) against float64 references computed here with plain Python, and against the
-worked rollout tree the paper prints in App. B (Figure 4, N = 16 leaves, rewards 1.0 / −1.1)."""
+"""ELPO's equations (empo2.algo.elpo, empo2.algo.elpo_tree) against float64 references computed here with plain
+Python, and against the worked rollout tree the paper prints in App. B (Figure 4, N = 16 leaves, rewards 1.0 / −1.1)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from empo2.algo import elpo
+from empo2.algo import elpo, elpo_tree
 from empo2.algo.advantages import AdvantageInput, compute_advantages
 from empo2.config.sections import algo_config
 
@@ -95,7 +95,7 @@ def reference(paths, rewards, lam=0.5, eps=1e-6):
 
 def test_figure4_worked_tree():
     paths, rewards, names = figure4_tree()
-    got = elpo.tree_advantages(paths, rewards)
+    got = elpo_tree.tree_advantages(paths, rewards)
     ref = reference(paths, rewards)
     for name, n in names.items():
         ours = (got.reward[n], got.branch[n], got.node[n], got.hier[n])
@@ -108,11 +108,11 @@ def test_figure4_worked_tree():
 
 def test_tree_rejects_bad_paths():
     with pytest.raises(ValueError, match="two parents"):
-        elpo.tree_parents([[0, 1], [2, 1]])
+        elpo_tree.tree_parents([[0, 1], [2, 1]])
     with pytest.raises(ValueError, match="leaf"):
-        elpo.tree_parents([[0, 1], [0]])
+        elpo_tree.tree_parents([[0, 1], [0]])
     with pytest.raises(ValueError, match="0..S-1"):
-        elpo.tree_parents([[0, 5]])
+        elpo_tree.tree_parents([[0, 5]])
 
 
 def test_random_trees_match_reference():
@@ -130,7 +130,7 @@ def test_random_trees_match_reference():
             next_id += len(new)
             paths.append(prefix + new)
         rewards = [float(x) for x in rng.choice([0.0, 1.0, 0.5], size=len(paths))]
-        got = elpo.tree_advantages(paths, rewards, lam=0.3)
+        got = elpo_tree.tree_advantages(paths, rewards, lam=0.3)
         ref = reference(paths, rewards, lam=0.3)
         for n, values in ref.items():
             assert (got.reward[n], got.branch[n], got.node[n], got.hier[n]) == pytest.approx(values, abs=1e-12)

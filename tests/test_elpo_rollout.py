@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from empo2.algo import elpo
+from empo2.algo import elpo_tree
 from empo2.algo.advantages import AdvantageInput, compute_advantages, step_rewards
 from empo2.algo.elpo import ElpoOptions
 from empo2.config.sections import MemoryConfig, PolicyConfig, algo_config
@@ -84,9 +84,9 @@ def test_driver_localises_the_critical_step_within_the_budget(pool):
     assert [len(a) for a in adv] == [len(ep.steps) for ep in episodes]
     by_member = {ep.member: i for i, ep in enumerate(group0)}
     parents = [None if ep.parent is None else (by_member[ep.parent[0]], ep.parent[1]) for ep in group0]
-    paths = elpo.tree_paths(parents, [len(ep.steps) for ep in group0])
+    paths = elpo_tree.tree_paths(parents, [len(ep.steps) for ep in group0])
     own = np.concatenate([[s.reward for s in ep.steps] for ep in group0])
-    want = elpo.tree_advantages(paths, [float(own[path].sum()) for path in paths]).hier
+    want = elpo_tree.tree_advantages(paths, [float(own[path].sum()) for path in paths]).hier
     for ep, path in zip(group0, paths):
         got = adv[episodes.index(ep)]
         assert got.tolist() == pytest.approx(want[path[len(path) - len(ep.steps):]].tolist(), abs=1e-12)

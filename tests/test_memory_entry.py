@@ -171,3 +171,25 @@ def test_a_rollout_stores_released_entries_and_retrieval_shows_them(tmp_path, sm
         assert first.tips and set(first.tips) <= set(stored)
         assert all(text in tok.decode(first.prompt_ids) for text in first.tips)
     memory.close()
+
+
+def test_a_rollout_counts_its_waves_and_leaves_the_memory_clock_to_its_caller():
+    """Two 3-step episodes played side by side take 3 waves of environment steps (6 steps): the rollout reports the
+    waves as ``step_waves`` and leaves ``ctx.step_counter`` where it was, for its caller to advance. Fails when the
+    rollout moves the clock itself, or counts every episode's steps."""
+    from functools import partial
+
+    from empo2.envs.local_pool import LocalEnvPool
+    from empo2.episodes.rollout import run_episodes
+    from empo2.policy.generate import Generation
+    from helpers.signal_env import ChecksumRoom
+
+    def say_hello(ctx, active, episodes, prompts):
+        return [Generation(ids=[], logprobs=[], text="say hello") for _ in active]
+
+    with LocalEnvPool(partial(ChecksumRoom, 3), 2) as pool:
+        ctx = RolloutContext(None, None, pool, None, None, "checksum-room", PolicyConfig(few_shot=0), MemoryConfig(),
+                             step_counter=7)
+        episodes, stats = run_episodes(ctx, [("say", 0, 0, "on"), ("say", 1, 0, "on")], actions=say_hello)
+    assert [len(ep.steps) for ep in episodes] == [3, 3]
+    assert stats["step_waves"] == 3 and ctx.step_counter == 7

@@ -16,6 +16,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from empo2.policy import kv_cache
 from empo2.policy import prefix as px
 from empo2.policy.generate import generate_batch
 from empo2.policy.logprobs import response_logprobs
@@ -133,7 +134,7 @@ def test_cache_with_room_appends_in_place_and_holds_the_same_keys():
     model = tiny_lm(7)
     g = torch.Generator().manual_seed(7)
     layers = [(torch.randn(2, 2, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)) for _ in range(2)]
-    roomy, plain = px.make_cache(model, layers, room=3), px.make_cache(model, layers)
+    roomy, plain = kv_cache.make_cache(model, layers, room=3), kv_cache.make_cache(model, layers)
     buffers = [layer.keys.data_ptr() for layer in roomy.layers]  # a layer's keys are a view from its buffer's start
     for step in range(5):  # appends 1..3 fit, 4 and 5 grow the buffers
         new = [(torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)) for _ in range(2)]
@@ -147,7 +148,7 @@ def test_cache_with_room_appends_in_place_and_holds_the_same_keys():
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     ids = torch.randint(3, 256, (2, 4), generator=g)
     pos = torch.arange(10, 14).repeat(2, 1)
-    logits = [model(input_ids=ids, position_ids=pos, use_cache=True, **px.cache_kwargs(model, c)).logits
+    logits = [model(input_ids=ids, position_ids=pos, use_cache=True, **kv_cache.cache_kwargs(model, c)).logits
               for c in (roomy, plain)]
     torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
 
@@ -166,13 +167,13 @@ def test_a_forward_on_a_made_cache_continues_the_cached_tokens(lora):
     ids = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         want = model(input_ids=ids).logits[:, 8:]  # [2, 4, V]
-        head = px.output_cache(model(input_ids=ids[:, :8], use_cache=True))
+        head = kv_cache.output_cache(model(input_ids=ids[:, :8], use_cache=True))
         layers = [(layer.keys, layer.values) for layer in head.layers]
         for room in (0, 4):
-            cache = px.make_cache(model, layers, room=room)
+            cache = kv_cache.make_cache(model, layers, room=room)
             got = model(input_ids=ids[:, 8:], position_ids=torch.arange(8, 12).repeat(2, 1),
                         attention_mask=torch.ones((2, 12), dtype=torch.long), use_cache=True,
-                        **px.cache_kwargs(model, cache)).logits
+                        **kv_cache.cache_kwargs(model, cache)).logits
             torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 

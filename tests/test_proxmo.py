@@ -333,7 +333,7 @@ def test_config_defaults_bounds_and_one_line_errors(tmp_path, capsys):
 
 
 def test_arms_run_their_settings_and_report_labels_them(tmp_path):
-    from empo2.experiments.compare import plan_runs
+    from empo2.experiments.compare_plan import plan_runs
     from empo2.experiments.report import method_label
 
     names = ["proxmo", "proxmo-no-psc", "proxmo-no-psa", "empo2+proxmo", "gigpo"]

@@ -46,8 +46,9 @@ class AlgorithmSpec:
     guidance, :mod:`empo2.episodes.expert`); their rows are marked off-policy for the loss."""
     rollout: str | Callable = "episodes"
     """How its groups are played (:func:`empo2.episodes.drivers.make_driver`): ``episodes`` (G independent
-    episodes per group), a driver ``(ctx, specs, sampling, cfg, progress, seed) -> (episodes, stats)``, or the
-    ``"module:function"`` path of one, for a driver that lives above ``algo`` (ELPO's tree, in
+    episodes per group), a driver ``(ctx, specs, sampling, cfg, progress, seed) -> (episodes, stats)`` (the stats
+    keys of :func:`empo2.episodes.rollout.run_episodes`, ``step_waves`` among them), or the ``"module:function"`` path
+    of one, for a driver that lives above ``algo`` (ELPO's tree, in
     :mod:`empo2.episodes.elpo_rollout`). A driver that keeps state across iterations is a class, built once per run
     (LUFFY's expert members, :class:`empo2.episodes.expert.ExpertPlayer`)."""
     row_extras: Callable[[Any], dict[str, Sequence]] | None = None

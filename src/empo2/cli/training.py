@@ -99,7 +99,7 @@ def train_config(args):
         check_checkpoint_settings(cfg, run_dir)  # … also when config.yaml itself was edited
         return cfg, run_dir
     from empo2.experiments.arm_runs import arm_overrides
-    from empo2.experiments.compare import check_estimator_used
+    from empo2.experiments.compare_plan import check_estimator_used
 
     # the arm's settings first, so that an override contradicting them is refused at load instead of lost
     overrides = [*(arm_overrides(args.algo) if args.algo else []), *args.overrides]

@@ -69,8 +69,8 @@ def run_elpo(ctx: RolloutContext, specs: list[tuple[str, int, int, str]], sampli
     for task, variation, g, mode in specs:
         groups.setdefault(g, _Group(task, variation, g, mode, 0)).budget += 1
     stats = {"gen_time": 0.0, "env_time": 0.0, "memory_time": 0.0, "gen_tokens": 0, "prompt_tokens": 0,
-             "long_prompts": 0, "elpo_searches": 0.0, "elpo_localised_after_first": 0.0, "elpo_probes": 0.0,
-             "elpo_waves": 0.0, "replay_branches": 0.0, "replay_mismatch_branches": 0.0,
+             "long_prompts": 0, "step_waves": 0, "elpo_searches": 0.0, "elpo_localised_after_first": 0.0,
+             "elpo_probes": 0.0, "elpo_waves": 0.0, "replay_branches": 0.0, "replay_mismatch_branches": 0.0,
              "replay_ended_branches": 0.0, "replay_time": 0.0}
     episodes: list[Episode] = []
     while True:

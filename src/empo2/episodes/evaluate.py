@@ -76,7 +76,8 @@ def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: b
     for start in range(0, len(specs), step):  # every rank runs as many batches (memory sync)
         chunk = specs[start:start + step]
         overall = None if progress is None else partial(_overall_progress, progress, start, ranks, len(specs))
-        eps, _ = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, sampling, progress=overall, seed=seed)
+        eps, stats = run_episodes(ctx, dist.shard(chunk) if ranks > 1 else chunk, sampling, progress=overall, seed=seed)
+        ctx.step_counter += stats["step_waves"]  # the memory clock that dates this chunk's tip uses and tips
         if ctx.memory is not None and update_memory:
             eps = reflect_into_memory(ctx, eps, eps if reflect else [], seed)
         episodes += eps

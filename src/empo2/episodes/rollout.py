@@ -42,7 +42,10 @@ class RolloutContext:
     policy_cfg: PolicyConfig
     memory_cfg: MemoryConfig
     step_counter: int = 0
-    """Environment steps taken so far (all episodes); tips record it as their creation/use time. Checkpointed."""
+    """The memory clock: the waves of environment steps (one per batched step of a rollout's active rows) the run has
+    taken; tips record it as their creation/use time. A rollout counts its waves (``step_waves`` in its stats) and
+    leaves the clock alone: its caller advances it, and a reflection sets it to the step the memory operations were
+    applied at. Checkpointed."""
     backend: RolloutBackend | None = None
     """A rollout backend (e.g. vLLM), called with the protocol's keywords; ``None`` = generate with ``model`` (HF)."""
     memory_sync: MemorySync | None = None
@@ -86,11 +89,12 @@ def run_episodes(
 
     Each step: retrieve tips (memory modes) → render prompts → generate (or ask ``actions``) → step the environments.
     ``on_step(episode)`` is called after each step (``empo2 play`` prints with it). The end-of-episode reflection is
-    the caller's next step (:func:`empo2.episodes.reflection.reflect`). Returns the episodes and timing/token stats.
+    the caller's next step (:func:`empo2.episodes.reflection.reflect`). Returns the episodes and timing/token stats,
+    with ``step_waves``, the steps by which the caller advances ``ctx.step_counter``.
     """
     actions = actions or model_actions(sampling or Sampling.rollout(ctx.policy_cfg), seed)
     stats = {"gen_time": 0.0, "env_time": 0.0, "memory_time": 0.0, "gen_tokens": 0, "prompt_tokens": 0,
-             "long_prompts": 0}
+             "long_prompts": 0, "step_waves": 0}
     members: dict[int, int] = {}
     episodes = []
     for t, v, g, m in specs:
@@ -116,6 +120,7 @@ def _play(ctx: RolloutContext, episodes: list[Episode], parts: dict[int, PromptP
         stats["prompt_tokens"] += sum(len(p) for p in prompts)
         with timed(stats, "env_time"):
             _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips, embs)
+        stats["step_waves"] += 1
         for i in active:
             if on_step is not None:
                 on_step(episodes[i])
@@ -215,7 +220,6 @@ def _step(ctx, episodes, parts, active, gens, prompts, train_prompts, keys, tips
     """Send every active row's action to its worker at once; record the steps and advance the prompt parts."""
     raw_actions = {i: parse_action(g.text) for i, g in zip(active, gens)}
     results = ctx.pool.step(raw_actions)
-    ctx.step_counter += 1
     for r, (i, gen) in enumerate(zip(active, gens)):
         ep, res = episodes[i], results[i]
         info = res.info

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from empo2.policy import kv_cache
 from empo2.policy import prefix as px
 from empo2.policy.sampling import Sampling, scoring_temperature  # noqa: F401  (scoring_temperature: public here)
 from empo2.policy.seeded import SeededSampler
@@ -143,8 +144,8 @@ def _decode_shared(model, tokenizer, prompts, groups, max_new_tokens, temperatur
     tokens, logps = [], []
     for _ in range(max_new_tokens):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                    **px.cache_kwargs(model, cache))
-        cache = px.output_cache(out)
+                    **kv_cache.cache_kwargs(model, cache))
+        cache = kv_cache.output_cache(out)
         logits = out.logits[:, -1, :].float()  # [B, V] raw logits
         tok = seeded(ids, logits).argmax(dim=-1) if seeded else _pick(logits, temperature, top_p, top_k)  # [B]
         tok = torch.where(done, torch.full_like(tok, tokenizer.pad_token_id), tok)

@@ -26,6 +26,7 @@ import torch
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
+from empo2.policy import kv_cache
 from empo2.policy import prefix as px
 
 
@@ -107,7 +108,7 @@ def _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id: int, ste
     resp_pos = lengths[:, None] + torch.arange(resp.shape[1], device=resp.device)  # [B, R]
     return dict(input_ids=torch.cat([ids, resp], dim=1), position_ids=torch.cat([pos, resp_pos], dim=1),
                 attention_mask=torch.cat([head_mask, tail_mask, mask.long()], dim=1), use_cache=True,
-                **px.cache_kwargs(model, cache))
+                **kv_cache.cache_kwargs(model, cache))
 
 
 def _split_head(model):

@@ -160,6 +160,7 @@ class Trainer(TrainerParts):
         modes, specs, seed = self._sample(it)
         with stage("rollout", it, seconds):
             episodes, stats = self._roll_out(it, specs, seed, progress)
+            self.ctx.step_counter += stats["step_waves"]  # the memory clock; a reflection sets it (data parallel)
             episodes, stats, pending = self._reflect(episodes, stats, seed)
         weight, episodes = self._novelty(it, episodes)
         returns, advantages, advantage_metrics = self._advantages(episodes, weight)
