@@ -2,8 +2,8 @@
 iteration through the real CLI (real pool worker processes, the tiny random model, a real run folder), and the toy
 method's own setting (``algo.toy.pg_scale``) reaches its loss through the ``algo`` section without an edit of the config
 or the update. The toy method brings its own options, rollout driver, row field and metrics, named in its one registration line,
-as ELPO does in ``empo2.algo.elpo``; the toy environment brings its own options the same way (``env.doors.patience``), as
-WebShop does in ``empo2.envs.webshop.env``.
+as ELPO does in ``empo2.algo.elpo``; the toy environment brings its own options the same way (``env.doors.patience``),
+as WebShop does in ``empo2.envs.webshop.env``.
 
 The environment is a two-door room: the door that hides the prize depends on the variation's parity. It is small on
 purpose; what is tested is that registration alone is enough (no edit of the package)."""
@@ -235,7 +235,8 @@ def test_a_new_environment_brings_its_own_setting_in_its_registration(tmp_path, 
     with pytest.raises(ConfigError, match=r"^env.doors.patience must be in \[1, 100\], got 0$"):
         Config.load(None, ["env.name=two-doors", "env.doors.patience=0"])
     assert main(["train", f"train.output_dir={tmp_path / 'x'}", "env.name=two-doors", "env.doors.patiense=5"]) == 2
-    assert capsys.readouterr().err.strip() == "error: unknown config key 'env.doors.patiense'; env.doors holds: patience"
+    err = capsys.readouterr().err.strip()
+    assert err == "error: unknown config key 'env.doors.patiense'; env.doors holds: patience"
     assert not (tmp_path / "x").exists()
 
 

@@ -70,8 +70,8 @@ def test_a_model_folder_with_its_own_code_never_runs_it_unless_trusted(tmp_path,
 
 
 def test_overrides_are_typed_by_their_field(tmp_path):
-    cfg = Config.load(None, ["train.output_dir=/scratch/exp #2", "env.scienceworld.simplification=on", "policy.device=0755",
-                             "policy.lora=off", "train.preempt_save=yes", "train.iterations=0755",
+    cfg = Config.load(None, ["train.output_dir=/scratch/exp #2", "env.scienceworld.simplification=on",
+                             "policy.device=0755", "policy.lora=off", "train.preempt_save=yes", "train.iterations=0755",
                              "train.learning_rate=1e-4", "memory.seed_from=null", "env.max_steps=",
                              "env.step_caps={find-animal: 9}", "tasks=[find-animal, find-plant]"])
     assert cfg.train.output_dir == "/scratch/exp #2"
@@ -80,7 +80,8 @@ def test_overrides_are_typed_by_their_field(tmp_path):
     assert cfg.train.learning_rate == 1e-4 and cfg.memory.seed_from is None and cfg.env.max_steps is None
     assert cfg.env.step_caps == {"find-animal": 9} and cfg.env.tasks == ["find-animal", "find-plant"]
     path = tmp_path / "c.yaml"  # a YAML file's plain scalars are typed by the field too
-    path.write_text("env: {scienceworld: {simplification: 0755}}\npolicy: {device: on, lora: no}\ntrain: {learning_rate: 1e-4}\n")
+    path.write_text("env: {scienceworld: {simplification: 0755}}\npolicy: {device: on, lora: no}\n"
+                    "train: {learning_rate: 1e-4}\n")
     cfg = Config.load(path)
     assert (cfg.env.scienceworld.simplification, cfg.policy.device, cfg.policy.lora) == ("0755", "on", False)
     assert cfg.train.learning_rate == 1e-4

@@ -65,7 +65,8 @@ def cmd_gold(args) -> int:
     from empo2.envs.factory import resolve_tasks
     from empo2.envs.gold import length_summary, parse_caps, reachability
 
-    overrides = [f"env.name={args.env}", f"env.tasks=[{args.task}]", f"env.scienceworld.simplification={args.simplification}"]
+    overrides = [f"env.name={args.env}", f"env.tasks=[{args.task}]",
+                 f"env.scienceworld.simplification={args.simplification}"]
     overrides += [f"env.max_steps={args.max_steps}"] if args.max_steps else []
     overrides += [f"env.webshop.data={args.webshop_data}"] if args.webshop_data else []
     cfg = Config.load(None, overrides)

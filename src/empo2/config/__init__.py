@@ -21,9 +21,9 @@ exp #2`` keeps `` #2``, ``dtype=on`` stays ``"on"``); an integer is decimal digi
 optional field is unset by an empty value or ``null``. A YAML file is read the same way: its plain scalars are typed by
 the field, not by YAML's guesses, and aliases (``*name``) are refused. A preset may inherit from another (``base:``,
 :mod:`empo2.config.presets`). The sections' fields, with their bounds, are defined and documented in
-:mod:`empo2.config.sections`, a method's own in its file (:class:`empo2.algo.gigpo.GigpoOptions` …), an
-environment's in its module (:class:`empo2.envs.webshop.env.WebShopOptions` …); the text of a
-value is read by :mod:`empo2.config.values`.
+:mod:`empo2.config.sections`, a method's own in its file (:class:`empo2.algo.gigpo.GigpoOptions` …), an environment's
+in its module (:class:`empo2.envs.webshop.env.WebShopOptions` …); the text of a value is read by
+:mod:`empo2.config.values`.
 
 The package: :class:`Config` and its loading and checks (:mod:`.core`), the sections' fields (:mod:`.sections`), the
 reading of values (:mod:`.values`), the bounds and choices each value is checked against (:mod:`.bounds_check`),

@@ -4,8 +4,8 @@ CoinCollector first (find the coin in a map of rooms), MapReader, TWC and Cookin
 One instance drives one JVM through the ``textworld-express`` package. A task is a game (``coin``, ``mapreader``,
 ``twc``, ``cookingworld``) and a variation is one of the package's seeds, which also name the fold: train 0-999, dev
 10000-10999, test 20000-20999. A game's generation parameters (``numLocations=5,includeDoors=1`` …) come from the
-run's ``env.textworld_express.params``; ``env.textworld_express.eval_params`` may give the dev and test games others (larger maps: an
-out-of-distribution evaluation).
+run's ``env.textworld_express.params``; ``env.textworld_express.eval_params`` may give the dev and test games others
+(larger maps: an out-of-distribution evaluation).
 
 Score and success are the game's: ``info['score']`` is the package's normalised score × 100, the reward the change of
 it, ``info['success']`` the package's ``tasksuccess``. The package's ``taskfailure`` (CookingWorld: an ingredient
