@@ -236,8 +236,18 @@ def test_a_method_setting_under_its_old_flat_name_lands_in_the_method_options_wi
     ("", ["algo.proxmo.alpha=200"], "algo.proxmo.alpha must be in [0, 100], got 200.0"),
     ("algo: {gamma: 0.9, gigpo: {gamma: 0.8}}\n", [], "gives both algo.gamma and its new name algo.gigpo.gamma, "
      "with different values (0.9 and 0.8)"),
+    ("", ["env.webshop.strat=results"], "unknown config key 'env.webshop.strat'; env.webshop holds: data, "
+     "human_goals, num_products, start"),
+    ("env: {textworld_express: {param: {coin: {numLocations: 4}}}}\n", [], "unknown config key "
+     "'env.textworld_express.param'; env.textworld_express holds: params, eval_params"),
+    ("", ["env.scienceworld=hard"], "env.scienceworld holds settings, not one value: set env.scienceworld.<name>, "
+     "one of simplification"),
+    ("", ["env.webshop.num_products=0"], "env.webshop.num_products must be in [1, 1000000000], got 0"),
+    ("", ["env.webshop.start=item"], "env.webshop.start must be one of search, results, got 'item'"),
+    ("env: {simplification: hard, scienceworld: {simplification: easy}}\n", [], "gives both env.simplification "
+     "and its new name env.scienceworld.simplification, with different values ('hard' and 'easy')"),
 ])
-def test_a_wrong_method_setting_exits_2_with_one_line(tmp_path, capsys, text, overrides, message):
+def test_a_wrong_method_or_environment_setting_exits_2_with_one_line(tmp_path, capsys, text, overrides, message):
     (tmp_path / "c.yaml").write_text(text)
     with pytest.raises(ConfigError) as info:
         load(tmp_path / "c.yaml", overrides)
@@ -291,29 +301,6 @@ def test_an_environment_setting_under_its_old_flat_name_lands_in_its_options_wit
     assert yaml.safe_load((tmp_path / "saved.yaml").read_text())["env"]["webshop"]["start"] == "results"
     again, renamed = load(tmp_path / "saved.yaml")
     assert again.to_dict() == cfg.to_dict() and renamed == []
-
-
-@pytest.mark.parametrize("text, overrides, message", [
-    ("", ["env.webshop.strat=results"], "unknown config key 'env.webshop.strat'; env.webshop holds: data, "
-     "human_goals, num_products, start"),
-    ("env: {textworld_express: {param: {coin: {numLocations: 4}}}}\n", [], "unknown config key "
-     "'env.textworld_express.param'; env.textworld_express holds: params, eval_params"),
-    ("", ["env.scienceworld=hard"], "env.scienceworld holds settings, not one value: set env.scienceworld.<name>, "
-     "one of simplification"),
-    ("", ["env.webshop.num_products=0"], "env.webshop.num_products must be in [1, 1000000000], got 0"),
-    ("", ["env.webshop.start=item"], "env.webshop.start must be one of search, results, got 'item'"),
-    ("env: {simplification: hard, scienceworld: {simplification: easy}}\n", [], "gives both env.simplification "
-     "and its new name env.scienceworld.simplification, with different values ('hard' and 'easy')"),
-])
-def test_a_wrong_environment_setting_exits_2_with_one_line(tmp_path, capsys, text, overrides, message):
-    (tmp_path / "c.yaml").write_text(text)
-    with pytest.raises(ConfigError) as info:
-        load(tmp_path / "c.yaml", overrides)
-    assert message in str(info.value)
-    assert main(["train", "--config", str(tmp_path / "c.yaml"), *overrides,
-                 f"train.output_dir={tmp_path / 'run'}"]) == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: ")]
-    assert len(err) == 1 and message in err[0] and not (tmp_path / "run").exists()
 
 
 def test_a_run_saved_before_the_renames_resumes_and_its_checkpoint_is_still_compared(tmp_path):
