@@ -173,8 +173,8 @@ def replay_env(trainer, args, actions: list[list[str]]) -> dict:
     from empo2.envs.scienceworld import ScienceWorldEnv
 
     cfg = trainer.cfg.env
-    env = ScienceWorldEnv(simplification=cfg.simplification, max_steps=cfg.max_steps, valid_actions_in_info=False,
-                          action_cutoff=cfg.action_cutoff)
+    env = ScienceWorldEnv(simplification=cfg.scienceworld.simplification, max_steps=cfg.max_steps,
+                          valid_actions_in_info=False, action_cutoff=cfg.action_cutoff)
     times = {"sim_step": 0.0, "valid_actions": 0.0, "look": 0.0, "inventory": 0.0, "score": 0.0, "step_total": 0.0,
              "reset": 0.0}
     counts = dict.fromkeys(times, 0)

@@ -84,7 +84,8 @@ def main() -> None:
         with TextWorldExpressEnv(**{**kwargs, "max_steps": 10**6, "step_caps": None}) as env:
             for task in resolve_tasks(cfg.env):
                 cap = step_cap(task, cfg.env.max_steps, cfg.env.step_caps)
-                splits = [cfg.env.eval_split] + (["train"] if (cfg.env.twx_eval_params or {}).get(task) else [])
+                ood = (cfg.env.textworld_express.eval_params or {}).get(task)
+                splits = [cfg.env.eval_split] + (["train"] if ood else [])
                 for split in splits:
                     rows.append({"preset": name, **measure(env, task, split, args.games, cap)})
                     r = rows[-1]

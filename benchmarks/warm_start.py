@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = {"reach": "configs/scienceworld_reach_warm_cpu.yaml", "coin": "configs/twx_coin_warm_cpu.yaml"}
 NEIGHBOURS = {"reach": ["sft.tasks=[find-animal, find-plant]", "env.step_caps={find-animal: 30, find-plant: 30}"],
-              "coin": ["env.twx_params={coin: {numLocations: 3, includeDoors: 1}}",
-                       "env.twx_eval_params={coin: {numLocations: 6, includeDoors: 1}}"]}
+              "coin": ["env.textworld_express.params={coin: {numLocations: 3, includeDoors: 1}}",
+                       "env.textworld_express.eval_params={coin: {numLocations: 6, includeDoors: 1}}"]}
 OWN = {"reach": ["sft.tasks=[find-non-living-thing]"], "coin": []}
 
 

@@ -26,16 +26,16 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS: dict[str, list[str]] = {
     "preset": [],                                    # configs/webshop_cpu.yaml as it is (10 steps, 66 products)
     "steps-15": ["env.max_steps=15"],                # more steps to reach "buy now"
-    "products-22": ["env.webshop_num_products=22"],  # the first 22 products: fewer categories, nearer results
-    "steps-15+products-22": ["env.max_steps=15", "env.webshop_num_products=22"],
+    "products-22": ["env.webshop.num_products=22"],  # the first 22 products: fewer categories, nearer results
+    "steps-15+products-22": ["env.max_steps=15", "env.webshop.num_products=22"],
     "cutoff-55": ["env.action_cutoff=55"],            # text like no button is a no-op, not the nearest button
     "cutoff-55+steps-15": ["env.action_cutoff=55", "env.max_steps=15"],
     # cooler sampling for rollouts and these episodes alike: fewer queries that match no product
     "temp-0.7+steps-15": ["policy.temperature=0.7", "policy.eval_temperature=0.7", "env.max_steps=15"],
     "steps-20": ["env.max_steps=20"],
-    "from-results": ["env.webshop_start=results"],   # start on the results of the instruction's stem
-    "from-results+steps-15": ["env.webshop_start=results", "env.max_steps=15"],
-    "from-results+eval-0.4": ["env.webshop_start=results", "policy.eval_temperature=0.4"],  # as evals play
+    "from-results": ["env.webshop.start=results"],   # start on the results of the instruction's stem
+    "from-results+steps-15": ["env.webshop.start=results", "env.max_steps=15"],
+    "from-results+eval-0.4": ["env.webshop.start=results", "policy.eval_temperature=0.4"],  # as evals play
 }
 
 

@@ -209,13 +209,18 @@ def test_the_trainer_refuses_sampling_the_update_cannot_score(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_a_config_survives_pickling_with_its_method_options():
-    """Worker processes and ranks receive configs by pickle; the ``algo`` section is a class made from the registry."""
+def test_a_config_survives_pickling_with_its_method_and_environment_options():
+    """Worker processes and ranks receive configs by pickle; the ``algo`` and ``env`` sections are classes made from
+    the registries."""
     import pickle
 
     from empo2.config import Config
 
     cfg = Config()
     cfg.set("algo.proxmo.alpha", 2.5)
+    cfg.set("env.textworld_express.params", "{coin: {numLocations: 4}}")
+    cfg.set("env.webshop.start", "results")
     back = pickle.loads(pickle.dumps(cfg))
     assert back.to_dict() == cfg.to_dict() and back.algo.proxmo.alpha == 2.5
+    assert back.env == cfg.env and back.env.textworld_express.params == {"coin": {"numLocations": 4}}
+    assert back.sft_env().webshop.start == "results"  # a copy of the section keeps its class

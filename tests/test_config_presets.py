@@ -236,8 +236,18 @@ def test_a_method_setting_under_its_old_flat_name_lands_in_the_method_options_wi
     ("", ["algo.proxmo.alpha=200"], "algo.proxmo.alpha must be in [0, 100], got 200.0"),
     ("algo: {gamma: 0.9, gigpo: {gamma: 0.8}}\n", [], "gives both algo.gamma and its new name algo.gigpo.gamma, "
      "with different values (0.9 and 0.8)"),
+    ("", ["env.webshop.strat=results"], "unknown config key 'env.webshop.strat'; env.webshop holds: data, "
+     "human_goals, num_products, start"),
+    ("env: {textworld_express: {param: {coin: {numLocations: 4}}}}\n", [], "unknown config key "
+     "'env.textworld_express.param'; env.textworld_express holds: params, eval_params"),
+    ("", ["env.scienceworld=hard"], "env.scienceworld holds settings, not one value: set env.scienceworld.<name>, "
+     "one of simplification"),
+    ("", ["env.webshop.num_products=0"], "env.webshop.num_products must be in [1, 1000000000], got 0"),
+    ("", ["env.webshop.start=item"], "env.webshop.start must be one of search, results, got 'item'"),
+    ("env: {simplification: hard, scienceworld: {simplification: easy}}\n", [], "gives both env.simplification "
+     "and its new name env.scienceworld.simplification, with different values ('hard' and 'easy')"),
 ])
-def test_a_wrong_method_setting_exits_2_with_one_line(tmp_path, capsys, text, overrides, message):
+def test_a_wrong_method_or_environment_setting_exits_2_with_one_line(tmp_path, capsys, text, overrides, message):
     (tmp_path / "c.yaml").write_text(text)
     with pytest.raises(ConfigError) as info:
         load(tmp_path / "c.yaml", overrides)
@@ -246,6 +256,51 @@ def test_a_wrong_method_setting_exits_2_with_one_line(tmp_path, capsys, text, ov
                  f"train.output_dir={tmp_path / 'run'}"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("warning: ")]
     assert len(err) == 1 and message in err[0] and not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------- an environment's own settings
+OLD_ENV = {"simplification": ("scienceworld.simplification", "hard"), "webshop_data": ("webshop.data", "/data/ws"),
+           "webshop_human_goals": ("webshop.human_goals", True), "webshop_num_products": ("webshop.num_products", 22),
+           "webshop_start": ("webshop.start", "results"),
+           "twx_params": ("textworld_express.params", {"coin": {"numLocations": 4}}),
+           "twx_eval_params": ("textworld_express.eval_params", {"coin": {"numLocations": 9}})}
+"""Each old flat name of an environment's setting: its current name under ``env`` and a value that is not the
+default."""
+
+
+def env_option(cfg: Config, name: str):
+    owner, field = name.split(".")
+    return getattr(getattr(cfg.env, owner), field)
+
+
+def test_an_environment_setting_under_its_old_flat_name_lands_in_its_options_with_one_warning(tmp_path):
+    """Every old flat name, in a file, sets the nested option with one warning naming both; in an override (dotted or
+    bare) too; a finished run's record is read as is, and flattened under the current names."""
+    old = {"env": {"name": "textworld_express", "tasks": ["coin"],
+                   **{name: value for name, (_, value) in OLD_ENV.items()}}}
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+    cfg, renamed = load(tmp_path / "old.yaml")
+    assert {name: env_option(cfg, new) for name, (new, _) in OLD_ENV.items()} == \
+        {name: value for name, (_, value) in OLD_ENV.items()}
+    assert sorted(renamed) == sorted(f"env.{name} is now called env.{new}: {tmp_path / 'old.yaml'} uses the old name, "
+                                     f"read as env.{new} (rename it there)" for name, (new, _) in OLD_ENV.items())
+    cfg, renamed = load(None, ["env.twx_params={coin: {numLocations: 5}}", "webshop_start=results"])
+    assert cfg.env.textworld_express.params == {"coin": {"numLocations": 5}} and cfg.env.webshop.start == "results"
+    assert renamed == ["env.twx_params is now called env.textworld_express.params: an override uses the old name, "
+                       "read as env.textworld_express.params (rename it there)",
+                       "env.webshop_start is now called env.webshop.start: an override uses the old name, read as "
+                       "env.webshop.start (rename it there)"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recorded = Config.from_dict(old, record=True)
+    assert caught == [] and recorded.env.scienceworld.simplification == "hard"
+    settings = flat_settings(old)
+    assert settings["env.textworld_express.eval_params"] == {"coin": {"numLocations": 9}}
+    assert not any(f"env.{name}" in settings for name in OLD_ENV)
+    cfg.save(tmp_path / "saved.yaml")  # written nested, read back the same without a warning
+    assert yaml.safe_load((tmp_path / "saved.yaml").read_text())["env"]["webshop"]["start"] == "results"
+    again, renamed = load(tmp_path / "saved.yaml")
+    assert again.to_dict() == cfg.to_dict() and renamed == []
 
 
 def test_a_run_saved_before_the_renames_resumes_and_its_checkpoint_is_still_compared(tmp_path):

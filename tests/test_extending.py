@@ -2,7 +2,8 @@
 iteration through the real CLI (real pool worker processes, the tiny random model, a real run folder), and the toy
 method's own setting (``algo.toy.pg_scale``) reaches its loss through the ``algo`` section without an edit of the config
 or the update. The toy method brings its own options, rollout driver, row field and metrics, named in its one registration line,
-as ELPO does in ``empo2.algo.elpo``.
+as ELPO does in ``empo2.algo.elpo``; the toy environment brings its own options the same way (``env.doors.patience``),
+as WebShop does in ``empo2.envs.webshop.env``.
 
 The environment is a two-door room: the door that hides the prize depends on the variation's parity. It is small on
 purpose; what is tested is that registration alone is enough (no edit of the package)."""
@@ -23,6 +24,7 @@ from empo2.bounds import bounded
 from empo2.cli import main
 from empo2.config import Config, ConfigError
 from empo2.envs import EnvSpec, StepResult, register_env
+from empo2.envs.factory import make_env_kwargs
 from empo2.envs.specs import ENVIRONMENTS
 from empo2.episodes.rollout import run_episodes
 
@@ -84,6 +86,17 @@ class ToyOptions:
     """Factor on the toy loss."""
 
 
+@dataclass(frozen=True)
+class DoorOptions:
+    """The toy environment's own settings, ``env.doors.*``: registered with its spec, held by every ``env`` section
+    made after that."""
+
+    key: ClassVar[str] = "doors"
+
+    patience: int = bounded(3, 1, 100)
+    """Steps an episode lasts when ``env.max_steps`` is unset."""
+
+
 SEEN = {"driven": [], "first_step": []}
 """What the toy's rollout driver played and what its loss received, for the tests to read."""
 
@@ -118,9 +131,10 @@ def toy_metrics(batch):
 
 @pytest.fixture
 def registered():
-    register_env(EnvSpec("two-doors", factory=TwoDoors, kwargs=lambda cfg: {"max_steps": cfg.max_steps or 3},
+    register_env(EnvSpec("two-doors", factory=TwoDoors,
+                         kwargs=lambda cfg: {"max_steps": cfg.max_steps or cfg.doors.patience},
                          guide="Open the door that hides the prize. Answer with one action.",
-                         tasks=lambda cfg: ["doors"]))
+                         tasks=lambda cfg: ["doors"], options=DoorOptions))
     register_policy_loss("toy_pg")(plain_policy_gradient)
     register_algorithm(AlgorithmSpec("toy_reinforce", uses_memory=False, loss="toy_pg", advantage="grpo",
                                      rollout=toy_rollout, row_extras=toy_row_extras, metrics=toy_metrics,
@@ -203,3 +217,44 @@ def test_a_new_loss_reads_its_own_knob_through_the_algo_section(registered):
     torch.testing.assert_close(steps["0.5"], steps["1"] / 2)
     with pytest.raises(ConfigError, match=r"^algo.toy.pg_scale must be in \[0, 1000000\], got -1.0$"):
         Config.load(None, ["algo.name=toy_reinforce", "algo.toy.pg_scale=-1"])
+
+
+def test_a_new_environment_brings_its_own_setting_in_its_registration(tmp_path, capsys, registered):
+    """The toy environment's ``env.doors.patience``, declared by the options its one registration names, is set like
+    any key (bounds checked, saved nested, kept through pickling) and reaches its constructor's arguments; a misspelt
+    one exits 2 with one line naming what ``env.doors`` holds."""
+    import pickle
+
+    cfg = Config.load(None, ["env.name=two-doors", "env.doors.patience=5"])
+    assert make_env_kwargs(cfg.env) == {"max_steps": 5}
+    assert make_env_kwargs(Config.load(None, ["env.name=two-doors"]).env) == {"max_steps": 3}
+    assert pickle.loads(pickle.dumps(cfg)).env.doors == DoorOptions(patience=5)
+    cfg.save(tmp_path / "c.yaml")
+    assert "doors:\n    patience: 5" in (tmp_path / "c.yaml").read_text()
+    assert Config.load(tmp_path / "c.yaml").to_dict() == cfg.to_dict()
+    with pytest.raises(ConfigError, match=r"^env.doors.patience must be in \[1, 100\], got 0$"):
+        Config.load(None, ["env.name=two-doors", "env.doors.patience=0"])
+    assert main(["train", f"train.output_dir={tmp_path / 'x'}", "env.name=two-doors", "env.doors.patiense=5"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: unknown config key 'env.doors.patiense'; env.doors holds: patience"
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_environment_options_class_that_cannot_be_nested_is_refused_at_registration():
+    @dataclass(frozen=True)
+    class ShopOptions:
+        key: ClassVar[str] = "webshop"
+
+    class LooseOptions:  # not a dataclass
+        key = "loose"
+
+    def spec(name, options):
+        return EnvSpec(name, factory=TwoDoors, kwargs=lambda cfg: {}, guide="", tasks=lambda cfg: ["doors"],
+                       options=options)
+
+    Config()  # the built-in environments are registered
+    with pytest.raises(ValueError, match="^environment 'shop': env.webshop already holds the options WebShopOptions$"):
+        register_env(spec("shop", ShopOptions))
+    with pytest.raises(ValueError, match="must be a dataclass with a class attribute `key`"):
+        register_env(spec("loose", LooseOptions))
+    assert "shop" not in ENVIRONMENTS and "loose" not in ENVIRONMENTS

@@ -70,19 +70,20 @@ def test_a_model_folder_with_its_own_code_never_runs_it_unless_trusted(tmp_path,
 
 
 def test_overrides_are_typed_by_their_field(tmp_path):
-    cfg = Config.load(None, ["train.output_dir=/scratch/exp #2", "env.simplification=on", "policy.device=0755",
-                             "policy.lora=off", "train.preempt_save=yes", "train.iterations=0755",
+    cfg = Config.load(None, ["train.output_dir=/scratch/exp #2", "env.scienceworld.simplification=on",
+                             "policy.device=0755", "policy.lora=off", "train.preempt_save=yes", "train.iterations=0755",
                              "train.learning_rate=1e-4", "memory.seed_from=null", "env.max_steps=",
                              "env.step_caps={find-animal: 9}", "tasks=[find-animal, find-plant]"])
     assert cfg.train.output_dir == "/scratch/exp #2"
-    assert cfg.env.simplification == "on" and cfg.policy.device == "0755"
+    assert cfg.env.scienceworld.simplification == "on" and cfg.policy.device == "0755"
     assert cfg.policy.lora is False and cfg.train.preempt_save is True and cfg.train.iterations == 755
     assert cfg.train.learning_rate == 1e-4 and cfg.memory.seed_from is None and cfg.env.max_steps is None
     assert cfg.env.step_caps == {"find-animal": 9} and cfg.env.tasks == ["find-animal", "find-plant"]
     path = tmp_path / "c.yaml"  # a YAML file's plain scalars are typed by the field too
-    path.write_text("env: {simplification: 0755}\npolicy: {device: on, lora: no}\ntrain: {learning_rate: 1e-4}\n")
+    path.write_text("env: {scienceworld: {simplification: 0755}}\npolicy: {device: on, lora: no}\n"
+                    "train: {learning_rate: 1e-4}\n")
     cfg = Config.load(path)
-    assert (cfg.env.simplification, cfg.policy.device, cfg.policy.lora) == ("0755", "on", False)
+    assert (cfg.env.scienceworld.simplification, cfg.policy.device, cfg.policy.lora) == ("0755", "on", False)
     assert cfg.train.learning_rate == 1e-4
     cfg.save(tmp_path / "saved.yaml")
     assert Config.load(tmp_path / "saved.yaml").to_dict() == cfg.to_dict()
@@ -376,7 +377,7 @@ def test_malformed_webshop_data_is_one_line_naming_the_file(tmp_path, tiny_model
     """WebShop data of another shape (it used to end in AttributeError, TypeError or RecursionError tracebacks):
     exit 2, the last line names the file and what is wrong, no traceback, no run folder."""
     path, what = damage(webshop_data(tmp_path / "data"))
-    res = empo2("train", "--config", WEBSHOP, f"env.webshop_data={path.parent}", f"train.output_dir={tmp_path / 'run'}",
+    res = empo2("train", "--config", WEBSHOP, f"env.webshop.data={path.parent}", f"train.output_dir={tmp_path / 'run'}",
                 f"policy.model={tiny_model}")
     err = res.stderr.decode()
     assert res.returncode == 2 and "Traceback" not in err, err[-3000:]

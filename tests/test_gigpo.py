@@ -251,13 +251,13 @@ def test_rollout_records_the_state_each_action_answered():
     chosen in: the reset page first, then the previous step's result; the episode keeps the state it ended in."""
     from types import SimpleNamespace
 
-    from empo2.config.sections import EnvConfig
+    from empo2.config.sections import env_config
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
     from empo2.episodes.rollout import RolloutContext, run_episodes
     from empo2.policy.generate import Generation
 
-    kwargs = make_env_kwargs(EnvConfig(name="webshop", max_steps=3))
+    kwargs = make_env_kwargs(env_config(name="webshop", max_steps=3))
     pool = EnvPool("webshop", kwargs, size=2)
     try:
         first = {i: r[0] for i, r in pool.reset([(0, "webshop", 0), (1, "webshop", 0)]).items()}

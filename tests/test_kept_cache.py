@@ -51,7 +51,7 @@ def test_a_rollout_with_the_kept_cache_equals_prefilling_every_prompt_again(smol
     row's KV kept from one step to the next. Each step's prompts are then generated again with nothing kept (every
     prompt prefilled whole): the same tokens and behaviour log-probs. The rollout prefilled only each step's new turn.
     (The replay reuses the rollout's own prompts: the simulator's text may differ between two loads of a game.)"""
-    from empo2.config import EnvConfig, MemoryConfig, PolicyConfig
+    from empo2.config import MemoryConfig, PolicyConfig, env_config
     from empo2.envs.factory import make_env_kwargs
     from empo2.envs.pool import EnvPool
     from empo2.episodes.rollout import RolloutContext, run_episodes
@@ -65,7 +65,7 @@ def test_a_rollout_with_the_kept_cache_equals_prefilling_every_prompt_again(smol
     policy = PolicyConfig(prompt_layout="append", max_completion_length=10, few_shot=0, history_window=2,
                           max_prompt_length=4096)
     try:
-        with EnvPool("scienceworld", make_env_kwargs(EnvConfig(max_steps=4)), size=3) as pool:
+        with EnvPool("scienceworld", make_env_kwargs(env_config(max_steps=4)), size=3) as pool:
             ctx = RolloutContext(model, tok, pool, None, None, "scienceworld", policy, MemoryConfig())
             episodes, _ = run_episodes(ctx, [("find-non-living-thing", v, v, "on") for v in range(3)],
                                        Sampling(10, greedy=True))

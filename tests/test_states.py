@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from empo2.config import MemoryConfig
-from empo2.config.sections import EnvConfig
+from empo2.config.sections import env_config
 from empo2.envs.factory import make_env_kwargs
 from empo2.envs.pool import EnvPool
 from empo2.envs.scienceworld.text import focused_object, scienceworld_state
@@ -76,7 +76,7 @@ def played(embedder):
     """One real episode, twice (the second after a reload): in the hallway, then in the kitchen, the same action
     kind gets the same one-line reply."""
     script = ["open door to kitchen", "go to kitchen", "open door to hallway", "look around"]
-    pool = EnvPool("scienceworld", make_env_kwargs(EnvConfig(name="scienceworld", max_steps=len(script))), size=1)
+    pool = EnvPool("scienceworld", make_env_kwargs(env_config(name="scienceworld", max_steps=len(script))), size=1)
     cfg = SimpleNamespace(few_shot=0, history_window=1, max_prompt_length=1024)
     ctx = RolloutContext(None, None, pool, embedder, None, "scienceworld", cfg, MemoryConfig())
     act = lambda ctx, active, eps, prompts: [Generation([], [], script[len(e.steps)]) for e in eps]  # noqa: E731
@@ -134,7 +134,7 @@ def test_the_step_after_a_focus_has_its_own_anchor_and_is_not_pushed_down():
     from empo2.config import algo_config
 
     task, group = "find-non-living-thing", 4
-    pool = EnvPool("scienceworld", make_env_kwargs(EnvConfig(name="scienceworld", max_steps=12)), size=1)
+    pool = EnvPool("scienceworld", make_env_kwargs(env_config(name="scienceworld", max_steps=12)), size=1)
     try:
         pool.reset([(0, task, 0)])
         gold = pool.call(0, "gold_actions")

@@ -248,12 +248,14 @@ def test_restore_from_a_prefix_reproduces_the_state_in_another_jvm(env):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("env.twx_params={coin: {numRooms: 5}}", "coin has no parameter 'numRooms' in env.twx_params; valid parameters "
-     "of coin: numLocations (1-11), numDistractorItems (0-10), includeDoors (0-1), limitInventorySize (0-1)"),
-    ("env.twx_params={coin: {numLocations: 12}}", "coin numLocations=12 in env.twx_params is out of range"),
-    ("env.twx_eval_params={twc: {numLocations: 4}}", "valid parameters of twc: numLocations (1-3)"),
-    ("env.twx_params={kitchen: {numLocations: 4}}", "unknown TextWorldExpress game 'kitchen' in env.twx_params; "
-     "valid games: coin, mapreader, twc, cookingworld"),
+    ("env.textworld_express.params={coin: {numRooms: 5}}", "coin has no parameter 'numRooms' in "
+     "env.textworld_express.params; valid parameters of coin: numLocations (1-11), numDistractorItems (0-10), "
+     "includeDoors (0-1), limitInventorySize (0-1)"),
+    ("env.textworld_express.params={coin: {numLocations: 12}}",
+     "coin numLocations=12 in env.textworld_express.params is out of range"),
+    ("env.textworld_express.eval_params={twc: {numLocations: 4}}", "valid parameters of twc: numLocations (1-3)"),
+    ("env.textworld_express.params={kitchen: {numLocations: 4}}", "unknown TextWorldExpress game 'kitchen' in "
+     "env.textworld_express.params; valid games: coin, mapreader, twc, cookingworld"),
     ("env.tasks=[coin,sorting]", "unknown TextWorldExpress game 'sorting'"),
 ])
 def test_bad_game_parameters_are_refused_at_load(override, message, tmp_path, capsys):

@@ -11,11 +11,12 @@ from pathlib import Path
 import pytest
 
 from empo2.config import Config, ConfigError
-from empo2.config.sections import EnvConfig
+from empo2.config.sections import env_config
 from empo2.envs.base import EnvError, TextEnv
 from empo2.envs.factory import env_label, make_env_kwargs
 from empo2.envs.webshop import WebShopEnv, load_catalog
 from empo2.envs.webshop.catalog import OFFICIAL_FILES, Product, parse_options, parse_pricing
+from empo2.envs.webshop.env import WebShopOptions
 from empo2.envs.webshop.goals import Goal
 from empo2.envs.webshop.reward import attribute_matches, normalize_color, option_matches, title_nouns, type_reward
 from empo2.envs.webshop.search import PAGE_SIZE, analyze
@@ -221,7 +222,7 @@ def test_action_cutoff_turns_unlike_text_into_a_no_op():
     assert r.info["invalid"] and r.info["page"] == "results" and r.observation == results
     r = strict.step("I would like to buy a body lotion for dry skin")  # names a product on the page
     assert r.info["accepted"] and r.info["page"] == "item"
-    assert make_env_kwargs(EnvConfig(name="webshop", action_cutoff=55))["action_cutoff"] == 55  # config → env
+    assert make_env_kwargs(env_config(name="webshop", action_cutoff=55))["action_cutoff"] == 55  # config → env
 
 
 def test_results_start_opens_on_the_stems_results_and_is_labelled_apart():
@@ -238,13 +239,13 @@ def test_results_start_opens_on_the_stems_results_and_is_labelled_apart():
         assert r.done and r.info["success"], (v, gold)
     demo = env.demonstration("webshop", 0)
     assert demo.splitlines()[1].startswith("> click[")  # demonstrations start where episodes start
-    cfg = EnvConfig(name="webshop", webshop_start="results")
+    cfg = env_config(name="webshop", webshop=WebShopOptions(start="results"))
     assert make_env_kwargs(cfg)["start"] == "results" and env_label(cfg) == "webshop-fixture-from-results"
-    assert env_label(EnvConfig(name="webshop")) == "webshop-fixture"
+    assert env_label(env_config(name="webshop")) == "webshop-fixture"
     with pytest.raises(EnvError, match="start page"):
         WebShopEnv(start="item")
-    with pytest.raises(ConfigError, match="webshop_start"):
-        Config.from_dict({"env": {"name": "webshop", "webshop_start": "item"}})
+    with pytest.raises(ConfigError, match="^env.webshop.start must be one of search, results, got 'item'$"):
+        Config.from_dict({"env": {"name": "webshop", "webshop": {"start": "item"}}})
 
 
 def test_play_starts_where_asked(capsys):

@@ -1,13 +1,15 @@
 """How a setting states the numbers it may hold: :func:`bounded` declares a dataclass field with its default and its
-:class:`Bounds`, beside the field, and :func:`empo2.config.bounds_check.check_bounds` checks every such field at load.
+:class:`Bounds`, beside the field, and :func:`empo2.config.bounds_check.check_bounds` checks every such field at load;
+and how a registered component brings settings of its own (:func:`check_options`).
 
 In the lowest layer because two floors declare settings: the config's sections (:mod:`empo2.config.sections`) and
-each method's own options in :mod:`empo2.algo` (``algo.gigpo`` …), which cannot import the config above them.
+the options of each method (:mod:`empo2.algo`: ``algo.gigpo`` …) and each environment (:mod:`empo2.envs`:
+``env.webshop`` …), which cannot import the config above them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
 
@@ -46,6 +48,18 @@ def bounded(default: Any, low: float, high: float, *, open_low: bool = False, op
     """A setting's dataclass field with its default and its :class:`Bounds`, read by
     :func:`empo2.config.bounds_check.check_bounds`."""
     return field(default=default, metadata={"bounds": Bounds(low, high, open_low, open_high, off, why)})
+
+
+def check_options(options: type, owner: str, section: str, taken: dict[str, type]) -> None:
+    """A registration's own settings (``owner``: ``algorithm 'elpo'``, ``environment 'webshop'``): a dataclass whose
+    class attribute ``key``, an identifier, names its place in the config's ``section`` (``section.<key>.<field>``),
+    a place no other class holds (``taken``: ``{key: options class}`` of the registrations so far)."""
+    key = getattr(options, "key", None)
+    if not is_dataclass(options) or not isinstance(key, str) or not key.isidentifier():
+        raise ValueError(f"{owner}: its options must be a dataclass with a class attribute `key`, the name of its "
+                         f"settings in the {section} section")
+    if taken.get(key, options) is not options:
+        raise ValueError(f"{owner}: {section}.{key} already holds the options {taken[key].__name__}")
 
 
 def _number(x: float) -> str:

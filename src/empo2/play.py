@@ -21,8 +21,8 @@ def play(args) -> int:
     console = Console(stderr=True, soft_wrap=True)
     overrides = [f"env.name={args.env}", f"env.seed={args.seed}"]
     overrides += [f"env.max_steps={args.max_steps}"] if args.max_steps else []
-    overrides += [f"env.webshop_data={args.webshop_data}"] if args.webshop_data else []
-    overrides += [f"env.webshop_start={args.webshop_start}"] if args.webshop_start else []
+    overrides += [f"env.webshop.data={args.webshop_data}"] if args.webshop_data else []
+    overrides += [f"env.webshop.start={args.webshop_start}"] if args.webshop_start else []
     cfg = Config.load(None, overrides + ([f"env.tasks=[{args.task}]"] if args.task else []))
     task = resolve_tasks(cfg.env)[0]
     model = tokenizer = None

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, is_dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from empo2.algo.modes import MODES
+from empo2.bounds import check_options
 
 
 def on_policy_only(algo_cfg: Any) -> dict[str, float]:
@@ -93,13 +94,7 @@ def register_algorithm(spec: AlgorithmSpec) -> AlgorithmSpec:
     if spec.name in ALGORITHMS:
         raise ValueError(f"algorithm {spec.name!r} is already registered")
     if spec.options is not None:
-        key = getattr(spec.options, "key", None)
-        if not is_dataclass(spec.options) or not isinstance(key, str) or not key.isidentifier():
-            raise ValueError(f"algorithm {spec.name!r}: its options must be a dataclass with a class attribute "
-                             "`key`, the name of its settings in the algo section")
-        taken = method_options().get(key)
-        if taken is not None and taken is not spec.options:
-            raise ValueError(f"algorithm {spec.name!r}: algo.{key} already holds the options {taken.__name__}")
+        check_options(spec.options, f"algorithm {spec.name!r}", "algo", method_options())
     ALGORITHMS[spec.name] = spec
     return spec
 

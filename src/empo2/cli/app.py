@@ -65,9 +65,10 @@ def cmd_gold(args) -> int:
     from empo2.envs.factory import resolve_tasks
     from empo2.envs.gold import length_summary, parse_caps, reachability
 
-    overrides = [f"env.name={args.env}", f"env.tasks=[{args.task}]", f"env.simplification={args.simplification}"]
+    overrides = [f"env.name={args.env}", f"env.tasks=[{args.task}]",
+                 f"env.scienceworld.simplification={args.simplification}"]
     overrides += [f"env.max_steps={args.max_steps}"] if args.max_steps else []
-    overrides += [f"env.webshop_data={args.webshop_data}"] if args.webshop_data else []
+    overrides += [f"env.webshop.data={args.webshop_data}"] if args.webshop_data else []
     cfg = Config.load(None, overrides)
     splits = [args.split] if args.split else ["train", "dev", "test"]
     tasks, caps = resolve_tasks(cfg.env), parse_caps(args.caps) if args.caps else None  # bad input costs no JVM
@@ -83,7 +84,7 @@ def cmd_gold(args) -> int:
             print("  " + " ".join(f"{p.variation}:{p.steps if p.steps is not None else '-'}" for p in paths))
             print("  " + length_summary(paths, caps or sorted({p.cap for p in paths})))
             table.setdefault(task, {})[split] = {p.variation: p.steps for p in paths}
-    print(json.dumps({"env": cfg.env.name, "simplification": cfg.env.simplification, "steps": table}))
+    print(json.dumps({"env": cfg.env.name, "simplification": cfg.env.scienceworld.simplification, "steps": table}))
     return 0
 
 

@@ -58,7 +58,7 @@ def _add_play_parser(sub) -> None:
     p.add_argument("--history-window", type=int, default=4)
     p.add_argument("--webshop-data", default=None)
     p.add_argument("--webshop-start", choices=["search", "results"], default=None,
-                   help="WebShop's first page (env.webshop_start; default search)")
+                   help="WebShop's first page (env.webshop.start; default search)")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -23,13 +23,14 @@ from empo2.config.sections import (
     SftConfig,
     TrainConfig,
     algo_config,
+    env_config,
 )
 from empo2.config.values import as_bool, coerce, read_yaml
 
 
 @dataclass
 class Config:
-    env: EnvConfig = field(default_factory=EnvConfig)
+    env: EnvConfig = field(default_factory=env_config)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     algo: AlgoConfig = field(default_factory=algo_config)
@@ -70,8 +71,9 @@ class Config:
         return [key for key, _, _ in settings(self)]
 
     def resolve_key(self, key: str) -> tuple[str, ...]:
-        """The path of the setting ``key`` names: ``(section, name)``, or ``(section, method, name)`` for a method's
-        own setting (``algo.gigpo.gamma``). A bare ``key`` names a section's own field that one section has."""
+        """The path of the setting ``key`` names: ``(section, name)``, or ``(section, owner, name)`` for a method's or
+        an environment's own setting (``algo.gigpo.gamma``, ``env.webshop.start``). A bare ``key`` names a section's
+        own field that one section has."""
         parts = tuple(key.split(".")) if "." in key else (self._section_of(key), key)
         if parts[0] not in self.SECTIONS or len(parts) > 3 or parts[1] not in _fields_of(getattr(self, parts[0])):
             raise self._unknown(key)
@@ -140,8 +142,8 @@ class Config:
             self.train.report_to = fold_tensorboard(self.train.report_to, tensorboard)
 
     def _spelled_out(self, pairs: list[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """The pairs, a method's options given as one mapping (``algo: {gigpo: {gamma: 0.9}}`` in a file) spelled
-        out one setting each (``algo.gigpo.gamma``); an empty one (``gigpo:``) sets nothing."""
+        """The pairs, a method's or an environment's options given as one mapping (``algo: {gigpo: {gamma: 0.9}}`` in
+        a file) spelled out one setting each (``algo.gigpo.gamma``); an empty one (``gigpo:``) sets nothing."""
         for key, value in pairs:
             if key in self._option_keys() and (value is None or isinstance(value, dict)):
                 yield from ((f"{key}.{name}", v) for name, v in (value or {}).items())
@@ -150,7 +152,7 @@ class Config:
 
     def _assign(self, path: tuple[str, ...], value: Any) -> Any:
         """Set the setting at ``path`` (:meth:`resolve_key`) to ``value`` typed by its field; returns what was set. A
-        method's options are frozen: the section gets a copy with the one setting changed."""
+        method's or an environment's options are frozen: the section gets a copy with the one setting changed."""
         section = getattr(self, path[0])
         if len(path) == 2:
             setattr(section, path[1], coerce(".".join(path), value, section, path[1]))
@@ -171,7 +173,8 @@ class Config:
         return True
 
     def _option_keys(self) -> set[str]:
-        """``{"algo.gigpo", …}``: the fields of the sections that hold a method's options."""
+        """``{"algo.gigpo", "env.webshop", …}``: the fields of the sections that hold a method's or an environment's
+        options."""
         return {f"{s}.{name}" for s in self.SECTIONS for name in _fields_of(getattr(self, s))
                 if is_options(getattr(getattr(self, s), name))}
 
@@ -287,7 +290,7 @@ def _override(item: str) -> tuple[str, str]:
 
 def flat_settings(sections: dict[str, Any]) -> dict[str, Any]:
     """``{dotted key: value}`` of a config as a mapping of sections (:meth:`Config.to_dict`, a saved
-    ``config.yaml``, a checkpoint's stored config): a method's options spelled out (``algo.gigpo.gamma``), old names
+    ``config.yaml``, a checkpoint's stored config): options spelled out (``algo.gigpo.gamma``), old names
     under the current ones (:func:`~empo2.config.renames.forward_flat`), keys this version does not know as they are."""
     grouped, out = Config()._option_keys(), {}
     for section, values in sections.items():
@@ -301,5 +304,5 @@ def flat_settings(sections: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fields_of(obj: Any) -> list[str]:
-    """The field names of a section or of a method's options."""
+    """The field names of a section or of a method's or an environment's options."""
     return [f.name for f in fields(obj)]

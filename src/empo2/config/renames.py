@@ -7,7 +7,9 @@ given with different values. A run saved with old names resumes: its checkpoints
 
 A method's settings were once flat fields of the ``algo`` section (``algo.proxmo_alpha``); each method now declares
 its own, nested under its name (``algo.proxmo.alpha``). GiGPO's and ProxMO's shared discount and step weight became
-one setting of each, so their old names set both.
+one setting of each, so their old names set both. So were an environment's settings fields of the ``env`` section
+(``env.twx_params``); each environment now declares its own, nested under its name
+(``env.textworld_express.params``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,10 @@ RENAMED: dict[str, str | tuple[str, ...]] = {
     **{f"algo.luffy_{name}": f"algo.luffy.{name}" for name in ("gamma", "shaping", "clip", "std")},
     "algo.elpo_lambda": "algo.elpo.lambda_tree",
     **{f"algo.elpo_{name}": f"algo.elpo.{name}" for name in ("eps_elc", "b_max", "x_min", "x_max", "beta")},
+    "env.simplification": "env.scienceworld.simplification",
+    **{f"env.webshop_{name}": f"env.webshop.{name}" for name in ("data", "human_goals", "num_products", "start")},
+    "env.twx_params": "env.textworld_express.params",
+    "env.twx_eval_params": "env.textworld_express.eval_params",
 }
 """Old dotted name → current dotted name (or names, for an old setting that two methods now hold each)."""
 

@@ -1,7 +1,8 @@
 """The sections of a run configuration (``env``, ``policy``, ``memory``, ``algo``, ``train``, ``sft``): every field
 with its default, its bounds if it is a number (``bounded(default, low, high)``: inclusive unless an end is marked
 open), and a comment saying what it does. A method's own settings are declared the same way in its file in
-:mod:`empo2.algo` and nested in the ``algo`` section (:func:`algo_config`). Loading, overrides and checks live in
+:mod:`empo2.algo` and nested in the ``algo`` section (:func:`algo_config`); an environment's in its module in
+:mod:`empo2.envs`, nested in the ``env`` section (:func:`env_config`). Loading, overrides and checks live in
 :mod:`empo2.config`."""
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ _NO_DROPOUT = "π_old has no dropout (engine log-probs, eval-mode recompute): dr
 
 @dataclass
 class EnvConfig:
-    """Which environment, which tasks, and how episodes are run."""
+    """Which environment, which tasks, and how episodes are run. An environment's own settings are declared with its
+    spec (:attr:`empo2.envs.specs.EnvSpec.options`) and held here as one field each (``env.scienceworld``,
+    ``env.webshop``, ``env.textworld_express``), in the section :func:`env_config` makes."""
 
     name: str = "scienceworld"
     """Environment registry name: ``scienceworld``, ``webshop`` or ``textworld_express`` (or one registered with
@@ -33,8 +36,6 @@ class EnvConfig:
     """Split used for held-out evaluation (ScienceWorld has ``dev`` and ``test``; WebShop ``eval`` and ``test``)."""
     eval_variations: int = bounded(20, 1, 1_000_000)
     """Evaluate on the first N variations of ``eval_split`` per task (released code: 20 test variations)."""
-    simplification: str = "easy"
-    """ScienceWorld simplification string (``easy`` = the released setup)."""
     max_steps: int | None = bounded(None, 1, 100_000)
     """Episode step cap; ``None``: the task's default (30; chemistry-mix 60; measure-melting-point-known-… 120)."""
     step_caps: dict[str, int] | None = None
@@ -46,24 +47,6 @@ class EnvConfig:
     """Similarity (0–100) a rejected output needs to its closest valid action (ScienceWorld) or clickable (WebShop)
     to be replaced by it; below it the output is sent as is (and rejected). 0 = always map to the closest valid
     action, as the released code does: a small model that is not corrected this way almost never acts."""
-    webshop_data: str | None = None
-    """Directory with the official WebShop small set; ``None`` = ``$EMPO2_WEBSHOP_DATA`` or the bundled fixture."""
-    webshop_human_goals: bool = False
-    """WebShop goals from the human instructions (``items_human_ins.json``; the WebShop/GiGPO evaluation setup)
-    instead of the synthetic ones (one per instructed product × option combination)."""
-    webshop_num_products: int | None = bounded(None, 1, _BIG)
-    """Use only the first N catalog products (``None`` = all)."""
-    webshop_start: Literal["search", "results"] = "search"
-    """Where a WebShop episode starts: ``search``, the search page (WebShop's protocol); ``results``, the results page
-    of a search for the goal's instruction without its option and price clauses, an easier start for models too small
-    to write a query. Its results are labelled apart (``webshop-fixture-from-results``)."""
-    twx_params: dict[str, dict[str, int]] | None = None
-    """TextWorldExpress game parameters by game, e.g. ``{coin: {numLocations: 5, includeDoors: 1}}`` (the
-    package's names; a parameter not given has the package's default). Checked at load: a wrong name or value is
-    refused with the game's valid parameters."""
-    twx_eval_params: dict[str, dict[str, int]] | None = None
-    """TextWorldExpress parameters of the dev and test games, on top of ``twx_params`` (an out-of-distribution
-    evaluation: train on small maps, evaluate on larger ones); ``None`` = the training games' parameters."""
     seed: int = bounded(0, 0, _SEED)
     """Seed for environment-side randomness (WebShop prices/goals)."""
     pool: Literal["process", "ray"] = "process"
@@ -307,31 +290,48 @@ class AlgoConfig:
 def algo_config(**values: Any) -> AlgoConfig:
     """An ``algo`` section: the fields of :class:`AlgoConfig` and one more per options class the algorithm registry
     names (:func:`empo2.algo.registry.method_options`: ``gigpo`` holding ``GigpoOptions()`` …), so a method's
-    settings are written ``algo.gigpo.normalization`` and read as ``cfg.algo.gigpo.normalization``. The section's
-    class is made from the registry as it stands, so a method registered later has its options in every section
-    made after it. ``values``: fields to set, by name."""
+    settings are written ``algo.gigpo.normalization`` and read as ``cfg.algo.gigpo.normalization``. ``values``:
+    fields to set, by name."""
     from empo2.algo.registry import method_options
 
-    return _with_options(tuple(method_options().items()))(**values)
+    return _with_options(AlgoConfig, tuple(method_options().items()))(**values)
+
+
+def env_config(**values: Any) -> EnvConfig:
+    """An ``env`` section: the fields of :class:`EnvConfig` and one more per environment with options of its own
+    (:func:`empo2.envs.specs.env_options`: ``webshop`` holding ``WebShopOptions()`` …), so an environment's settings
+    are written ``env.webshop.start`` and read as ``cfg.webshop.start`` by its spec. ``values``: fields to set, by
+    name."""
+    from empo2.envs.specs import env_options
+
+    return _with_options(EnvConfig, tuple(env_options().items()))(**values)
+
+
+_MAKERS = {AlgoConfig: algo_config, EnvConfig: env_config}
+"""The sections that nest registered options, each with the function that makes it."""
 
 
 @functools.cache
-def _with_options(options: tuple[tuple[str, type], ...]) -> type[AlgoConfig]:
-    clash = [key for key, _ in options if key in AlgoConfig.__dataclass_fields__]
+def _with_options(section: type, options: tuple[tuple[str, type], ...]) -> type:
+    """``section`` with one field per ``(key, options class)``, defaulting to the class's defaults. The class is made
+    from the registry as it stands, so a component registered later has its options in every section made after
+    it."""
+    clash = [key for key, _ in options if key in section.__dataclass_fields__]
     if clash:
-        raise ValueError(f"method options named like a field of the algo section: {', '.join(clash)}")
-    return make_dataclass("AlgoConfig", [(key, cls, field(default_factory=cls)) for key, cls in options],
-                          bases=(AlgoConfig,), namespace={"__module__": __name__, "__reduce__": _reduce_algo})
+        raise ValueError(f"options named like a field of {section.__name__}: {', '.join(clash)}")
+    return make_dataclass(section.__name__, [(key, cls, field(default_factory=cls)) for key, cls in options],
+                          bases=(section,), namespace={"__module__": __name__, "__reduce__": _reduce_section})
 
 
-def _reduce_algo(section: AlgoConfig) -> tuple:
+def _reduce_section(section: Any) -> tuple:
     """Pickle a made section by its values: its class is rebuilt from the registry where it is unpickled (a worker
     process, another rank), since pickle cannot find a made class by its name."""
-    return _algo_config_of, ({f.name: getattr(section, f.name) for f in fields(section)},)
+    base = type(section).__bases__[0]
+    return _made_section, (base, {f.name: getattr(section, f.name) for f in fields(section)})
 
 
-def _algo_config_of(values: dict[str, Any]) -> AlgoConfig:
-    return algo_config(**values)
+def _made_section(base: type, values: dict[str, Any]) -> Any:
+    return _MAKERS[base](**values)
 
 
 @dataclass

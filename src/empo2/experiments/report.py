@@ -143,7 +143,7 @@ def _run_label(run: Path | str, cfg: dict[str, Any], result: dict[str, Any]) -> 
     from empo2.envs.factory import env_label
 
     try:
-        return env_label(Config.from_dict({"env": cfg.get("env") or {}}).env)
+        return env_label(Config.from_dict({"env": cfg.get("env") or {}}, record=True).env)
     except ConfigError as exc:
         raise ConfigError(f"{run}: eval/final.json records no label and config.yaml's env gives none ({exc})") from None
 

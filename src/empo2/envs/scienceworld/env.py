@@ -18,7 +18,8 @@ correcting before trying would break them.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from empo2.envs.actions import clean_action, closest_actions
 from empo2.envs.base import EnvError, StepResult, short_line, stop_java_simulator
@@ -325,10 +326,20 @@ GUIDE = (
 )
 
 
+@dataclass(frozen=True)
+class ScienceWorldOptions:
+    """ScienceWorld's settings, ``env.scienceworld.*``."""
+
+    key: ClassVar[str] = "scienceworld"
+
+    simplification: str = "easy"
+    """ScienceWorld simplification string (``easy`` = the released setup)."""
+
+
 def _env_kwargs(cfg) -> dict:
     # The per-step valid-action list is most of a step's cost and rollouts do not show it to the model; the
     # corrector still fetches it when the simulator rejects an action.
-    return {"simplification": cfg.simplification, "max_steps": cfg.max_steps,
+    return {"simplification": cfg.scienceworld.simplification, "max_steps": cfg.max_steps,
             "action_correction": cfg.action_correction, "action_cutoff": cfg.action_cutoff,
             "step_caps": cfg.step_caps, "valid_actions_in_info": False}
 
@@ -339,4 +350,4 @@ def _gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say
 
 
 register_env(EnvSpec("scienceworld", factory=ScienceWorldEnv, kwargs=_env_kwargs, guide=GUIDE,
-                     tasks=lambda cfg: expand_tasks(cfg.tasks), gold_paths=_gold_paths))
+                     tasks=lambda cfg: expand_tasks(cfg.tasks), gold_paths=_gold_paths, options=ScienceWorldOptions))

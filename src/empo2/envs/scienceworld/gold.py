@@ -57,7 +57,7 @@ def gold_paths(make_env, env_cfg, tasks: list[str], split: str, per_task: int | 
     cache = read_cache(path)
     if any(t not in cache["splits"] for t in tasks) or _missing(cache, env_cfg, tasks, sim_split, per_task):
         cache = _compute(make_env, env_cfg, tasks, sim_split, per_task, cache, path, say)
-    return [GoldPath(t, v, cache["paths"][_path_key(t, v, env_cfg.simplification)]["steps"],
+    return [GoldPath(t, v, cache["paths"][_path_key(t, v, env_cfg.scienceworld.simplification)]["steps"],
                      step_cap(t, env_cfg.max_steps, env_cfg.step_caps))
             for t, v in _wanted(cache, tasks, sim_split, per_task)]
 
@@ -68,7 +68,7 @@ def _wanted(cache: dict, tasks: list[str], split: str, per_task: int | None) -> 
 
 def _missing(cache: dict, env_cfg, tasks: list[str], split: str, per_task: int | None) -> list[tuple[str, int]]:
     return [(t, v) for t, v in _wanted(cache, tasks, split, per_task)
-            if _path_key(t, v, env_cfg.simplification) not in cache["paths"]]
+            if _path_key(t, v, env_cfg.scienceworld.simplification) not in cache["paths"]]
 
 
 def _compute(make_env, env_cfg, tasks: list[str], split: str, per_task: int | None, cache: dict, path: Path,
@@ -76,7 +76,8 @@ def _compute(make_env, env_cfg, tasks: list[str], split: str, per_task: int | No
     """The splits of ``tasks`` not cached, then the gold paths not cached, in one JVM; written to the cache, which is
     returned."""
     found: dict = {"splits": {}, "paths": {}}
-    with make_env(simplification=env_cfg.simplification, max_steps=UNCAPPED, valid_actions_in_info=False) as env:
+    simplification = env_cfg.scienceworld.simplification
+    with make_env(simplification=simplification, max_steps=UNCAPPED, valid_actions_in_info=False) as env:
         for task in tasks:
             if task not in cache["splits"]:
                 found["splits"][task] = cache["splits"][task] = {s: env.variations(task, s)
@@ -87,7 +88,7 @@ def _compute(make_env, env_cfg, tasks: list[str], split: str, per_task: int | No
         java = env.java_version() if missing else ""
         for k, (task, variation) in enumerate(missing, 1):
             gold, steps = _play_gold(env, task, variation)
-            found["paths"][_path_key(task, variation, env_cfg.simplification)] = {
+            found["paths"][_path_key(task, variation, simplification)] = {
                 "gold": len(gold), "steps": steps, "java": java}
             if k % SAVE_EVERY == 0:  # a long listing that is stopped keeps what it computed
                 write_cache(path, found)

@@ -4,8 +4,8 @@ CoinCollector first (find the coin in a map of rooms), MapReader, TWC and Cookin
 One instance drives one JVM through the ``textworld-express`` package. A task is a game (``coin``, ``mapreader``,
 ``twc``, ``cookingworld``) and a variation is one of the package's seeds, which also name the fold: train 0-999, dev
 10000-10999, test 20000-20999. A game's generation parameters (``numLocations=5,includeDoors=1`` …) come from the
-run's ``env.twx_params``; ``env.twx_eval_params`` may give the dev and test games others (larger maps: an
-out-of-distribution evaluation).
+run's ``env.textworld_express.params``; ``env.textworld_express.eval_params`` may give the dev and test games others
+(larger maps: an out-of-distribution evaluation).
 
 Score and success are the game's: ``info['score']`` is the package's normalised score × 100, the reward the change of
 it, ``info['success']`` the package's ``tasksuccess``. The package's ``taskfailure`` (CookingWorld: an ingredient
@@ -24,7 +24,8 @@ below ``action_cutoff`` it is sent as it is and the game answers ``Unknown actio
 from __future__ import annotations
 
 import operator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from empo2.envs.actions import clean_action, closest_actions, normalise
 from empo2.envs.base import EnvError, StepResult, short_line, start_java_simulator, stop_java_simulator
@@ -323,16 +324,32 @@ GUIDE = (
 )
 
 
+@dataclass(frozen=True)
+class TextWorldExpressOptions:
+    """TextWorldExpress's settings, ``env.textworld_express.*``."""
+
+    key: ClassVar[str] = "textworld_express"
+
+    params: dict[str, dict[str, int]] | None = None
+    """Game parameters by game, e.g. ``{coin: {numLocations: 5, includeDoors: 1}}`` (the package's names; a
+    parameter not given has the package's default). Checked at load: a wrong name or value is refused with the game's
+    valid parameters."""
+    eval_params: dict[str, dict[str, int]] | None = None
+    """Parameters of the dev and test games, on top of ``params`` (an out-of-distribution evaluation: train on small
+    maps, evaluate on larger ones); ``None`` = the training games' parameters."""
+
+
 def _env_kwargs(cfg) -> dict:
-    return {"params": cfg.twx_params, "eval_params": cfg.twx_eval_params, "max_steps": cfg.max_steps,
+    options = cfg.textworld_express
+    return {"params": options.params, "eval_params": options.eval_params, "max_steps": cfg.max_steps,
             "step_caps": cfg.step_caps, "action_correction": cfg.action_correction,
             "action_cutoff": cfg.action_cutoff}
 
 
 def _tasks(cfg) -> list[str]:
     """The games ``env.tasks`` names (``all``: the four), with every game parameter of the section checked."""
-    check_param_table(cfg.twx_params, "env.twx_params")
-    check_param_table(cfg.twx_eval_params, "env.twx_eval_params")
+    check_param_table(cfg.textworld_express.params, "env.textworld_express.params")
+    check_param_table(cfg.textworld_express.eval_params, "env.textworld_express.eval_params")
     for game in cfg.step_caps or {}:
         check_game(game, " in env.step_caps")
     names = [g for name in cfg.tasks for g in (GAME_NAMES if name == "all" else [name])]
@@ -347,4 +364,4 @@ def _gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say
 
 
 register_env(EnvSpec("textworld_express", factory=TextWorldExpressEnv, kwargs=_env_kwargs, guide=GUIDE, tasks=_tasks,
-                     gold_paths=_gold_paths))
+                     gold_paths=_gold_paths, options=TextWorldExpressOptions))

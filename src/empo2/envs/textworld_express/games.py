@@ -52,7 +52,7 @@ def check_game(game: str, where: str = "") -> None:
         raise EnvError(f"unknown TextWorldExpress game {game!r}{where}; valid games: {', '.join(GAME_NAMES)}")
 
 
-def check_params(game: str, params: dict | None, key: str = "env.twx_params") -> dict[str, int]:
+def check_params(game: str, params: dict | None, key: str = "env.textworld_express.params") -> dict[str, int]:
     """``params`` of ``game`` checked against the package's names and ranges, as ``{name: int}``; one
     :class:`~empo2.envs.base.EnvError` line naming the valid parameters otherwise."""
     check_game(game, f" in {key}")
@@ -70,7 +70,7 @@ def check_params(game: str, params: dict | None, key: str = "env.twx_params") ->
 
 
 def check_param_table(table: dict | None, key: str) -> dict[str, dict[str, int]]:
-    """A ``{game: {name: value}}`` table (``env.twx_params`` / ``env.twx_eval_params``), every entry checked."""
+    """A ``{game: {name: value}}`` table (``env.textworld_express.params`` / ``.eval_params``), every entry checked."""
     return {game: check_params(game, params, key) for game, params in (table or {}).items()}
 
 

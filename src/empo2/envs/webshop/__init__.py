@@ -1,6 +1,6 @@
 """WebShop (text shopping) re-implemented on the ``TextEnv`` protocol: catalog, BM25 search, pages, goals, reward.
 
-The official small set is read from a directory the user names (``env.webshop_data`` or ``$EMPO2_WEBSHOP_DATA``);
+The official small set is read from a directory the user names (``env.webshop.data`` or ``$EMPO2_WEBSHOP_DATA``);
 otherwise a bundled fixture catalog is used and the environment is named ``webshop-fixture``.
 """
 

@@ -85,7 +85,7 @@ def resolve_data_dir(data_dir: str | os.PathLike | None) -> Path | None:
 def official_paths(data_dir: Path, need_human: bool) -> dict[str, Path]:
     """Check the official files exist (clear :class:`EnvError` if not) and their hashes (warning on mismatch)."""
     if not data_dir.is_dir():
-        raise EnvError(f"WebShop data directory not found: {data_dir} (set env.webshop_data or ${DATA_ENV_VAR})")
+        raise EnvError(f"WebShop data directory not found: {data_dir} (set env.webshop.data or ${DATA_ENV_VAR})")
     paths = {}
     for name, digest in OFFICIAL_FILES.items():
         path = data_dir / name
@@ -94,7 +94,7 @@ def official_paths(data_dir: Path, need_human: bool) -> dict[str, Path]:
                 continue
             raise EnvError(
                 f"WebShop data file missing: {path}. It comes from the WebShop project's \"small\" download "
-                f"(princeton-nlp/WebShop, setup.sh -d small); put {name} in {data_dir}, or leave env.webshop_data "
+                f"(princeton-nlp/WebShop, setup.sh -d small); put {name} in {data_dir}, or leave env.webshop.data "
                 f"and ${DATA_ENV_VAR} unset to use the bundled fixture catalog.")
         actual = sha256_of(path)
         if actual != digest:

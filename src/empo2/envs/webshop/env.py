@@ -12,10 +12,11 @@ import os
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from rapidfuzz import process, utils
 
+from empo2.bounds import bounded
 from empo2.envs.actions import similarity
 from empo2.envs.base import EnvError, StepResult
 from empo2.envs.gold import UNCAPPED, GoldPath
@@ -317,11 +318,30 @@ GUIDE = (
 )
 
 
+@dataclass(frozen=True)
+class WebShopOptions:
+    """WebShop's settings, ``env.webshop.*``."""
+
+    key: ClassVar[str] = "webshop"
+
+    data: str | None = None
+    """Directory with the official WebShop small set; ``None`` = ``$EMPO2_WEBSHOP_DATA`` or the bundled fixture."""
+    human_goals: bool = False
+    """WebShop goals from the human instructions (``items_human_ins.json``; the WebShop/GiGPO evaluation setup)
+    instead of the synthetic ones (one per instructed product × option combination)."""
+    num_products: int | None = bounded(None, 1, 10 ** 9)
+    """Use only the first N catalog products (``None`` = all)."""
+    start: Literal["search", "results"] = "search"
+    """Where a WebShop episode starts: ``search``, the search page (WebShop's protocol); ``results``, the results page
+    of a search for the goal's instruction without its option and price clauses, an easier start for models too small
+    to write a query. Its results are labelled apart (``webshop-fixture-from-results``)."""
+
+
 def _env_kwargs(cfg) -> dict:
-    return {"data_dir": cfg.webshop_data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
+    return {"data_dir": cfg.webshop.data, "seed": cfg.seed, "max_steps": cfg.max_steps or 15,
             "action_correction": cfg.action_correction, "action_cutoff": cfg.action_cutoff,
-            "human_goals": cfg.webshop_human_goals, "num_products": cfg.webshop_num_products,
-            "start": cfg.webshop_start}
+            "human_goals": cfg.webshop.human_goals, "num_products": cfg.webshop.num_products,
+            "start": cfg.webshop.start}
 
 
 def env_name(official: bool, start: str) -> str:
@@ -331,7 +351,7 @@ def env_name(official: bool, start: str) -> str:
 
 def _label(cfg) -> str:
     """WebShop on the bundled fixture is never reported as plain ``webshop``, nor an easier start as the usual one."""
-    return env_name(bool(cfg.webshop_data or os.environ.get("EMPO2_WEBSHOP_DATA")), cfg.webshop_start)
+    return env_name(bool(cfg.webshop.data or os.environ.get("EMPO2_WEBSHOP_DATA")), cfg.webshop.start)
 
 
 def _gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say=print) -> list[GoldPath]:
@@ -353,4 +373,4 @@ def _gold_paths(env_cfg, tasks: list[str], split: str, per_task: int | None, say
 
 
 register_env(EnvSpec("webshop", factory=WebShopEnv, kwargs=_env_kwargs, guide=GUIDE, tasks=lambda cfg: [TASK],
-                     label=_label, gold_paths=_gold_paths))
+                     label=_label, gold_paths=_gold_paths, options=WebShopOptions))
