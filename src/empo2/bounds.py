@@ -12,6 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field, is_dataclass
 from typing import Any
 
+ANY_COUNT = 10 ** 9
+"""The upper bound of a count that may be as large as a user likes."""
+SEED_MAX = 2 ** 32 - 1
+"""The largest seed: numpy's seeds are 32-bit."""
+
 
 @dataclass(frozen=True)
 class Bounds:

@@ -38,11 +38,10 @@ from empo2.config.sections import (
     EnvConfig,
     MemoryConfig,
     PolicyConfig,
-    SftConfig,
-    TrainConfig,
     algo_config,
     env_config,
 )
+from empo2.config.stages import SftConfig, TrainConfig
 
 __all__ = ["AlgoConfig", "Config", "ConfigError", "EnvConfig", "MemoryConfig", "PolicyConfig", "SftConfig",
            "TrainConfig", "algo_config", "env_config", "flat_settings"]

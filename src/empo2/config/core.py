@@ -20,11 +20,10 @@ from empo2.config.sections import (
     EnvConfig,
     MemoryConfig,
     PolicyConfig,
-    SftConfig,
-    TrainConfig,
     algo_config,
     env_config,
 )
+from empo2.config.stages import SftConfig, TrainConfig
 from empo2.config.values import as_bool, coerce, read_yaml
 
 

@@ -308,7 +308,7 @@ class _no_heads:
 
 
 def _better(new: dict[str, Any], old: dict[str, Any], select: str) -> bool:
-    """Whether epoch record ``new`` beats ``old`` under ``sft.select`` (:class:`~empo2.config.sections.SftConfig`)."""
+    """Whether epoch record ``new`` beats ``old`` under ``sft.select`` (:class:`~empo2.config.stages.SftConfig`)."""
     def loss(r):
         return r["validation_loss"] if r.get("validation_loss") is not None else math.inf
 
