@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 
-import bm25s
 import numpy as np
 
 from empo2.envs.webshop.catalog import Product
@@ -57,6 +56,10 @@ class SearchEngine:
     def __init__(self, products: list[Product], k1: float = 0.9, b: float = 0.4, top_n: int = TOP_N):
         self.asins = [p.asin for p in products]
         self.top_n = top_n
+        # Imported here, not with the module: every config imports its environments' modules, and bm25s brings in
+        # numba where it is installed, whose wrapped C functions break vLLM's scan of the loaded modules.
+        import bm25s
+
         self.bm25 = bm25s.BM25(k1=k1, b=b, method="lucene")
         self.bm25.index([analyze(document_text(p)) or ["__empty__"] for p in products], show_progress=False)
         self.vocab = set(self.bm25.vocab_dict)
