@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,7 @@ from peft import PeftModel
 from empo2 import Config, Trainer
 from empo2.cli import build_parser, main
 from empo2.cli.policy import policy_context
-from empo2.episodes.evaluate import EvalPlan, play_split
+from empo2.episodes.evaluate import EvalPlan, evaluate, play_split
 from empo2.experiments import adapt
 from empo2.experiments.report import method_label
 from empo2.policy.loader import load_model
@@ -169,6 +170,31 @@ def test_reflections_are_shown_and_weight_changes_are_caught(tiny_model):
             adapt.run_trials(ctx, ["webshop"], 1, "test", 1, 0.4, 1, "reflexion", say=tamper)
     finally:
         ctx.pool.close()
+
+
+def test_an_evaluation_with_memory_reads_the_memory_and_writes_nothing(tmp_path, tiny_model, embedder):
+    """``empo2 eval --run RUN --with-memory`` opens the run's own memory: its held-out episodes are shown the tips
+    but may not count as their uses or move their utilities, which would change what a resumed run retrieves and
+    evicts. A tip every state retrieves (threshold -1) is shown at every step and is left untouched."""
+    from empo2.memory.store import TipMemory
+
+    memory = TipMemory(tmp_path / "memory.sqlite", dim=embedder.dim)
+    tip = "compare the price with the budget first"
+    assert memory.add("webshop", tip, embedder.encode(["a shop page"]), key_text="a shop page",
+                      tip_embedding=embedder.encode([tip])).id is not None
+    cfg, ctx = policy_context(_ctx_args(model=tiny_model, env="webshop", batch=2), None)
+    try:
+        ctx = replace(ctx, memory=memory, memory_cfg=replace(ctx.memory_cfg, similarity_threshold=-1.0))
+        plan = EvalPlan("test", 2, None, 0.4, 2, with_memory=True)
+        shown = play_split(ctx, ["webshop"], plan, update_memory=False)
+        assert all(s.tips == [tip] for ep in shown for s in ep.steps)
+        result = evaluate(ctx, ["webshop"], plan)
+        assert result["summary"]["episodes"] == 2 and result["with_memory"]
+    finally:
+        ctx.pool.close()
+    (tip,) = memory.all_tips()
+    assert (tip.use_count, tip.last_use_step, tip.utility, tip.utility_n) == (0, None, None, 0)
+    memory.close()
 
 
 def test_an_untrained_model_plays_under_a_given_config(tmp_path, tiny_model, capsys):

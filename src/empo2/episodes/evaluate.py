@@ -45,16 +45,19 @@ class EvalPlan:
                    cfg.policy.eval_temperature, batch_size, with_memory)
 
 
-def evaluate(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
-             dist: Dist | None = None, progress: Callable[[int, int], None] | None = None,
-             seed: int | None = None) -> dict[str, Any]:
+def evaluate(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, dist: Dist | None = None,
+             progress: Callable[[int, int], None] | None = None, seed: int | None = None) -> dict[str, Any]:
     """Play ``plan`` for every task, ``plan.batch_size`` at a time, and summarise the scores.
+
+    A measurement: with ``plan.with_memory`` the memory is read, never written (no use counts, utilities or tips
+    from held-out episodes), so evaluating a run leaves its memory as the run left it.
 
     With a data-parallel ``dist`` each rank plays its share of every chunk of ``batch_size × ranks`` episodes and the
     result covers all of them. ``progress(done, total)`` hears of finished episodes; ``seed`` (where set) gives each
     row its own sampling stream.
     """
-    return summarise(play_split(ctx, tasks, plan, reflect, dist, progress, seed=seed), tasks, plan)
+    return summarise(play_split(ctx, tasks, plan, dist=dist, progress=progress, update_memory=False, seed=seed),
+                     tasks, plan)
 
 
 def play_split(ctx: RolloutContext, tasks: list[str], plan: EvalPlan, reflect: bool = False,
