@@ -220,19 +220,19 @@ def test_mini_batches_keep_chains_whole_and_single_rows_shuffle_as_before():
         assert all(len(m) <= 4 + 4 for m in minis)
 
 
-def test_pack_episodes_keeps_each_episode_in_one_optimizer_step(monkeypatch):
+def test_pack_episodes_keeps_each_episode_in_one_optimizer_step():
+    """Mini-batches of 3 rows over 3 episodes of 3 steps: each optimizer step (one micro-batch here) sees one
+    episode's rows, told apart by their advantages."""
     model = tiny_lm(8)
     rows = _rows(model, 8)
-    seen = []
-    original = PolicyUpdate._accumulate
+    seen, loss = [], get_policy_loss("grpo")
 
-    def accumulate(self, mini, sums):
-        seen.append(mini)
-        return original(self, mini, sums)
+    def recording_loss(logp_new, logp_old, adv, mask, *args, **kwargs):
+        seen.append(sorted(adv.tolist()))
+        return loss(logp_new, logp_old, adv, mask, *args, **kwargs)
 
-    monkeypatch.setattr(PolicyUpdate, "_accumulate", accumulate)
     random.seed(0)
-    _step(model, rows, "train.mini_batch_size=3", "train.pack_episodes=true")
-    assert len(seen) == 3 and sorted(len(m) for m in seen) == [3, 3, 3]
-    for mini in seen:
-        assert len({r.advantage for r in mini}) == 1  # one episode's rows (episodes differ in advantage)
+    cfg = _config("train.mini_batch_size=3", "train.pack_episodes=true", "train.micro_batch_tokens=100000")
+    PolicyUpdate(cfg, model, Tok(), torch.optim.SGD(model.parameters(), lr=1.0), recording_loss, Dist(),
+                 px.ComputeOptions(min_shared_tokens=8))(rows)
+    assert sorted(seen) == [[-2.0] * 3, [1.0] * 3, [3.0] * 3]
