@@ -203,7 +203,10 @@ class PolicyUpdate:
         prompts = [rows[i].rollout_prompt or rows[i].train_prompt for i in todo]
         responses = [rows[i].response for i in todo]
         cap, gaps, weights, fresh = self.cfg.algo.tis_cap, [], [], {}
-        for batch in micro_batches(prompts, responses, self.cfg.train.micro_batch_tokens, sort=False):
+        budget = self.cfg.train.micro_batch_tokens
+        plan = lambda p, r: list(micro_batches(p, r, budget, sort=False))  # noqa: E731
+        for batch in packed_batches(prompts, responses, plan) if packs_chains(self.model, self.options) \
+                else plan(prompts, responses):
             with autocast_context(self.model, self.cfg.policy.autocast):
                 lp, _ = response_logprobs(self.model, [prompts[k] for k in batch], [responses[k] for k in batch],
                                           self.tokenizer.pad_token_id, temperature=self.temperature,
