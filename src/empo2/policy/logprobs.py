@@ -13,7 +13,8 @@ With prefix sharing (the default; :mod:`empo2.policy.prefix`) rows with a common
 gradient, and their tails + responses run on top of its KV cache; the response columns are laid out the same way.
 Where the model exposes its decoder and output layer, logits are computed only at real response tokens and
 ``logprob_chunk_tokens`` at a time (each chunk recomputed in backward rather than stored), so no [B, R, V] tensor
-is ever held.
+is ever held. A row whose prompt + response starts another row's prompt (the ``append`` prompt layout) is read off
+that row's forward (:mod:`empo2.policy.packing`), with the same log-probs and gradients.
 
 Works with grad enabled (training) and under ``torch.no_grad()`` (behaviour / reference log-probs).
 """
