@@ -29,6 +29,11 @@ class TrainConfig:
     mini_batch_size: int = bounded(0, 0, ANY_COUNT)
     """Action steps (rows) per optimizer step, each mini-batch normalised by its own tokens; 0 = one optimizer step
     over the whole iteration. verl takes one step per ``ppo_mini_batch_size``, ~20–30 per iteration."""
+    pack_episodes: bool = False
+    """Keep rows that chain (each step's prompt + response starts the next step's prompt: ``policy.prompt_layout:
+    append``) in one mini-batch, shuffling the chains whole, so each chain runs as one forward of its last row
+    (:mod:`empo2.policy.packing`). Rows that share a micro-batch are packed either way (exactly: same log-probs and
+    gradients); this changes which rows share an optimizer step when ``mini_batch_size`` cuts the rows."""
     micro_batch_tokens: int = bounded(1024, 1, ANY_COUNT)
     """Token budget of one forward/backward micro-batch (memory, not maths: micro-batches of a mini-batch add up).
     Peak memory grows with it; speed depends on how many rows share a prompt head in a micro-batch

@@ -13,7 +13,8 @@ With prefix sharing (the default; :mod:`empo2.policy.prefix`) rows with a common
 gradient, and their tails + responses run on top of its KV cache; the response columns are laid out the same way.
 Where the model exposes its decoder and output layer, logits are computed only at real response tokens and
 ``logprob_chunk_tokens`` at a time (each chunk recomputed in backward rather than stored), so no [B, R, V] tensor
-is ever held.
+is ever held. A row whose prompt + response starts another row's prompt (the ``append`` prompt layout) is read off
+that row's forward (:mod:`empo2.policy.packing`), with the same log-probs and gradients.
 
 Works with grad enabled (training) and under ``torch.no_grad()`` (behaviour / reference log-probs).
 """
@@ -27,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 
 from empo2.policy import kv_cache
+from empo2.policy import packing as pk
 from empo2.policy import prefix as px
 
 
@@ -60,6 +62,27 @@ def response_logprobs(
         raise ValueError(f"{len(prompt_ids)} prompts but {len(response_ids)} responses")
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("every prompt needs at least one token")
+    packing = pk.plan_packing(prompt_ids, response_ids) if packs_chains(model, options) else None
+    if packing is None or not packing.packs:
+        return _logprobs(model, prompt_ids, response_ids, pad_token_id, temperature, options, step_heads)
+    lengths = [len(r) for r in response_ids]
+    scored = packing.scored(lengths, _model_device(model))  # [S, C]
+    logp, _ = _logprobs(model, packing.prompts, packing.continuations, pad_token_id, temperature, options,
+                        step_heads, scored)  # [S, C]
+    return packing.unpack(logp, lengths)
+
+
+def packs_chains(model, options: px.ComputeOptions) -> bool:
+    """Whether :func:`response_logprobs` packs chained rows (:mod:`empo2.policy.packing`): where ``options`` ask
+    for it and logits can be computed at the packed responses' positions only (a model whose output layer runs
+    inside its own forward would compute them at every position of the packed sequences)."""
+    return options.pack_chains and _split_head(model) is not None
+
+
+def _logprobs(model, prompt_ids, response_ids, pad_token_id: int, temperature: float, options: px.ComputeOptions,
+              step_heads: px.StepHeads | None, scored: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`response_logprobs` of rows as given; ``scored`` [B, R]: the response positions whose log-probs are
+    wanted (default: all), the others left 0."""
     device = _model_device(model)
     b = len(prompt_ids)
     p_len = max((len(p) for p in prompt_ids), default=0)
@@ -76,13 +99,14 @@ def response_logprobs(
         resp[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
         mask[i, : len(r)] = True
     resp, mask = resp.to(device), mask.to(device)
+    scored = mask if scored is None else scored
     with px.autocast(model, options):
         if groups:
             kwargs = _shared_inputs(model, prompt_ids, groups, resp, mask, pad_token_id, step)
         else:
             kwargs = _padded_inputs(prompt_ids, resp, mask, p_len, pad_token_id, device)
-        logp = _response_logp(model, kwargs, resp, mask, temperature, options.logprob_chunk_tokens)
-    return torch.where(mask, logp, 0.0), mask
+        logp = _response_logp(model, kwargs, resp, scored, temperature, options.logprob_chunk_tokens)
+    return torch.where(scored, logp, 0.0), mask
 
 
 def _padded_inputs(prompt_ids, resp, mask, p_len: int, pad_token_id: int, device) -> dict:
@@ -128,8 +152,9 @@ def _split_head(model):
     return decoder, head
 
 
-def _response_logp(model, kwargs: dict, resp, mask, temperature: float, chunk: int) -> torch.Tensor:
-    """log π(r_t | …) [B, R] float32 from one forward over ``kwargs`` whose last R columns are the responses."""
+def _response_logp(model, kwargs: dict, resp, scored, temperature: float, chunk: int) -> torch.Tensor:
+    """log π(r_t | …) [B, R] float32 from one forward over ``kwargs`` whose last R columns are the responses; where
+    the model allows, computed at the ``scored`` [B, R] positions only."""
     r_len = resp.shape[1]
     split = _split_head(model)
     if split is None:
@@ -142,7 +167,7 @@ def _response_logp(model, kwargs: dict, resp, mask, temperature: float, chunk: i
         return token_logit - torch.logsumexp(logits, dim=-1)  # [B, R]
     decoder, head = split
     hidden = decoder(**kwargs).last_hidden_state[:, -(r_len + 1): -1, :]  # [B, R, D]
-    rows, cols = mask.nonzero(as_tuple=True)  # the N real response tokens
+    rows, cols = scored.nonzero(as_tuple=True)  # the N response tokens wanted
     picked, targets = hidden[rows, cols], resp[rows, cols]  # [N, D], [N]
     parts = []
     for start in range(0, picked.shape[0], max(1, chunk)):

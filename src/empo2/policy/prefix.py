@@ -44,6 +44,9 @@ class ComputeOptions:
     """A head shorter than this is not worth a separate forward; such rows run unshared."""
     reuse_heads: bool = True
     """Rollouts keep the previous generation call's head KV (:meth:`HeadMemo.reuse`); from ``policy.reuse_heads``."""
+    pack_chains: bool = True
+    """A row whose tokens start another row's prompt takes its log-probs from that row's forward
+    (:mod:`empo2.policy.packing`; exact, so always on but in tests that compare against rows run one by one)."""
 
     def __post_init__(self):
         if self.compute_dtype not in ("float32", "bfloat16", "float16"):

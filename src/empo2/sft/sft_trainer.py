@@ -45,7 +45,8 @@ from empo2.episodes.evaluate import EvalPlan, evaluate, write_eval_tables
 from empo2.episodes.rollout import RolloutContext
 from empo2.policy import loader
 from empo2.policy import prefix as px
-from empo2.policy.logprobs import response_logprobs, shared_micro_batches
+from empo2.policy.logprobs import packs_chains, response_logprobs, shared_micro_batches
+from empo2.policy.packing import packed_batches, plan_packing
 from empo2.policy.seeded import row_seed
 from empo2.rundir import checkpoint as ckpt
 from empo2.rundir import warm_start
@@ -269,9 +270,16 @@ class SFTTrainer:
         prompts, targets = [r.prompt for r in batch], [r.target for r in batch]
         budget, min_shared = self.cfg.train.micro_batch_tokens, self.options.min_shared_tokens
         hold = hold_heads and self.shared and torch.is_grad_enabled()
-        with (px.heads_once_per_step(prompts, min_shared) if hold else _no_heads()) as heads:
-            for idx in shared_micro_batches(prompts, targets, budget, min_shared, step_heads=hold) if self.shared \
-                    else [[i] for i in range(len(batch))]:
+        pack = packs_chains(self.model, self.options)  # rows chained by their tokens run as one packed sequence
+
+        def plan(prompts, targets):
+            if self.shared:
+                return shared_micro_batches(prompts, targets, budget, min_shared, step_heads=hold)
+            return [[i] for i in range(len(prompts))]
+
+        head_prompts = plan_packing(prompts, targets).prompts if pack else prompts
+        with (px.heads_once_per_step(head_prompts, min_shared) if hold else _no_heads()) as heads:
+            for idx in packed_batches(prompts, targets, plan) if pack else plan(prompts, targets):
                 yield [batch[i] for i in idx], heads
 
     def _logprobs(self, rows: list[DemoRow], heads) -> tuple[torch.Tensor, torch.Tensor]:

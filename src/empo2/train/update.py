@@ -20,7 +20,8 @@ from empo2.parallel import sharding
 from empo2.policy import prefix as px
 from empo2.policy.generate import scoring_temperature
 from empo2.policy.loader import autocast_context
-from empo2.policy.logprobs import micro_batches, response_logprobs, shared_micro_batches
+from empo2.policy.logprobs import micro_batches, packs_chains, response_logprobs, shared_micro_batches
+from empo2.policy.packing import packed_batches, plan_packing
 from empo2.train.compute import Compute, compute_dtype, decide, old_logprobs_source  # noqa: F401  (the last two: public here)
 from empo2.train.rows import UpdateRow
 
@@ -58,7 +59,14 @@ class PolicyUpdate:
         mini-batch of such rows alone still takes its (zero-gradient) optimizer step, so the step size does not depend
         on how many groups happened to score alike. ``algo.drop_zero_advantage_rows`` drops them before the cut
         instead (DAPO-style filtering). A mini-batch is processed in token-budgeted micro-batches whose gradients add
-        up to the mini-batch's."""
+        up to the mini-batch's.
+
+        Rows whose tokens chain (step t's prompt + response start step t+1's prompt, the ``append`` prompt layout)
+        take their log-probs from one forward of the chain's last row (:mod:`empo2.policy.packing`; exact) where they
+        share a micro-batch, and the micro-batches keep them together. ``train.pack_episodes`` also keeps them in
+        one mini-batch: the rows' chains (an episode's steps) are shuffled whole and a mini-batch holds the chains
+        that start among its ``mini_batch_size`` rows. That is the one difference from a shuffle of single rows, and
+        only where chains exist and mini-batches cut the rows."""
         cfg, model = self.cfg, self.model
         if cfg.algo.drop_zero_advantage_rows:
             rows = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
@@ -76,10 +84,10 @@ class PolicyUpdate:
         sums: Counter = Counter()
         n_mb = steps = skipped = 0
         size = dp.local_mini_size(self.dist, cfg.train.mini_batch_size, len(rows))
+        chains = plan_packing([r.train_prompt for r in rows], [r.response for r in rows]).members \
+            if cfg.train.pack_episodes and size < len(rows) else [[i] for i in range(len(rows))]
         for _ in range(cfg.train.ppo_epochs):
-            order = list(range(len(rows)))
-            random.shuffle(order)
-            minis = [[rows[i] for i in order[k:k + size]] for k in range(0, len(order), size)]
+            minis = mini_batches(rows, chains, size)
             for m in range(dp.step_count(self.dist, len(minis))):  # every rank takes as many steps
                 ok, micro = self._accumulate(minis[m] if m < len(minis) else [], sums)  # out of rows: zero gradient
                 n_mb += micro
@@ -107,10 +115,12 @@ class PolicyUpdate:
         ok, n_mb = True, 0
         # each shared prompt head runs once per step (forward and backward), not once per micro-batch
         min_shared = self.options.min_shared_tokens
-        heads = px.heads_once_per_step([r.train_prompt for r in live], min_shared) \
-            if self.shared and live else nullcontext()
+        pack = packs_chains(self.model, self.train_options)
+        head_prompts = plan_packing([r.train_prompt for r in live], [r.response for r in live]).prompts if pack \
+            else [r.train_prompt for r in live]
+        heads = px.heads_once_per_step(head_prompts, min_shared) if self.shared and live else nullcontext()
         with heads as step_heads:
-            batches = token_batches(live, self.cfg.train.micro_batch_tokens, self.shared, min_shared)
+            batches = token_batches(live, self.cfg.train.micro_batch_tokens, self.shared, min_shared, pack)
             idle = sharding.idle_count(self.dist, len(batches))  # FSDP: as many passes as the busiest rank
             for batch in batches:
                 metrics, batch_ok = self._backward(batch, tokens, count, step_heads)
@@ -193,7 +203,10 @@ class PolicyUpdate:
         prompts = [rows[i].rollout_prompt or rows[i].train_prompt for i in todo]
         responses = [rows[i].response for i in todo]
         cap, gaps, weights, fresh = self.cfg.algo.tis_cap, [], [], {}
-        for batch in micro_batches(prompts, responses, self.cfg.train.micro_batch_tokens, sort=False):
+        budget = self.cfg.train.micro_batch_tokens
+        plan = lambda p, r: list(micro_batches(p, r, budget, sort=False))  # noqa: E731
+        for batch in packed_batches(prompts, responses, plan) if packs_chains(self.model, self.options) \
+                else plan(prompts, responses):
             with autocast_context(self.model, self.cfg.policy.autocast):
                 lp, _ = response_logprobs(self.model, [prompts[k] for k in batch], [responses[k] for k in batch],
                                           self.tokenizer.pad_token_id, temperature=self.temperature,
@@ -244,15 +257,34 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
     return out
 
 
+def mini_batches(rows: list[UpdateRow], chains: list[list[int]], size: int) -> list[list[UpdateRow]]:
+    """One epoch's mini-batches: ``chains`` (lists of row indices, each row in one) shuffled whole, then cut every
+    ``size`` rows of that order, each chain going whole to the mini-batch its first row falls in (a cut inside a
+    chain moves to the chain's end). Chains of one row each give the shuffle of single rows cut every ``size``."""
+    order = list(chains)
+    random.shuffle(order)
+    minis: list[list[UpdateRow]] = []
+    start = 0
+    for chain in order:
+        if start // size >= len(minis):
+            minis.append([])
+        minis[-1] += [rows[i] for i in chain]
+        start += len(chain)
+    return minis
+
+
 def token_batches(rows: list[UpdateRow], budget: int, shared: bool = False,
-                  min_shared: int = 16) -> list[list[UpdateRow]]:
+                  min_shared: int = 16, pack: bool = False) -> list[list[UpdateRow]]:
     """Split one optimizer step's rows into micro-batches that each compute at most ``budget`` tokens (a row over it
     gets one of its own): in order, costed as the padded layout (rows × (longest prompt + longest response),
     :func:`~empo2.policy.logprobs.micro_batches`), or with ``shared`` grouped by prompt head and costed as computed
-    with the step's heads held (:func:`~empo2.policy.logprobs.shared_micro_batches`; order in a mini-batch is free)."""
+    with the step's heads held (:func:`~empo2.policy.logprobs.shared_micro_batches`; order in a mini-batch is free).
+    ``pack``: rows are packed (:func:`~empo2.policy.logprobs.packs_chains`), so the packed sequences are cut and
+    costed, each micro-batch holding all of a sequence's rows."""
     prompts, responses = [r.train_prompt for r in rows], [r.response for r in rows]
     if shared:
-        idx = shared_micro_batches(prompts, responses, budget, min_shared, step_heads=True)
+        plan = lambda p, r: shared_micro_batches(p, r, budget, min_shared, step_heads=True)  # noqa: E731
     else:
-        idx = list(micro_batches(prompts, responses, budget, sort=False))
+        plan = lambda p, r: list(micro_batches(p, r, budget, sort=False))  # noqa: E731
+    idx = packed_batches(prompts, responses, plan) if pack else plan(prompts, responses)
     return [[rows[i] for i in b] for b in idx]
