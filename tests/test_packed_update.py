@@ -7,6 +7,7 @@ Rows are built as ``append``-layout episodes: each step's prompt is the last pro
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -15,9 +16,11 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from empo2.algo.losses import get_policy_loss
 from empo2.parallel.distributed import Dist
+from empo2.policy import packing as pk
 from empo2.policy import prefix as px
 from empo2.policy.logprobs import response_logprobs
 from empo2.policy.packing import packed_batches, plan_packing
+from empo2.train import update
 from empo2.train.rows import UpdateRow
 from empo2.train.update import PolicyUpdate, mini_batches, token_batches
 from test_prefix_sharing import PAD, Tok, tiny_lm
@@ -163,12 +166,16 @@ def _rows(model, seed: int) -> list[UpdateRow]:
             for i, (p, r) in enumerate(zip(prompts, responses))]
 
 
-def _step(model, rows, *overrides, pack: bool = True) -> dict[str, torch.Tensor]:
-    """How far one SGD(lr=1) update moves each weight (= the update's gradient)."""
+def _step(model, rows, *overrides, pack: bool = True, loss: str = "grpo",
+          metrics: dict | None = None) -> dict[str, torch.Tensor]:
+    """How far one SGD(lr=1) update moves each weight (= the update's gradient); the update's metrics go into
+    ``metrics`` where given."""
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     options = px.ComputeOptions(min_shared_tokens=8, pack_chains=pack)
-    PolicyUpdate(_config(*overrides), model, Tok(), torch.optim.SGD(model.parameters(), lr=1.0),
-                 get_policy_loss("grpo"), Dist(), options)(rows)
+    out = PolicyUpdate(_config(*overrides), model, Tok(), torch.optim.SGD(model.parameters(), lr=1.0),
+                       get_policy_loss(loss), Dist(), options)(rows)
+    if metrics is not None:
+        metrics.update(out)
     return {n: (before[n] - p.detach()).double() for n, p in model.named_parameters()}
 
 
@@ -199,8 +206,8 @@ def test_token_batches_keep_a_chain_in_one_micro_batch():
             for rows_of_chain in plan_packing([r.train_prompt for r in rows], [r.response for r in rows]).members:
                 inside = {id(rows[i]) in members for i in rows_of_chain}
                 assert len(inside) == 1  # all of a chain's rows or none
-    prompts, responses = [r.train_prompt for r in rows], [r.response for r in rows]
-    assert packed_batches(prompts, responses, lambda p, c: [list(range(len(p)))]) == [[0, 3, 6, 1, 4, 7, 2, 5, 8]]
+    packing = plan_packing([r.train_prompt for r in rows], [r.response for r in rows])
+    assert packed_batches(packing, lambda p, c: [list(range(len(p)))]) == [[0, 3, 6, 1, 4, 7, 2, 5, 8]]
 
 
 def test_mini_batches_keep_chains_whole_and_single_rows_shuffle_as_before():
@@ -236,3 +243,117 @@ def test_pack_episodes_keeps_each_episode_in_one_optimizer_step():
     PolicyUpdate(cfg, model, Tok(), torch.optim.SGD(model.parameters(), lr=1.0), recording_loss, Dist(),
                  px.ComputeOptions(min_shared_tokens=8))(rows)
     assert sorted(seen) == [[-2.0] * 3, [1.0] * 3, [3.0] * 3]
+
+
+def count_plans(monkeypatch, *modules) -> list[int]:
+    """The row count of every :func:`plan_packing` call, by the name in ``modules`` and in its own module (where
+    :func:`packed_batches` and :func:`response_logprobs` reach it)."""
+    calls: list[int] = []
+    for module in (pk, *modules):
+        monkeypatch.setattr(module, "plan_packing", lambda p, r: calls.append(len(p)) or plan_packing(p, r))
+    return calls
+
+
+def test_the_update_plans_the_packing_once_per_step(monkeypatch):
+    """The step's shared heads and its micro-batches come from one plan of its rows (one per mini-batch and epoch);
+    with a budget of one token each micro-batch is one packed sequence, whose forward plans its own 3 rows."""
+    calls = count_plans(monkeypatch, update)
+    model = tiny_lm(9)
+    rows = _rows(model, 9)
+    _step(model, rows, "train.mini_batch_size=0", "train.ppo_epochs=2", "train.micro_batch_tokens=1")
+    assert calls == ([len(rows)] + [3] * 3) * 2
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_tokens_forwarded_count_a_packed_episode_once(pack):
+    """``tokens`` counts each row's prompt and response, ``tokens_forwarded`` what the forwards took: packed, an
+    append-layout episode's last row alone (it holds every earlier step); unpacked, every row."""
+    model = tiny_lm(10)
+    rows = _rows(model, 10)
+    metrics: dict = {}
+    _step(model, rows, "train.mini_batch_size=0", "train.ppo_epochs=2", pack=pack, metrics=metrics)
+    logical = 2 * sum(len(r.train_prompt) + len(r.response) for r in rows)
+    last_rows = rows[-3:]  # rows are listed step by step: the last three are the episodes' last steps
+    assert metrics["tokens"] == logical
+    if pack:
+        assert metrics["tokens_forwarded"] == 2 * sum(len(r.train_prompt) + len(r.response) for r in last_rows)
+        assert metrics["tokens_forwarded"] < 0.6 * logical
+    else:
+        assert metrics["tokens_forwarded"] == logical
+
+
+# ------------------------------------------------------------------------------- EMPO²'s off-policy rows
+
+TIPS = [250, 251, 252, 253]
+HEAD = 20  # the shared head :func:`episodes` starts every prompt with
+
+
+def _off_policy_rows(model, seed: int, count: int = 3) -> list[UpdateRow]:
+    """EMPO²'s ``off_tips`` rows: append-layout episodes sampled with tips in each user turn (``rollout_prompt``) and
+    trained on the same turns without them (``train_prompt``, the tip-free chain); ``logp_old`` is the model's
+    float64 log-probs on the prompt with tips, as the sampling engine recorded them."""
+    prompts, responses, episode = episodes(seed, count=count, steps=3)
+    tipped = []
+    for i, p in enumerate(prompts):
+        if i < count:  # a first step: tips after the head
+            tipped.append(p[:HEAD] + TIPS + p[HEAD:])
+        else:  # the last step's prompt with tips, its response, then the tips and the new turn
+            last = i - count
+            tipped.append(tipped[last] + responses[last] + TIPS + p[len(prompts[last]) + len(responses[last]):])
+    with torch.no_grad():
+        logp, _ = response_logprobs(model.double(), tipped, responses, PAD, options=UNPACKED)
+    model.float()
+    return [UpdateRow(p, r, logp[i, : len(r)].tolist(), (-1.0) ** episode[i] * (1 + episode[i]), "off_tips",
+                      rollout_prompt=tipped[i]) for i, (p, r) in enumerate(zip(prompts, responses))]
+
+
+def test_off_policy_rows_pack_among_themselves_with_the_log_probs_and_gradients_of_single_rows():
+    """The tip-free prompts chain per episode, as do the prompts with tips, and no tip-free row is read off a
+    forward with tips (or the other way round); packed log-probs and gradients equal the rows' one by one."""
+    model = tiny_lm(11)
+    rows = _off_policy_rows(model, 11)
+    model.double()
+    train = [r.train_prompt for r in rows]
+    sampled = [r.rollout_prompt for r in rows]
+    responses = [r.response for r in rows]
+    episodes_of = [[e, e + 3, e + 6] for e in range(3)]
+    assert plan_packing(train, responses).members == episodes_of
+    assert plan_packing(sampled, responses).members == episodes_of
+    both = plan_packing(train + sampled, responses + responses)
+    assert all(len({r < len(rows) for r in m}) == 1 for m in both.members) and len(both.members) == 6
+    weights = torch.randn(len(rows), 8, generator=torch.Generator().manual_seed(1))
+    options = px.ComputeOptions(min_shared_tokens=8)
+    for prompts in (train, sampled):
+        want, want_grads = _loss_and_grads(model, prompts, responses, weights, UNPACKED, per_row=True)
+        got, grads = _loss_and_grads(model, prompts, responses, weights, options, per_row=False)
+        torch.testing.assert_close(got, want, atol=1e-10, rtol=0)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, want_grads[n], atol=1e-6 * max(float(want_grads[n].abs().max()), 1.0),
+                                       rtol=0, msg=n)
+
+
+@pytest.mark.parametrize("old_logprobs", ["engine", "trainer"])
+def test_a_packed_off_policy_update_moves_the_weights_by_the_tip_free_gradient(old_logprobs):
+    """``algo.off_policy_ratio=tip_free``: the ratio's π_old is recomputed on the tip-free prompt, so at the first
+    step every ratio is 1 and the weights move by the float64 gradient of the rows' tip-free log-probs, packed or
+    not; with ``algo.old_logprobs=trainer`` the prompts with tips are forwarded packed too, and agree with the
+    recorded log-probs."""
+    model = tiny_lm(12)
+    rows = _off_policy_rows(model, 12)
+    with torch.no_grad():
+        tip_free, _ = response_logprobs(copy.deepcopy(model).double(), [r.train_prompt for r in rows],
+                                        [r.response for r in rows], PAD, options=UNPACKED)
+    reference = [dataclasses.replace(r, logp_old=tip_free[i, : len(r.response)].tolist()) for i, r in enumerate(rows)]
+    expected = _reference_gradient(model, reference, count_zero_rows=True)
+    with_tips = _reference_gradient(model, rows, count_zero_rows=True)  # the ratio's denominator left with tips
+    scale = max(float(g.abs().max()) for g in expected.values())
+    assert max(float((with_tips[n] - g).abs().max()) for n, g in expected.items()) > 1e-2 * scale
+    for pack in (True, False):
+        metrics: dict = {}
+        moved = _step(copy.deepcopy(model), rows, "algo.name=empo2", "algo.off_policy_ratio=tip_free",
+                      f"algo.old_logprobs={old_logprobs}", "train.mini_batch_size=0", "train.micro_batch_tokens=80",
+                      pack=pack, loss="empo2", metrics=metrics)
+        for n, m in moved.items():
+            torch.testing.assert_close(m, expected[n], atol=1e-5 * scale, rtol=1e-4, msg=(pack, n))
+        if old_logprobs == "trainer":
+            assert metrics["old_logp_gap_max"] < 1e-4

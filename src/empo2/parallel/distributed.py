@@ -265,7 +265,8 @@ def merge_stats(dist: Dist, rstats: dict[str, float], adv: dict[str, float],
     maxes = dist.all_reduce([v if t else 0.0 for v, t in zip(r_vals, timed)], op="max")
     rstats = {k: (m if t else s) for k, s, m, t in zip(r_keys, sums, maxes, timed)}
     adv = _weighted(dist, adv, weight="groups", counts=("groups", "zero_adv_groups", "singleton_groups"))
-    loss = _weighted(dist, loss, weight="rows", counts=("rows", "computed_rows", "expert_rows", "response_tokens", "tokens"),
+    loss = _weighted(dist, loss, weight="rows", counts=("rows", "computed_rows", "expert_rows", "response_tokens",
+                                                        "tokens", "tokens_forwarded"),
                      same=("optimizer_steps", "skipped_steps"))
     return rstats, adv, loss
 

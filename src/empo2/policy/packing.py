@@ -33,6 +33,12 @@ class Packing:
     """Per row: where its response starts in its packed sequence's continuation."""
 
     @property
+    def forwarded_tokens(self) -> int:
+        """Tokens the packed sequences forward: each one's prompt and continuation (the rows' own where nothing
+        packs)."""
+        return sum(map(len, self.prompts)) + sum(map(len, self.continuations))
+
+    @property
     def packs(self) -> bool:
         """Whether any row is read from another row's forward."""
         return len(self.members) < len(self.sequence_of)
@@ -93,10 +99,24 @@ def plan_packing(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[
     return Packing(members, packed_prompts, continuations, sequence_of, offsets)
 
 
-def packed_batches(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], plan) -> list[list[int]]:
+def packed_batches(packing: Packing, plan) -> list[list[int]]:
     """Micro-batches (lists of row indices) that keep each packed sequence's rows together: ``plan(prompts,
-    continuations)`` cuts the packed sequences (e.g. :func:`empo2.policy.logprobs.shared_micro_batches`), costed
-    as they run, and each is replaced by its rows."""
-    packing = plan_packing(prompts, responses)
+    continuations)`` cuts ``packing``'s packed sequences (e.g. :func:`empo2.policy.logprobs.shared_micro_batches`),
+    costed as they run, and each is replaced by its rows. The caller plans the packing once and passes it on (its
+    step's shared heads are the packed prompts too)."""
     return [[row for s in batch for row in packing.members[s]] for batch in plan(packing.prompts,
                                                                                 packing.continuations)]
+
+
+def chain_batches(chains: Sequence[Sequence[int]], size: int) -> list[list[int]]:
+    """``chains`` (lists of row indices, in the order given) cut every ``size`` rows, each chain going whole to the
+    batch its first row falls in (a cut inside a chain moves to the chain's end), so a batch holds up to a chain's
+    rows more than ``size``. Chains of one row each are the rows cut every ``size``."""
+    batches: list[list[int]] = []
+    start = 0
+    for chain in chains:
+        if start // size >= len(batches):
+            batches.append([])
+        batches[-1].extend(chain)
+        start += len(chain)
+    return batches

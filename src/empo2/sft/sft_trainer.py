@@ -4,7 +4,8 @@ runs', before RL.
 One epoch, top-down (:meth:`SFTTrainer.epoch`):
 
 1. shuffle the demonstrations' episodes whole and cut their rows, in that order, into batches of ``sft.batch_rows``
-   (most rows of a batch share their episode's prompt head, which runs once per batch);
+   (most rows of a batch share their episode's prompt head, which runs once per batch; where rows chain, each
+   episode stays whole in one batch, :meth:`SFTTrainer.batches`);
 2. per batch, the negative log-likelihood of the targets (the gold action's tokens and the end-of-sequence token, a
    rollout's response) given the prompt a rollout renders at that step, summed over the batch's target tokens and
    divided by their number. Prompt tokens are inputs only: no prompt token is in the loss;
@@ -46,7 +47,7 @@ from empo2.episodes.rollout import RolloutContext
 from empo2.policy import loader
 from empo2.policy import prefix as px
 from empo2.policy.logprobs import packs_chains, response_logprobs, shared_micro_batches
-from empo2.policy.packing import packed_batches, plan_packing
+from empo2.policy.packing import chain_batches, packed_batches, plan_packing
 from empo2.policy.seeded import row_seed
 from empo2.rundir import checkpoint as ckpt
 from empo2.rundir import warm_start
@@ -205,15 +206,26 @@ class SFTTrainer:
         return record
 
     def batches(self, epoch: int) -> list[list[DemoRow]]:
-        """This epoch's batches: episodes in a seeded shuffle, their rows in order, ``sft.batch_rows`` at a time."""
-        by_episode: dict[int, list[DemoRow]] = {}
-        for row in self.demos.rows:
-            by_episode.setdefault(row.episode, []).append(row)
+        """This epoch's batches: episodes in a seeded shuffle, their rows in order, ``sft.batch_rows`` at a time.
+
+        Where rows chain (the ``append`` layout: a step's prompt and target start the next step's prompt) and
+        packing applies, each episode goes whole to the batch its first row falls in (the rule of
+        ``train.pack_episodes``, :func:`~empo2.policy.packing.chain_batches`), so a batch may hold up to an episode's
+        rows more than ``sft.batch_rows``. Packing reads a row's log-probs off another row's forward within one
+        batch only, so a cut inside an episode would forward the episode's shared tokens once in each of two batches.
+        Where nothing chains (the ``window`` layout) the cut is every ``sft.batch_rows`` rows, as before: a cut there
+        costs no forward."""
+        rows = self.demos.rows
+        by_episode: dict[int, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_episode.setdefault(row.episode, []).append(i)
         order = sorted(by_episode)
         random.Random(row_seed(self.cfg.sft.seed, epoch)).shuffle(order)
-        rows = [row for e in order for row in by_episode[e]]
-        size = self.cfg.sft.batch_rows
-        return [rows[k:k + size] for k in range(0, len(rows), size)]
+        chains = [by_episode[e] for e in order]
+        if not (packs_chains(self.model, self.options)
+                and plan_packing([r.prompt for r in rows], [r.target for r in rows]).packs):
+            chains = [[i] for chain in chains for i in chain]
+        return [[rows[i] for i in batch] for batch in chain_batches(chains, self.cfg.sft.batch_rows)]
 
     def step(self, batch: list[DemoRow]) -> tuple[float, int, bool]:
         """One optimizer step on ``batch``: mean NLL over its target tokens. Returns (summed NLL, target tokens,
@@ -277,9 +289,10 @@ class SFTTrainer:
                 return shared_micro_batches(prompts, targets, budget, min_shared, step_heads=hold)
             return [[i] for i in range(len(prompts))]
 
-        head_prompts = plan_packing(prompts, targets).prompts if pack else prompts
+        packing = plan_packing(prompts, targets) if pack else None  # once: the heads and the micro-batches share it
+        head_prompts = packing.prompts if packing is not None else prompts
         with (px.heads_once_per_step(head_prompts, min_shared) if hold else _no_heads()) as heads:
-            for idx in packed_batches(prompts, targets, plan) if pack else plan(prompts, targets):
+            for idx in packed_batches(packing, plan) if packing is not None else plan(prompts, targets):
                 yield [batch[i] for i in idx], heads
 
     def _logprobs(self, rows: list[DemoRow], heads) -> tuple[torch.Tensor, torch.Tensor]:

@@ -21,7 +21,7 @@ from empo2.policy import prefix as px
 from empo2.policy.generate import scoring_temperature
 from empo2.policy.loader import autocast_context
 from empo2.policy.logprobs import micro_batches, packs_chains, response_logprobs, shared_micro_batches
-from empo2.policy.packing import packed_batches, plan_packing
+from empo2.policy.packing import Packing, chain_batches, packed_batches, plan_packing
 from empo2.train.compute import Compute, compute_dtype, decide, old_logprobs_source  # noqa: F401  (the last two: public here)
 from empo2.train.rows import UpdateRow
 
@@ -66,13 +66,19 @@ class PolicyUpdate:
         share a micro-batch, and the micro-batches keep them together. ``train.pack_episodes`` also keeps them in
         one mini-batch: the rows' chains (an episode's steps) are shuffled whole and a mini-batch holds the chains
         that start among its ``mini_batch_size`` rows. That is the one difference from a shuffle of single rows, and
-        only where chains exist and mini-batches cut the rows."""
+        only where chains exist and mini-batches cut the rows.
+
+        Returns the loss's metrics (means over micro-batches) and counts: ``rows``, ``computed_rows`` (the rows with
+        a gradient, which are forwarded), ``expert_rows``, ``response_tokens``, ``tokens`` (prompt + response of each
+        computed row, summed over the PPO epochs), ``tokens_forwarded`` (the tokens the trained forwards took, summed
+        likewise: a packed sequence's prompt and continuation once for all its rows, so ``tokens`` −
+        ``tokens_forwarded`` is what packing saved), ``optimizer_steps``, ``skipped_steps``."""
         cfg, model = self.cfg, self.model
         if cfg.algo.drop_zero_advantage_rows:
             rows = [r for r in rows if _has_gradient(r, cfg.algo.beta)]
         if not self.dist.all_reduce([len(rows)])[0]:  # data parallel: no rank has rows, so no rank steps
-            return {"rows": 0, "computed_rows": 0, "expert_rows": 0, "response_tokens": 0, "tokens": 0, "optimizer_steps": 0,
-                    "skipped_steps": 0}
+            return {"rows": 0, "computed_rows": 0, "expert_rows": 0, "response_tokens": 0, "tokens": 0,
+                    "tokens_forwarded": 0, "optimizer_steps": 0, "skipped_steps": 0}
         gap = {}
         if self.old_logprobs == "trainer":  # an expert's action has no π_old and no engine log-probs to correct
             with sharding.gathered(model):  # each rank's own number of forwards: no collective inside
@@ -82,15 +88,15 @@ class PolicyUpdate:
                 rows = self._tip_free_old_logp(rows)
         model.train()
         sums: Counter = Counter()
-        n_mb = steps = skipped = 0
+        n_mb = steps = skipped = forwarded = 0
         size = dp.local_mini_size(self.dist, cfg.train.mini_batch_size, len(rows))
         chains = plan_packing([r.train_prompt for r in rows], [r.response for r in rows]).members \
             if cfg.train.pack_episodes and size < len(rows) else [[i] for i in range(len(rows))]
         for _ in range(cfg.train.ppo_epochs):
             minis = mini_batches(rows, chains, size)
             for m in range(dp.step_count(self.dist, len(minis))):  # every rank takes as many steps
-                ok, micro = self._accumulate(minis[m] if m < len(minis) else [], sums)  # out of rows: zero gradient
-                n_mb += micro
+                ok, micro, fwd = self._accumulate(minis[m] if m < len(minis) else [], sums)  # out of rows: zero grad
+                n_mb, forwarded = n_mb + micro, forwarded + fwd
                 if self._step(inputs_ok=ok):
                     steps += 1
                 else:
@@ -103,12 +109,13 @@ class PolicyUpdate:
         processed = sum(len(r.train_prompt) + len(r.response) for r in computed) * cfg.train.ppo_epochs
         out.update(rows=len(rows), computed_rows=len(computed), expert_rows=sum(r.off_policy for r in rows),
                    response_tokens=sum(len(r.response) for r in rows),
-                   tokens=processed, optimizer_steps=steps, skipped_steps=skipped, **gap)
+                   tokens=processed, tokens_forwarded=forwarded, optimizer_steps=steps, skipped_steps=skipped, **gap)
         return out
 
-    def _accumulate(self, mini: list[UpdateRow], sums: Counter) -> tuple[bool, int]:
+    def _accumulate(self, mini: list[UpdateRow], sums: Counter) -> tuple[bool, int, int]:
         """Backward of one mini-batch in token-budgeted micro-batches, their metrics added to ``sums``. Returns
-        whether every micro-batch's inputs were finite, and how many micro-batches ran."""
+        whether every micro-batch's inputs were finite, how many micro-batches ran, and the tokens they forwarded
+        (packed sequences' prompts and continuations; the rows' own prompts and responses where nothing packs)."""
         # the loss is normalised over the global mini-batch (all ranks' m-th mini-batches)
         tokens, count = self.dist.all_reduce([sum(len(r.response) for r in mini), len(mini)])
         live = [r for r in mini if _has_gradient(r, self.cfg.algo.beta)]
@@ -116,11 +123,14 @@ class PolicyUpdate:
         # each shared prompt head runs once per step (forward and backward), not once per micro-batch
         min_shared = self.options.min_shared_tokens
         pack = packs_chains(self.model, self.train_options)
-        head_prompts = plan_packing([r.train_prompt for r in live], [r.response for r in live]).prompts if pack \
-            else [r.train_prompt for r in live]
+        # planned once per step: the shared heads are the packed prompts, and the micro-batches cut the same sequences
+        packing = plan_packing([r.train_prompt for r in live], [r.response for r in live]) if pack else None
+        head_prompts = packing.prompts if packing is not None else [r.train_prompt for r in live]
+        forwarded = packing.forwarded_tokens if packing is not None \
+            else sum(len(r.train_prompt) + len(r.response) for r in live)
         heads = px.heads_once_per_step(head_prompts, min_shared) if self.shared and live else nullcontext()
         with heads as step_heads:
-            batches = token_batches(live, self.cfg.train.micro_batch_tokens, self.shared, min_shared, pack)
+            batches = token_batches(live, self.cfg.train.micro_batch_tokens, self.shared, min_shared, pack, packing)
             idle = sharding.idle_count(self.dist, len(batches))  # FSDP: as many passes as the busiest rank
             for batch in batches:
                 metrics, batch_ok = self._backward(batch, tokens, count, step_heads)
@@ -128,7 +138,7 @@ class PolicyUpdate:
                 sums.update(metrics)
                 n_mb += 1
         sharding.idle_passes(self.model, idle, self._reference if self.cfg.algo.beta > 0 else None)
-        return ok, n_mb
+        return ok, n_mb, forwarded
 
     def _backward(self, batch: list[UpdateRow], mini_tokens: float, mini_rows: float,
                   step_heads: px.StepHeads | None = None) -> tuple[dict[str, float], bool]:
@@ -205,8 +215,8 @@ class PolicyUpdate:
         cap, gaps, weights, fresh = self.cfg.algo.tis_cap, [], [], {}
         budget = self.cfg.train.micro_batch_tokens
         plan = lambda p, r: list(micro_batches(p, r, budget, sort=False))  # noqa: E731
-        for batch in packed_batches(prompts, responses, plan) if packs_chains(self.model, self.options) \
-                else plan(prompts, responses):
+        pack = packs_chains(self.model, self.options)
+        for batch in packed_batches(plan_packing(prompts, responses), plan) if pack else plan(prompts, responses):
             with autocast_context(self.model, self.cfg.policy.autocast):
                 lp, _ = response_logprobs(self.model, [prompts[k] for k in batch], [responses[k] for k in batch],
                                           self.tokenizer.pad_token_id, temperature=self.temperature,
@@ -260,31 +270,29 @@ def _pad(rows: list[list[float]], width: int) -> torch.Tensor:
 def mini_batches(rows: list[UpdateRow], chains: list[list[int]], size: int) -> list[list[UpdateRow]]:
     """One epoch's mini-batches: ``chains`` (lists of row indices, each row in one) shuffled whole, then cut every
     ``size`` rows of that order, each chain going whole to the mini-batch its first row falls in (a cut inside a
-    chain moves to the chain's end). Chains of one row each give the shuffle of single rows cut every ``size``."""
+    chain moves to the chain's end; :func:`~empo2.policy.packing.chain_batches`). Chains of one row each give the
+    shuffle of single rows cut every ``size``."""
     order = list(chains)
     random.shuffle(order)
-    minis: list[list[UpdateRow]] = []
-    start = 0
-    for chain in order:
-        if start // size >= len(minis):
-            minis.append([])
-        minis[-1] += [rows[i] for i in chain]
-        start += len(chain)
-    return minis
+    return [[rows[i] for i in batch] for batch in chain_batches(order, size)]
 
 
 def token_batches(rows: list[UpdateRow], budget: int, shared: bool = False,
-                  min_shared: int = 16, pack: bool = False) -> list[list[UpdateRow]]:
+                  min_shared: int = 16, pack: bool = False, packing: Packing | None = None) -> list[list[UpdateRow]]:
     """Split one optimizer step's rows into micro-batches that each compute at most ``budget`` tokens (a row over it
     gets one of its own): in order, costed as the padded layout (rows × (longest prompt + longest response),
     :func:`~empo2.policy.logprobs.micro_batches`), or with ``shared`` grouped by prompt head and costed as computed
     with the step's heads held (:func:`~empo2.policy.logprobs.shared_micro_batches`; order in a mini-batch is free).
     ``pack``: rows are packed (:func:`~empo2.policy.logprobs.packs_chains`), so the packed sequences are cut and
-    costed, each micro-batch holding all of a sequence's rows."""
+    costed, each micro-batch holding all of a sequence's rows; ``packing``: the rows' :func:`plan_packing` where the
+    caller has planned it (else planned here)."""
     prompts, responses = [r.train_prompt for r in rows], [r.response for r in rows]
     if shared:
         plan = lambda p, r: shared_micro_batches(p, r, budget, min_shared, step_heads=True)  # noqa: E731
     else:
         plan = lambda p, r: list(micro_batches(p, r, budget, sort=False))  # noqa: E731
-    idx = packed_batches(prompts, responses, plan) if pack else plan(prompts, responses)
+    if pack:
+        idx = packed_batches(packing if packing is not None else plan_packing(prompts, responses), plan)
+    else:
+        idx = plan(prompts, responses)
     return [[rows[i] for i in b] for b in idx]
