@@ -117,6 +117,7 @@ def run_arm(name: str, args) -> dict:
             out["iterations"].append({"seconds": time.perf_counter() - t, "rollout_s": rec["time"]["rollout"],
                                       "update_s": rec["time"]["update"], "sync_s": rec["time"]["sync"],
                                       "env_steps": rec["train"]["env_steps"], "update_tokens": loss.get("tokens"),
+                                      "update_tokens_forwarded": loss.get("tokens_forwarded"),
                                       "ratio_max": loss.get("ratio_max"),
                                       "old_logp_gap_mean": loss.get("old_logp_gap_mean"), "modes": rec["modes"]})
             print(f"[{name}] iteration {it}: {out['iterations'][-1]['seconds']:.1f} s", flush=True)
