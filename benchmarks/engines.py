@@ -26,7 +26,8 @@ Arms, each in its own process (one engine in memory at a time) built from ``conf
   every CPU preset); ``merged_bf16``: that copy in bfloat16 (``policy.engine_dtype=bfloat16``), the trainer in float32.
 
 ``--preset reach`` plays ``configs/scienceworld_reach_cpu.yaml`` (find-non-living-thing, 12-step episodes) instead of
-``configs/scienceworld_cpu.yaml`` (find-animal, 6 steps).
+``configs/scienceworld_cpu.yaml`` (find-animal, 6 steps); ``--preset coin`` plays ``configs/twx_coin_cpu.yaml``
+(TextWorldExpress CoinCollector, 6 rooms with doors, 15-step episodes).
 
 Each arm: start-up (model, environments, engine), one untimed rollout, ``--rounds`` timed rollouts of G episodes
 (env-steps/s), then ``--iterations`` whole training iterations (seconds, the first mini-batch's max ratio and the
@@ -58,7 +59,8 @@ ARMS = {"hf_fp32": ["policy.backend=hf", "policy.autocast=none"],
         "merged_bf16": ["policy.backend=merged", "policy.autocast=none", "policy.engine_dtype=bfloat16",
                         "memory.overlap_reflection=false"]}
 PRESETS = {"cpu": ("scienceworld_cpu.yaml", "find-animal", 6),
-           "reach": ("scienceworld_reach_cpu.yaml", "find-non-living-thing", 12)}
+           "reach": ("scienceworld_reach_cpu.yaml", "find-non-living-thing", 12),
+           "coin": ("twx_coin_cpu.yaml", "coin", 15)}
 """``--preset``: (config, the task every arm plays, episode steps)."""
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
