@@ -19,7 +19,9 @@ Arms, each in its own process (one engine in memory at a time) built from ``conf
   (longer prompts, fewer new tokens per step).
 - ``hf_append``: ``hf_fp32`` with ``policy.prompt_layout=append``: each step's prompt is the last prompt, the model's
   response and one new user turn, and the rollout keeps each row's KV from one step to the next, so a step prefills
-  only its new turn; ``hf_append_auto``: the same under this machine's precision (skipped where that is float32).
+  only its new turn; ``hf_append_auto``: the same under this machine's precision (skipped where that is float32);
+  ``hf_append_packed``: ``hf_append`` with ``train.pack_episodes=true``, so that mini-batches keep each episode whole
+  and the update reads its steps off one forward (:mod:`empo2.policy.packing`).
 
 - ``merged``: ``policy.backend=merged``: rollouts on a copy of the policy with the LoRA folded into its weights
   (rebuilt after every update, π_old recomputed by the trainer, the reflection not overlapped with the update as on
@@ -55,6 +57,8 @@ ARMS = {"hf_fp32": ["policy.backend=hf", "policy.autocast=none"],
         "hf_growing": ["policy.backend=hf", "policy.autocast=none", "policy.history_window=100"],
         "hf_append": ["policy.backend=hf", "policy.autocast=none", "policy.prompt_layout=append"],
         "hf_append_auto": ["policy.backend=hf", "policy.autocast=auto", "policy.prompt_layout=append"],
+        "hf_append_packed": ["policy.backend=hf", "policy.autocast=none", "policy.prompt_layout=append",
+                             "train.pack_episodes=true"],
         "merged": ["policy.backend=merged", "policy.autocast=none", "memory.overlap_reflection=false"],
         "merged_bf16": ["policy.backend=merged", "policy.autocast=none", "policy.engine_dtype=bfloat16",
                         "memory.overlap_reflection=false"]}
